@@ -1,0 +1,1 @@
+"""tandem: asynchronous reinforcement learning for large language models."""

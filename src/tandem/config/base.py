@@ -1,0 +1,30 @@
+"""Base class for every tandem config section: strict, typed, and written once."""
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Section(BaseModel):
+    """A config section. Unknown keys are errors; values are validated on assignment too."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True)
+
+
+class ModelConfig(Section):
+    """Which model to load and how."""
+
+    name: str = Field("", description="Local directory or Hugging Face hub name of a causal LM.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weight dtype; auto = bfloat16 on GPU, float32 on CPU."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available.")
+    attn_implementation: Literal["sdpa", "eager", "flex_attention"] = "sdpa"
+    trust_remote_code: bool = False
+
+
+SHARED_FIELDS = ("model", "seq_len", "max_steps", "run_dir", "seed")
+"""Fields written once at the top of a config file that flow into every sub-section declaring them."""
+
+RunDir = Path

@@ -1,0 +1,198 @@
+"""Load a typed config from TOML files and command-line overrides.
+
+    sft @ base.toml @ local.toml --optim.lr 3e-4 --model.name ./my-model --dry-run
+
+`@ FILE` (or `@FILE`) arguments are merged left to right, then each `--section.key value`
+override is applied. Keys may be written in kebab-case or snake_case. Values on the command
+line are read as TOML values when they parse as one (`3e-4`, `true`, `[1, 2]`) and as plain
+strings otherwise. A flag with no value (`--resume`) means `true`.
+
+Shared fields (see `SHARED_FIELDS`) set at the top level are copied into every sub-section that
+declares a field of the same name, unless that sub-section sets its own value.
+"""
+
+import sys
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import tomli_w
+from pydantic import BaseModel, ValidationError
+
+from tandem.config.base import SHARED_FIELDS
+
+C = TypeVar("C", bound=BaseModel)
+
+
+class ConfigError(ValueError):
+    """A config problem a user can fix; its message is one line naming the key or file."""
+
+
+def normalise_keys(data: Any) -> Any:
+    """kebab-case keys → snake_case, recursively."""
+    if isinstance(data, dict):
+        return {str(k).replace("-", "_"): normalise_keys(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [normalise_keys(v) for v in data]
+    return data
+
+
+def deep_merge(base: dict, update: dict) -> dict:
+    """Merge `update` into a copy of `base`; tables merge key by key, everything else replaces."""
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def read_toml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        with path.open("rb") as f:
+            return normalise_keys(tomllib.load(f))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"malformed TOML in {path}: {e}") from None
+
+
+def parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def set_path(data: dict, dotted: str, value: Any) -> None:
+    keys = dotted.replace("-", "_").split(".")
+    node = data
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--{dotted}: '{key}' is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def split_args(argv: Sequence[str]) -> tuple[list[Path], list[tuple[str, Any]], dict[str, bool]]:
+    """Split argv into config files, `--key value` overrides and the loader's own flags."""
+    files: list[Path] = []
+    overrides: list[tuple[str, Any]] = []
+    flags = {"dry_run": False, "help": False}
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "@":
+            if i + 1 >= len(args):
+                raise ConfigError("'@' must be followed by a config file path")
+            files.append(Path(args[i + 1]))
+            i += 2
+            continue
+        if arg.startswith("@"):
+            files.append(Path(arg[1:]))
+        elif arg in ("--dry-run", "--dry_run"):
+            flags["dry_run"] = True
+        elif arg in ("-h", "--help"):
+            flags["help"] = True
+        elif arg.startswith("--"):
+            key, eq, inline = arg[2:].partition("=")
+            if not key:
+                raise ConfigError(f"malformed argument '{arg}'")
+            if eq:
+                overrides.append((key, parse_value(inline)))
+            elif i + 1 < len(args) and not args[i + 1].startswith("--") and not args[i + 1].startswith("@"):
+                overrides.append((key, parse_value(args[i + 1])))
+                i += 1
+            else:
+                overrides.append((key, True))
+        else:
+            raise ConfigError(f"unexpected argument '{arg}' (use '@ FILE' or '--section.key value')")
+        i += 1
+    return files, overrides, flags
+
+
+def spread_shared_fields(cls: type[BaseModel], data: dict) -> dict:
+    """Copy top-level shared fields into sub-sections that declare them and leave them unset."""
+    data = dict(data)
+    for name, field in cls.model_fields.items():
+        sub_cls = field.annotation
+        if not (isinstance(sub_cls, type) and issubclass(sub_cls, BaseModel)):
+            continue
+        section = data.get(name, {})
+        if not isinstance(section, dict):
+            continue
+        section = dict(section)
+        for shared in SHARED_FIELDS:
+            if shared not in data or shared not in sub_cls.model_fields:
+                continue
+            value, own = data[shared], section.get(shared)
+            if isinstance(value, dict) and isinstance(own, dict):
+                section[shared] = deep_merge(value, own)
+            elif shared not in section:
+                section[shared] = value
+        data[name] = spread_shared_fields(sub_cls, section)
+    return data
+
+
+def format_validation_error(error: ValidationError) -> str:
+    problems = []
+    for item in error.errors():
+        path = ".".join(str(p) for p in item["loc"]) or "<root>"
+        if item["type"] == "extra_forbidden":
+            problems.append(f"unknown key '{path}'")
+        elif item["type"] == "missing":
+            problems.append(f"missing required key '{path}'")
+        else:
+            given = item.get("input")
+            shown = f" (got {given!r})" if not isinstance(given, dict | list) else ""
+            problems.append(f"'{path}': {item['msg']}{shown}")
+    return "invalid config: " + "; ".join(problems)
+
+
+def build_config(cls: type[C], files: Sequence[Path] = (), overrides: Sequence[tuple[str, Any]] = ()) -> C:
+    data: dict = {}
+    for path in files:
+        data = deep_merge(data, read_toml(path))
+    for key, value in overrides:
+        set_path(data, key, value)
+    data = spread_shared_fields(cls, data)
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from None
+
+
+def to_toml(config: BaseModel) -> str:
+    """The resolved config as TOML (None values are left out, since TOML has no null)."""
+    return tomli_w.dumps(config.model_dump(mode="json", exclude_none=True))
+
+
+def describe_fields(cls: type[BaseModel], prefix: str = "") -> list[str]:
+    lines = []
+    for name, field in cls.model_fields.items():
+        sub = field.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            lines.extend(describe_fields(sub, f"{prefix}{name}."))
+        else:
+            default = "" if field.is_required() else f" (default {field.default!r})"
+            doc = f"  {field.description}" if field.description else ""
+            lines.append(f"  --{prefix}{name}{default}{doc}")
+    return lines
+
+
+def parse_config(cls: type[C], argv: Sequence[str] | None = None, prog: str = "tandem") -> C:
+    """Parse argv into `cls`; handles `--help` and `--dry-run` (print TOML and exit 0)."""
+    files, overrides, flags = split_args(sys.argv[1:] if argv is None else argv)
+    if flags["help"]:
+        print(f"usage: {prog} [@ CONFIG.toml ...] [--section.key VALUE ...] [--dry-run]\n\nfields:")
+        print("\n".join(describe_fields(cls)))
+        raise SystemExit(0)
+    config = build_config(cls, files, overrides)
+    if flags["dry_run"]:
+        print(to_toml(config), end="")
+        raise SystemExit(0)
+    return config

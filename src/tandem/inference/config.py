@@ -1,0 +1,43 @@
+"""Configuration of the inference server (`uv run inference @ cfg.toml`)."""
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from tandem.config.base import ModelConfig, Section
+from tandem.inference.vllm.config import VLLMConfig
+
+
+class EngineConfig(Section):
+    """The native engine: batching and KV-cache budget."""
+
+    max_num_seqs: int = Field(256, gt=0, description="Most sequences in the running batch.")
+    max_num_batched_tokens: int = Field(8192, gt=0, description="Token budget of one engine step.")
+    max_model_len: int | None = Field(None, gt=0, description="Context length; default: the model's.")
+    block_size: int = Field(16, gt=0, description="Tokens per KV-cache block.")
+    kv_cache_memory_gb: float | None = Field(
+        None, gt=0, description="KV-cache budget in GiB; default: a fraction of free device memory."
+    )
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    max_n: int = Field(64, gt=0, description="Largest `n` one request may ask for.")
+    weight_update_mode: Literal["finish_old", "wait"] = Field(
+        "finish_old",
+        description="finish_old: in-flight requests continue on the new weights after an update and "
+        "report both versions; wait: an update waits until in-flight requests finish.",
+    )
+
+
+class InferenceConfig(Section):
+    model: ModelConfig = ModelConfig()
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: str | None = Field(None, description="When set, requests need 'Authorization: Bearer KEY'.")
+    served_model_name: str | None = None
+    backend: Literal["auto", "native", "vllm"] = Field(
+        "auto", description="auto = vllm when it is installed and a GPU is present, else native."
+    )
+    run_dir: Path | None = Field(None, description="Run directory; lets /update_weights take `step: N`.")
+    seed: int = 0
+    engine: EngineConfig = EngineConfig()
+    vllm: VLLMConfig = VLLMConfig()

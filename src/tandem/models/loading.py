@@ -1,0 +1,83 @@
+"""Load and save Hugging Face causal LMs (local directory or hub name)."""
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from tandem.cli import UserError
+from tandem.config.base import ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("model.device is 'cuda' but no CUDA device is available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[dtype]
+
+
+def check_model_source(name: str) -> None:
+    """Fail clearly on an empty name or a path-looking name that does not exist."""
+    if not name:
+        raise UserError("model.name is empty: give a local directory or a hub name")
+    looks_local = name.startswith((".", "/", "~")) or Path(name).exists() or name.count("/") > 1
+    if looks_local and not (Path(name).expanduser() / "config.json").is_file():
+        raise UserError(f"model path '{name}' does not exist or has no config.json")
+
+
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
+    check_model_source(name)
+    try:
+        return AutoTokenizer.from_pretrained(str(Path(name).expanduser()) if Path(name).exists() else name)
+    except OSError as e:
+        raise UserError(f"cannot load tokenizer '{name}': {str(e).splitlines()[0]}") from None
+
+
+def load_model(cfg: ModelConfig, device: torch.device | None = None) -> PreTrainedModel:
+    """Load `cfg.name` with the configured dtype and attention implementation onto `device`."""
+    check_model_source(cfg.name)
+    device = device or resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    source = str(Path(cfg.name).expanduser()) if Path(cfg.name).exists() else cfg.name
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source,
+            dtype=dtype,
+            attn_implementation=cfg.attn_implementation,
+            trust_remote_code=cfg.trust_remote_code,
+        )
+    except OSError as e:
+        raise UserError(f"cannot load model '{cfg.name}': {str(e).splitlines()[0]}") from None
+    return model.to(device)
+
+
+def save_model(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    out_dir: Path,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Save model (safetensors + config), tokenizer with chat template and generation config.
+
+    `state_dict` lets a sharded trainer pass gathered full weights for an unsharded `model`.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    generation = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
+    )
+    generation.save_pretrained(out_dir)
