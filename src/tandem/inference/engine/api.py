@@ -1,0 +1,93 @@
+"""The native engine's interface, as the HTTP server sees it.
+
+The server speaks tokens to the engine: it tokenises prompts, detokenises outputs and matches
+stop strings itself (asking the engine to finish a sample when one matches). The engine owns
+scheduling, the KV cache, the model and sampling.
+"""
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. temperature 0 means greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    top_logprobs: int = 0  # alternatives per token; the sampled token's logprob is always returned
+
+
+@dataclass
+class TokenOutput:
+    """One generated token. `logprob` is log_softmax(logits / T) at the sampled id (T = 1 if greedy),
+    from the same logits the token was sampled from."""
+
+    token_id: int
+    logprob: float
+    weight_version: int
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class SampleUpdate:
+    """New tokens of sample `index` (0 ≤ index < n) of a request; `finish_reason` set on its last update."""
+
+    index: int
+    tokens: list[TokenOutput]
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    generated_tokens_total: int
+    prompt_tokens_total: int
+    weight_version: int
+    paused: bool
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint that cannot be loaded (missing, corrupt, wrong shapes); the old weights stay live."""
+
+
+class Engine(Protocol):
+    max_model_len: int
+    weight_version: int
+
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int = 1
+    ) -> AsyncIterator[SampleUpdate]:
+        """Stream updates for the n samples of one prompt until all have finished. Closing the
+        iterator early (client gone) aborts the request and frees its KV blocks."""
+        ...
+
+    async def finish_sample(self, request_id: str, index: int, reason: FinishReason = "stop") -> None:
+        """End one sample now (the server matched a stop string); frees its blocks."""
+        ...
+
+    async def update_weights(self, path: Path) -> int:
+        """Load a Hugging Face safetensors directory between engine steps; returns the new version.
+        Raises WeightLoadError and keeps the old weights on any problem."""
+        ...
+
+    async def pause(self) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    async def shutdown(self) -> None: ...
