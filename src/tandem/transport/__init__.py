@@ -1,0 +1,1 @@
+"""Moving data between processes: rollouts (orchestrator → trainer) and weights (trainer → inference)."""
