@@ -5,9 +5,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 from tandem.cli import UserError
 from tandem.config.base import ModelConfig
+
+hf_logging.disable_progress_bar()  # per-tensor loading bars drown tandem's own progress lines
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

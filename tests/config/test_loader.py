@@ -1,0 +1,165 @@
+"""Config loading: TOML merging, CLI overrides, shared fields and every error case."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import Field
+
+from tandem.config import ConfigError, ModelConfig, Section, build_config, parse_config, to_toml
+from tandem.config.loader import split_args
+
+
+class Optim(Section):
+    lr: float = 1e-3
+    betas: list[float] = Field(default_factory=lambda: [0.9, 0.999])
+
+
+class Trainer(Section):
+    model: ModelConfig = ModelConfig()
+    seq_len: int = 128
+    max_steps: int = 10
+    optim: Optim = Optim()
+
+
+class Orchestrator(Section):
+    model: ModelConfig = ModelConfig()
+    seq_len: int = 128
+    batch_size: int = 8
+
+
+class Root(Section):
+    model: ModelConfig = ModelConfig()
+    seq_len: int = 64
+    max_steps: int = 5
+    trainer: Trainer = Trainer()
+    orchestrator: Orchestrator = Orchestrator()
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_files_merge_left_to_right(tmp_path: Path) -> None:
+    a = write(tmp_path / "a.toml", "[trainer.optim]\nlr = 0.1\n[orchestrator]\nbatch_size = 4\n")
+    b = write(tmp_path / "b.toml", "[trainer.optim]\nlr = 0.2\n")
+    cfg = parse_config(Root, ["@", str(a), f"@{b}"])
+    assert cfg.trainer.optim.lr == 0.2
+    assert cfg.orchestrator.batch_size == 4
+
+
+def test_cli_overrides_win_and_parse_toml_values(tmp_path: Path) -> None:
+    a = write(tmp_path / "a.toml", "[trainer.optim]\nlr = 0.1\n")
+    cfg = parse_config(
+        Root,
+        [
+            "@",
+            str(a),
+            "--trainer.optim.lr",
+            "3e-4",
+            "--trainer.optim.betas",
+            "[0.8, 0.9]",
+            "--model.name=x/y",
+        ],
+    )
+    assert cfg.trainer.optim.lr == pytest.approx(3e-4)
+    assert cfg.trainer.optim.betas == [0.8, 0.9]
+    assert cfg.model.name == "x/y"
+
+
+def test_kebab_and_snake_case_both_accepted(tmp_path: Path) -> None:
+    a = write(tmp_path / "a.toml", "seq-len = 99\n[orchestrator]\nbatch-size = 3\n")
+    cfg = parse_config(Root, ["@", str(a), "--orchestrator.batch_size", "5", "--max-steps", "7"])
+    assert (cfg.seq_len, cfg.orchestrator.batch_size, cfg.max_steps) == (99, 5, 7)
+
+
+def test_shared_fields_reach_every_subsection_unless_set_there(tmp_path: Path) -> None:
+    a = write(
+        tmp_path / "a.toml",
+        'seq_len = 256\n[model]\nname = "m"\ndtype = "bfloat16"\n[trainer]\nmax_steps = 3\n[trainer.model]\ndtype = "float32"\n',
+    )
+    cfg = parse_config(Root, ["@", str(a)])
+    assert cfg.trainer.seq_len == cfg.orchestrator.seq_len == 256
+    assert cfg.trainer.model.name == cfg.orchestrator.model.name == "m"
+    assert cfg.trainer.model.dtype == "float32"  # a sub-section's own value wins
+    assert cfg.orchestrator.model.dtype == "bfloat16"
+    assert cfg.trainer.max_steps == 3
+
+
+def test_flag_without_value_means_true() -> None:
+    class WithFlag(Section):
+        resume: bool = False
+        lr: float = 0.1
+
+    assert parse_config(WithFlag, ["--resume", "--lr", "0.5"]).resume is True
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--trainer.optim.nope", "1"], "unknown key 'trainer.optim.nope'"),
+        (["--trainer.optim.lr", "fast"], "'trainer.optim.lr'"),
+        (["--model.dtype", "float8"], "'model.dtype'"),
+        (["--seq_len.x", "1"], "'seq_len'"),
+        (["stray"], "unexpected argument 'stray'"),
+        (["@"], "'@' must be followed"),
+        (["@", "/does/not/exist.toml"], "config file not found: /does/not/exist.toml"),
+    ],
+)
+def test_errors_name_the_problem(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=None) as info:
+        parse_config(Root, argv)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_malformed_toml_names_the_file(tmp_path: Path) -> None:
+    bad = write(tmp_path / "bad.toml", "[trainer\nlr = 1\n")
+    with pytest.raises(ConfigError, match="malformed TOML in .*bad.toml"):
+        parse_config(Root, ["@", str(bad)])
+
+
+def test_unknown_key_in_file_names_full_path(tmp_path: Path) -> None:
+    bad = write(tmp_path / "bad.toml", "[trainer.optim]\nlearning_rate = 1\n")
+    with pytest.raises(ConfigError, match="unknown key 'trainer.optim.learning_rate'"):
+        parse_config(Root, ["@", str(bad)])
+
+
+def test_dry_run_prints_resolved_toml_that_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(Root, ["--seq-len", "77", "--dry-run"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    out = write(tmp_path / "resolved.toml", printed)
+    again = parse_config(Root, ["@", str(out)])
+    assert again == build_config(Root, overrides=[("seq_len", 77)])
+    assert to_toml(again) == printed
+
+
+def test_split_args_separates_files_overrides_and_flags() -> None:
+    files, overrides, flags = split_args(["@a.toml", "--x.y", "1", "--dry-run", "--z"])
+    assert files == [Path("a.toml")]
+    assert overrides == [("x.y", 1), ("z", True)]
+    assert flags["dry_run"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model.name", "/no/such/model"], "model path '/no/such/model' does not exist"),
+        (["--bogus", "1"], "unknown key 'bogus'"),
+        (["@", "/no/such.toml"], "config file not found"),
+    ],
+)
+def test_console_script_prints_one_line_and_exits_2(args: list[str], message: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", "from tandem.evaluate import main; main()", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
