@@ -40,4 +40,8 @@ class InferenceConfig(Section):
     run_dir: Path | None = Field(None, description="Run directory; lets /update_weights take `step: N`.")
     seed: int = 0
     engine: EngineConfig = EngineConfig()
+    pause_timeout_s: float = Field(
+        600, gt=0, description="How long a generation request waits while the server is paused before a 503."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
     vllm: VLLMConfig = VLLMConfig()

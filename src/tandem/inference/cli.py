@@ -1,0 +1,82 @@
+"""`uv run inference @ cfg.toml` / `uv run inference --model PATH`: start the inference server.
+
+`backend` picks the engine: native (tandem's own, CPU and GPU), vllm (a vLLM subprocess behind
+tandem's front), or auto (vllm when it imports and CUDA is present, else native).
+"""
+
+import importlib.util
+import logging
+import sys
+from collections.abc import Sequence
+
+from tandem.cli import run_cli
+from tandem.config.loader import parse_config
+from tandem.inference.config import InferenceConfig
+
+PROG = "inference"
+
+
+def expand_aliases(argv: Sequence[str]) -> list[str]:
+    """`--model PATH` is short for `--model.name PATH`."""
+    args = list(argv)
+    for i, arg in enumerate(args):
+        if arg == "--model" and i + 1 < len(args) and not args[i + 1].startswith("--"):
+            args[i] = "--model.name"
+        elif arg.startswith("--model="):
+            args[i] = "--model.name=" + arg.removeprefix("--model=")
+    return args
+
+
+def pick_backend(config: InferenceConfig) -> str:
+    if config.backend != "auto":
+        return config.backend
+    import torch
+
+    return "vllm" if importlib.util.find_spec("vllm") is not None and torch.cuda.is_available() else "native"
+
+
+def serve_native(config: InferenceConfig) -> None:
+    import uvicorn
+
+    from tandem.inference.engine import AsyncEngine
+    from tandem.inference.server import build_app
+
+    engine = AsyncEngine(config)
+    app = build_app(engine, engine.tokenizer, config)
+    log = logging.getLogger("tandem.inference")
+    log.info(
+        "serving %s (native engine, max_model_len %d) on http://%s:%d",
+        config.served_model_name or config.model.name,
+        engine.max_model_len,
+        config.host,
+        config.port,
+    )
+    uvicorn.run(
+        app, host=config.host, port=config.port, log_level=config.log_level, timeout_graceful_shutdown=5
+    )
+
+
+def serve(config: InferenceConfig) -> None:
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if pick_backend(config) == "vllm":
+        from tandem.inference.vllm.serve import serve_vllm
+
+        serve_vllm(config)
+    else:
+        serve_native(config)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    def run() -> None:
+        args = expand_aliases(sys.argv[1:] if argv is None else argv)
+        serve(parse_config(InferenceConfig, args, prog=PROG))
+
+    run_cli(run, PROG)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Prometheus text exposition of the server's state (GET /metrics).
+
+The engine's counters come from `EngineStats`; the generation rate is measured by the server as
+tokens reach it, over a sliding window, so a scrape needs no background task.
+"""
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from tandem.inference.engine.api import EngineStats
+
+
+class RateMeter:
+    """Events per second over the last `window_s` seconds (shorter while the meter is young)."""
+
+    def __init__(self, window_s: float = 10.0, bucket_s: float = 0.5) -> None:
+        self.window_s = window_s
+        self.bucket_s = bucket_s
+        self.started = time.monotonic()
+        self.buckets: deque[tuple[float, int]] = deque()  # (bucket start, count)
+
+    def add(self, count: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        start = now - (now % self.bucket_s)
+        if self.buckets and self.buckets[-1][0] == start:
+            self.buckets[-1] = (start, self.buckets[-1][1] + count)
+        else:
+            self.buckets.append((start, count))
+        self._drop_old(now)
+
+    def _drop_old(self, now: float) -> None:
+        while self.buckets and self.buckets[0][0] < now - self.window_s:
+            self.buckets.popleft()
+
+    def rate(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        self._drop_old(now)
+        span = min(self.window_s, max(now - self.started, 1e-3))
+        return sum(count for _, count in self.buckets) / span
+
+
+@dataclass
+class ServerCounters:
+    """What the HTTP layer counts itself."""
+
+    requests_total: int = 0
+    requests_failed_total: int = 0
+    requests_aborted_total: int = 0
+    weight_updates_total: int = 0
+    waiting_for_resume: int = 0
+
+
+def metric(lines: list[str], name: str, kind: str, help_text: str, value: float) -> None:
+    lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value:g}"]
+
+
+def render_metrics(stats: EngineStats, counters: ServerCounters, tokens_per_s: float) -> str:
+    kv_usage = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
+    lines: list[str] = []
+    metric(lines, "tandem_requests_running", "gauge", "Samples in the engine's running batch.", stats.running)
+    metric(lines, "tandem_requests_waiting", "gauge", "Samples queued in the engine.", stats.waiting)
+    metric(
+        lines,
+        "tandem_requests_waiting_for_resume",
+        "gauge",
+        "HTTP requests held while the server is paused.",
+        counters.waiting_for_resume,
+    )
+    metric(
+        lines,
+        "tandem_generation_tokens_per_second",
+        "gauge",
+        "Generated tokens per second over the last 10 s.",
+        tokens_per_s,
+    )
+    metric(
+        lines,
+        "tandem_generation_tokens_total",
+        "counter",
+        "Tokens generated since start.",
+        stats.generated_tokens_total,
+    )
+    metric(
+        lines, "tandem_prompt_tokens_total", "counter", "Prompt tokens prefilled.", stats.prompt_tokens_total
+    )
+    metric(lines, "tandem_kv_cache_usage", "gauge", "Fraction of KV-cache blocks in use.", kv_usage)
+    metric(lines, "tandem_kv_cache_blocks_used", "gauge", "KV-cache blocks in use.", stats.kv_blocks_used)
+    metric(lines, "tandem_kv_cache_blocks_total", "gauge", "KV-cache blocks in all.", stats.kv_blocks_total)
+    metric(
+        lines, "tandem_weight_version", "gauge", "Version of the weights being served.", stats.weight_version
+    )
+    metric(lines, "tandem_paused", "gauge", "1 while generation is paused.", int(stats.paused))
+    metric(
+        lines,
+        "tandem_http_requests_total",
+        "counter",
+        "Generation requests received.",
+        counters.requests_total,
+    )
+    metric(
+        lines,
+        "tandem_http_requests_failed_total",
+        "counter",
+        "Generation requests answered with an error.",
+        counters.requests_failed_total,
+    )
+    metric(
+        lines,
+        "tandem_http_requests_aborted_total",
+        "counter",
+        "Generation requests whose client went away before the end.",
+        counters.requests_aborted_total,
+    )
+    metric(
+        lines,
+        "tandem_weight_updates_total",
+        "counter",
+        "Successful weight updates.",
+        counters.weight_updates_total,
+    )
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,212 @@
+"""Request bodies of the OpenAI-compatible API, validated by pydantic.
+
+This module imports nothing but pydantic, so the vLLM proxy can validate requests with the same
+models. Checks that need the model (context length, vocabulary, `max_n`) happen in the server.
+Field names follow OpenAI, plus vLLM's extensions that RL clients rely on (`top_k`, `min_p`,
+`stop_token_ids`, `ignore_eos`, `return_token_ids`, `return_tokens_as_token_ids`, ...).
+Unknown fields are ignored, as OpenAI and vLLM do; known features this server does not implement
+are refused with a 400 when a client asks for a non-default value.
+"""
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
+
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per token (OpenAI's limit for chat; vLLM's default `max_logprobs`)."""
+
+TokenId = Annotated[StrictInt, Field(ge=0)]
+
+
+class APIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(APIModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(APIModel):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1)
+    temperature: float | None = Field(None, ge=0, description="0 = greedy; default 1.")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="0 or -1: off.")
+    min_p: float | None = Field(None, ge=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    user: str | None = None
+    # Known features that are not implemented: accepted only at their neutral value.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    prompt_logprobs: int | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if any(s == "" for s in strings):
+            raise ValueError("stop strings must not be empty")
+        return stop
+
+    @model_validator(mode="after")
+    def _refuse_unimplemented(self) -> "SamplingFields":
+        unsupported = {
+            "presence_penalty": self.presence_penalty != 0,
+            "frequency_penalty": self.frequency_penalty != 0,
+            "repetition_penalty": self.repetition_penalty != 1,
+            "logit_bias": bool(self.logit_bias),
+            "best_of": self.best_of is not None and self.best_of != self.n,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+        }
+        for name, used in unsupported.items():
+            if used:
+                raise ValueError(f"{name} is not supported by this server")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+Prompt = StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]]
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions. `prompt`: text, token ids, or a list of either (one choice group each)."""
+
+    prompt: Prompt
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, prompt: Any) -> Any:
+        if prompt == [] or prompt == "" or (isinstance(prompt, list) and any(p in ("", []) for p in prompt)):
+            raise ValueError("prompt must not be empty")
+        return prompt
+
+    @model_validator(mode="after")
+    def _refuse_echo(self) -> "CompletionRequest":
+        if self.echo:
+            raise ValueError("echo is not supported by this server")
+        if self.suffix:
+            raise ValueError("suffix is not supported by this server")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list: each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextPart(APIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message; extra keys (e.g. `reasoning_content`) are kept and passed to the chat template."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Annotated[str, Field(min_length=1)]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"only text content parts are supported (got type {kind!r})")
+        return content
+
+    def for_template(self) -> dict[str, Any]:
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "\n".join(part.text for part in self.content)
+        return message
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_chat_fields(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs to be true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format other than text is not supported by this server")
+        if self.tool_choice not in (None, "auto", "none"):
+            raise ValueError("tool_choice must be 'auto' or 'none' (tool calls are returned as text)")
+        return self
+
+    @property
+    def completion_limit(self) -> int | None:
+        """max_completion_tokens wins over the deprecated max_tokens, as in OpenAI's API."""
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        """None: no logprobs; else alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class UpdateWeightsRequest(APIModel):
+    """POST /update_weights: a Hugging Face safetensors directory, or step N of the run directory."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = None
+    step: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "UpdateWeightsRequest":
+        if (self.path is None) == (self.step is None):
+            raise ValueError("give exactly one of 'path' or 'step'")
+        return self

@@ -1,0 +1,415 @@
+"""The OpenAI-compatible HTTP server over an `Engine` (FastAPI).
+
+`build_app(engine, tokenizer, config)` returns the ASGI app; `tandem.inference.cli` runs it with
+uvicorn. The server tokenises prompts (chat messages through the tokenizer's chat template),
+validates everything the engine would choke on before calling it, streams with server-sent
+events, and aborts a request in the engine as soon as its client goes away.
+"""
+
+import asyncio
+import hmac
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing, asynccontextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tandem.inference.config import InferenceConfig
+from tandem.inference.engine.api import Engine, WeightLoadError
+from tandem.inference.errors import APIError, error_body, error_response, install_error_handlers
+from tandem.inference.generation import Choice, PromptJob, collect, merge, run_prompt, sampling_params
+from tandem.inference.metrics import RateMeter, ServerCounters, render_metrics
+from tandem.inference.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    UpdateWeightsRequest,
+)
+from tandem.inference.responses import ResponseBuilder, TokenTexts
+
+log = logging.getLogger("tandem.inference")
+T = TypeVar("T")
+OPEN_PATHS = ("/health", "/metrics")
+"""Paths answered without the API key (liveness probes and scrapers)."""
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+class SSEResponse(StreamingResponse):
+    """A server-sent-event stream that stops, and closes its generator (aborting the request in the
+    engine), the moment the client disconnects, even while no token is being sent.
+
+    Plain asyncio cancellation (delivered once) rather than a task-group scope, so the generator's
+    cleanup can still await the engine."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def until_disconnect() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        streaming = asyncio.ensure_future(self.stream_response(send))
+        watcher = asyncio.ensure_future(until_disconnect())
+        try:
+            await asyncio.wait({streaming, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not streaming.done():
+                streaming.cancel()
+            results = await asyncio.gather(streaming, watcher, return_exceptions=True)
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+        if isinstance(results[0], Exception) and not isinstance(results[0], OSError):
+            raise results[0]
+
+
+class Gatekeeper:
+    """ASGI middleware: checks the API key and counts generation requests and their failures.
+
+    Written against raw ASGI, not `@app.middleware`, which would re-wrap streamed responses and
+    delay noticing a client's disconnect."""
+
+    def __init__(self, app: ASGIApp, counters: ServerCounters, api_key: str | None) -> None:
+        self.app = app
+        self.counters = counters
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        if self.expected is not None and path not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(
+                    401, "invalid or missing API key (send 'Authorization: Bearer KEY')"
+                )
+                await response(scope, receive, send)
+                return
+        if path not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        self.counters.requests_total += 1
+
+        async def send_counting(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                self.counters.requests_failed_total += 1
+            await send(message)
+
+        await self.app(scope, receive, send_counting)
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+class Server:
+    """State shared by the routes: the engine, the tokenizer, pause gate, counters."""
+
+    def __init__(self, engine: Engine, tokenizer: Any, config: InferenceConfig) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_name = config.served_model_name or config.model.name
+        self.accepted_names = {self.model_name, config.model.name}
+        self.max_n = config.engine.max_n
+        self.vocab_size = int(getattr(engine, "vocab_size", None) or len(tokenizer))
+        self.token_texts = TokenTexts(tokenizer)
+        self.counters = ServerCounters()
+        self.rate = RateMeter()
+        self.resumed = asyncio.Event()
+        self.resumed.set()
+        self.update_lock = asyncio.Lock()
+
+    # --- validation ---------------------------------------------------------------------------
+
+    def check_common(self, req: SamplingFields) -> None:
+        if req.model is not None and req.model not in self.accepted_names:
+            raise APIError(
+                404,
+                f"The model '{req.model}' does not exist; this server serves '{self.model_name}'.",
+                "model",
+            )
+        if req.n > self.max_n:
+            raise APIError(400, f"n must be at most {self.max_n} (got {req.n})", "n")
+        for token in req.stop_token_ids or ():
+            if token >= self.vocab_size:
+                raise APIError(
+                    400,
+                    f"stop_token_ids: {token} is outside the vocabulary (size {self.vocab_size})",
+                    "stop_token_ids",
+                )
+
+    def check_prompt_ids(self, ids: list[int]) -> None:
+        bad = next((t for t in ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise APIError(
+                400, f"prompt: token id {bad} is outside the vocabulary (size {self.vocab_size})", "prompt"
+            )
+
+    def resolve_max_tokens(self, prompt_len: int, requested: int | None, default: int | None) -> int:
+        """The completion budget; prompt + budget must fit the context, as vLLM requires."""
+        limit = self.engine.max_model_len
+        max_tokens = requested if requested is not None else default
+        if max_tokens is None:
+            max_tokens = limit - prompt_len
+        if prompt_len + max_tokens > limit or max_tokens < 1:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
+                "completion). Please reduce the length of the prompt or of the completion.",
+                "max_tokens" if requested is not None else "prompt",
+            )
+        return max_tokens
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [m.for_template() for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tools=req.tools,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                tokenize=False,
+                **(req.chat_template_kwargs or {}),
+            )
+        except Exception as e:  # jinja errors, raise_exception() in templates, bad kwargs
+            raise APIError(400, f"cannot apply the chat template: {e}", "messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # --- pause gate -----------------------------------------------------------------------------
+
+    async def wait_until_resumed(self) -> None:
+        if self.resumed.is_set():
+            return
+        self.counters.waiting_for_resume += 1
+        try:
+            await asyncio.wait_for(self.resumed.wait(), self.config.pause_timeout_s)
+        except TimeoutError:
+            raise APIError(
+                503,
+                f"the server is paused (weights are being updated) and did not resume within {self.config.pause_timeout_s:g} s",
+            ) from None
+        finally:
+            self.counters.waiting_for_resume -= 1
+
+    # --- generation -------------------------------------------------------------------------------
+
+    def jobs(
+        self,
+        req: SamplingFields,
+        prompts: list[list[int]],
+        max_tokens: list[int],
+        top_logprobs: int | None,
+        stream: bool,
+    ) -> list[PromptJob]:
+        request_id = uuid.uuid4().hex
+        return [
+            PromptJob(
+                request_id=f"{request_id}-{i}",
+                prompt_index=i,
+                prompt_ids=ids,
+                params=sampling_params(req, max_tokens[i], top_logprobs),
+                n=req.n,
+                stop=req.stop_strings,
+                include_stop=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens,
+                incremental=stream,
+            )
+            for i, ids in enumerate(prompts)
+        ]
+
+    def choices_stream(self, jobs: list[PromptJob]) -> AsyncIterator[Choice]:
+        return merge([self.counted(run_prompt(self.engine, self.tokenizer, job)) for job in jobs])
+
+    async def counted(self, stream: AsyncIterator[Choice]) -> AsyncIterator[Choice]:
+        """Feed the tokens/s meter as choices grow."""
+        seen: dict[int, int] = {}
+        async with aclosing(stream):  # type: ignore[type-var]
+            async for choice in stream:
+                self.rate.add(len(choice.token_ids) - seen.get(choice.index, 0))
+                seen[choice.index] = len(choice.token_ids)
+                yield choice
+
+    async def respond(
+        self, request: Request, req: SamplingFields, builder: ResponseBuilder, jobs: list[PromptJob]
+    ) -> Response:
+        count = sum(job.n for job in jobs)
+        if req.stream:
+            return SSEResponse(self.stream_events(req, builder, jobs, count))
+        choices = await self.until_disconnect(request, collect(self.choices_stream(jobs), count))
+        if choices is None:
+            self.counters.requests_aborted_total += 1
+            return Response(status_code=499)
+        return JSONResponse(builder.full(choices))
+
+    async def stream_events(
+        self, req: SamplingFields, builder: ResponseBuilder, jobs: list[PromptJob], count: int
+    ) -> AsyncIterator[str]:
+        latest: dict[int, Choice] = {}
+        finished = False
+        try:
+            for chunk in builder.first_chunks(count):
+                yield sse(chunk)
+            async with aclosing(self.choices_stream(jobs)) as stream:
+                async for choice in stream:
+                    latest[choice.index] = choice
+                    chunk = builder.chunk(choice)
+                    if chunk is not None:
+                        yield sse(chunk)
+            if req.include_usage_in_stream:
+                yield sse(builder.usage_chunk([latest[i] for i in sorted(latest)]))
+            finished = True
+        except Exception as e:
+            log.exception("error while streaming request %s", builder.request_id)
+            self.counters.requests_failed_total += 1
+            yield sse(error_body(500, f"internal server error: {type(e).__name__}: {e}"))
+            finished = True
+        finally:
+            if not finished:
+                self.counters.requests_aborted_total += 1
+        yield sse("[DONE]")
+
+    @staticmethod
+    async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+        """Await `work`, or cancel it (aborting the engine request) if the client disconnects first."""
+        task = asyncio.ensure_future(work)
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        watcher = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        return task.result() if not task.cancelled() else None
+
+    # --- weights --------------------------------------------------------------------------------
+
+    def weights_path(self, req: UpdateWeightsRequest) -> Path:
+        if req.path is not None:
+            return Path(req.path).expanduser()
+        if self.config.run_dir is None:
+            raise APIError(400, "'step' needs the server to know the run directory (set run_dir)", "step")
+        return self.config.run_dir / "weights" / f"step_{req.step}"
+
+
+def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAPI:
+    server = Server(engine, tokenizer, config)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await engine.shutdown()
+
+    app = FastAPI(title="tandem inference", lifespan=lifespan)
+    app.state.server = server
+    install_error_handlers(app)
+
+    app.add_middleware(Gatekeeper, counters=server.counters, api_key=config.api_key)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {
+            "status": "ok",
+            "weight_version": engine.weight_version,
+            "paused": not server.resumed.is_set(),
+        }
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {
+            "id": server.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "tandem",
+            "root": config.model.name,
+            "max_model_len": engine.max_model_len,
+            "weight_version": engine.weight_version,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        server.check_common(req)
+        prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
+        for ids in prompts:
+            server.check_prompt_ids(ids)
+        max_tokens = [server.resolve_max_tokens(len(ids), req.max_tokens, 16) for ids in prompts]
+        await server.wait_until_resumed()
+        builder = ResponseBuilder(
+            chat=False,
+            request_id=f"cmpl-{uuid.uuid4().hex}",
+            model=server.model_name,
+            token_texts=server.token_texts,
+            prompts=prompts,
+            top_logprobs=req.logprobs,
+            return_token_ids=req.return_token_ids,
+            tokens_as_ids=req.return_tokens_as_token_ids,
+        )
+        jobs = server.jobs(req, prompts, max_tokens, req.logprobs, req.stream)
+        return await server.respond(request, req, builder, jobs)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        server.check_common(req)
+        prompt = server.chat_prompt(req)
+        max_tokens = server.resolve_max_tokens(len(prompt), req.completion_limit, None)
+        await server.wait_until_resumed()
+        builder = ResponseBuilder(
+            chat=True,
+            request_id=f"chatcmpl-{uuid.uuid4().hex}",
+            model=server.model_name,
+            token_texts=server.token_texts,
+            prompts=[prompt],
+            top_logprobs=req.num_top_logprobs,
+            return_token_ids=req.return_token_ids,
+            tokens_as_ids=req.return_tokens_as_token_ids,
+        )
+        jobs = server.jobs(req, [prompt], [max_tokens], req.num_top_logprobs, req.stream)
+        return await server.respond(request, req, builder, jobs)
+
+    @app.post("/update_weights")
+    async def update_weights(req: UpdateWeightsRequest) -> dict:
+        path = server.weights_path(req)
+        async with server.update_lock:
+            try:
+                version = await engine.update_weights(path)
+            except WeightLoadError as e:
+                raise APIError(
+                    400, f"cannot load weights from {path}: {e}; the old weights stay live", "path"
+                ) from None
+        server.counters.weight_updates_total += 1
+        log.info("loaded weights from %s as version %d", path, version)
+        return {"weight_version": version, "path": str(path)}
+
+    @app.post("/pause")
+    async def pause() -> dict:
+        server.resumed.clear()
+        await engine.pause()
+        return {"paused": True, "weight_version": engine.weight_version}
+
+    @app.post("/resume")
+    async def resume() -> dict:
+        await engine.resume()
+        server.resumed.set()
+        return {"paused": False, "weight_version": engine.weight_version}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        text = render_metrics(engine.stats(), server.counters, server.rate.rate())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    return app
