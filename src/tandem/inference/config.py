@@ -26,6 +26,7 @@ class EngineConfig(Section):
         description="finish_old: in-flight requests continue on the new weights after an update and "
         "report both versions; wait: an update waits until in-flight requests finish.",
     )
+    cuda_graphs: bool = Field(True, description="Capture decode steps in CUDA graphs (CUDA only).")
 
 
 class InferenceConfig(Section):
@@ -39,9 +40,9 @@ class InferenceConfig(Section):
     )
     run_dir: Path | None = Field(None, description="Run directory; lets /update_weights take `step: N`.")
     seed: int = 0
-    engine: EngineConfig = EngineConfig()
     pause_timeout_s: float = Field(
         600, gt=0, description="How long a generation request waits while the server is paused before a 503."
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    engine: EngineConfig = EngineConfig()
     vllm: VLLMConfig = VLLMConfig()

@@ -1,0 +1,209 @@
+"""AsyncEngine: the engine core stepped by a background thread, bridged to asyncio.
+
+Calls from the event loop become commands that the engine thread runs between two steps
+(adding and aborting requests, pausing, loading weights), so the core is only ever touched by
+one thread. Token updates travel back with `loop.call_soon_threadsafe` into one asyncio queue
+per request. If the engine thread dies, every open stream gets the error instead of hanging.
+"""
+
+import asyncio
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from tandem.inference.config import InferenceConfig
+from tandem.inference.engine.api import EngineStats, FinishReason, SampleUpdate, SamplingParams
+from tandem.inference.engine.core import EngineCore
+from tandem.inference.engine.weights import read_checkpoint, version_from_path
+
+IDLE_WAIT_S = 0.05
+SHUTDOWN_WAIT_S = 30.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped; no more tokens will come."""
+
+
+class AsyncEngine:
+    def __init__(self, config: InferenceConfig) -> None:
+        self.core = EngineCore(config)
+        self.tokenizer = self.core.tokenizer
+        self.max_model_len = self.core.max_model_len
+        self.model_name = config.served_model_name or config.model.name
+        self.weight_update_mode = config.engine.weight_update_mode
+        self.paused = False
+        self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._pending_update: tuple[dict, int, Future] | None = None
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def weight_version(self) -> int:
+        return self.core.weight_version
+
+    # ---- public API (event loop side) -------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int = 1
+    ) -> AsyncIterator[SampleUpdate]:
+        self.core.validate(prompt_token_ids, params, n)
+        if request_id in self._streams:
+            raise ValueError(f"request id '{request_id}' is already running")
+        updates: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), updates)
+        remaining = n
+        try:
+            await self._call(lambda: self.core.add_request(request_id, prompt_token_ids, params, n))
+            while remaining:
+                batch = await updates.get()
+                if isinstance(batch, BaseException):
+                    raise batch
+                for update in batch:
+                    if update.finish_reason is not None:
+                        remaining -= 1
+                    yield update
+        finally:
+            self._streams.pop(request_id, None)
+            if remaining and not self._stopping:
+                self._submit(lambda: self.core.abort(request_id))
+
+    async def finish_sample(self, request_id: str, index: int, reason: FinishReason = "stop") -> None:
+        await self._call(lambda: self.core.finish_sample(request_id, index, reason))
+
+    async def update_weights(self, path: Path, version: int | None = None) -> int:
+        """Load `path` between steps. The version is `version`, else N of a `step_N` directory,
+        else the current version + 1. Raises WeightLoadError; the old weights stay live then."""
+        tensors = await asyncio.to_thread(read_checkpoint, Path(path), self.core.model)
+        if version is None:
+            version = version_from_path(Path(path))
+        if version is None:
+            version = self.core.weight_version + 1
+        done: Future = Future()
+        await self._call(lambda: self._queue_update(tensors, version, done))
+        return await asyncio.wrap_future(done)
+
+    async def pause(self) -> None:
+        """Stop stepping after the current step; requests stay in place."""
+        await self._call(lambda: setattr(self, "paused", True))
+
+    async def resume(self) -> None:
+        await self._call(lambda: setattr(self, "paused", False))
+
+    def stats(self) -> EngineStats:
+        core = self.core
+        return EngineStats(
+            running=len(core.scheduler.running),
+            waiting=len(core.scheduler.waiting) + len(core.held),
+            kv_blocks_used=core.blocks.num_usable - core.blocks.num_free,
+            kv_blocks_total=core.blocks.num_usable,
+            generated_tokens_total=core.generated_tokens_total,
+            prompt_tokens_total=core.prompt_tokens_total,
+            weight_version=core.weight_version,
+            paused=self.paused,
+        )
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        self._submit(lambda: None)  # wake the thread
+        await asyncio.to_thread(self._thread.join, SHUTDOWN_WAIT_S)
+        self._fail_streams(EngineDeadError("the engine was shut down"))
+
+    # ---- engine thread ----------------------------------------------------------------------
+
+    def _submit(self, fn: Callable[[], Any]) -> Future:
+        future: Future = Future()
+        if self._error is not None:
+            future.set_exception(EngineDeadError(f"the engine thread died: {self._error!r}"))
+        else:
+            self._commands.put((fn, future))
+        return future
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.wrap_future(self._submit(fn))
+
+    def _queue_update(self, tensors: dict, version: int, done: Future) -> None:
+        if self._pending_update is not None:  # a newer checkpoint replaces one not yet applied
+            self._pending_update[2].cancel()
+        self._pending_update = (tensors, version, done)
+        if self.weight_update_mode == "wait":
+            self.core.hold_new = True
+
+    def _apply_pending_update(self) -> None:
+        """finish_old: apply now; wait: apply once the requests that were running have finished."""
+        if self._pending_update is None:
+            return
+        if self.weight_update_mode == "wait" and self.core.num_active_requests > 0:
+            return
+        tensors, version, done = self._pending_update
+        self._pending_update = None
+        try:
+            self.core.apply_weights(tensors, version)
+        except Exception as e:
+            done.set_exception(e)
+        else:
+            done.set_result(version)
+        self.core.release_held()
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                idle = self.paused or not self.core.has_work()
+                self._run_commands(block=idle)
+                self._apply_pending_update()
+                if self.paused or self._stopping or not self.core.has_work():
+                    continue
+                for request_id, updates in self.core.step():
+                    self._deliver(request_id, updates)
+        except BaseException as e:  # noqa: BLE001 — reported to every waiting caller
+            self._error = e
+            self._fail_streams(EngineDeadError(f"the engine thread died: {e!r}"))
+            raise
+        finally:
+            self._drain_commands()
+
+    def _run_commands(self, block: bool) -> None:
+        deadline = time.monotonic() + IDLE_WAIT_S
+        while True:
+            try:
+                timeout = max(0.0, deadline - time.monotonic()) if block else None
+                fn, future = self._commands.get(block=block, timeout=timeout)
+            except queue.Empty:
+                return
+            block = False
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except Exception as e:
+                    future.set_exception(e)
+
+    def _drain_commands(self) -> None:
+        error = EngineDeadError("the engine is not running")
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            with contextlib.suppress(Exception):
+                future.set_exception(error)
+        if self._pending_update is not None:
+            self._pending_update[2].set_exception(error)
+
+    def _deliver(self, request_id: str, updates: list[SampleUpdate]) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, updates_queue = stream
+            with contextlib.suppress(RuntimeError):  # the loop closed
+                loop.call_soon_threadsafe(updates_queue.put_nowait, updates)
+
+    def _fail_streams(self, error: BaseException) -> None:
+        for loop, updates_queue in list(self._streams.values()):
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(updates_queue.put_nowait, error)

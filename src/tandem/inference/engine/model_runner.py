@@ -1,0 +1,162 @@
+"""Runs the model over a scheduled batch: owns the KV cache, builds the flattened inputs and
+attention metadata, and replays CUDA graphs for decode steps.
+
+Decode graphs are captured lazily for (batch bucket, block-table width bucket) pairs; padded
+rows write into block 0 (never handed out) and attend to one slot of it.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tandem.inference.engine.attention import AttentionMetadata
+from tandem.inference.engine.block_manager import BlockManager
+from tandem.inference.engine.scheduler import ScheduledBatch
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+def kv_bytes_per_block(config: object, block_size: int, dtype: torch.dtype) -> int:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
+    return per_token * block_size * torch.finfo(dtype).bits // 8
+
+
+@dataclass
+class _DecodeGraph:
+    graph: torch.cuda.CUDAGraph
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    tables: torch.Tensor
+    lens: torch.Tensor
+    hidden: torch.Tensor
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        cuda_graphs: bool,
+        max_num_seqs: int,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        config = model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = (2, config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads, head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(config.num_hidden_layers)]
+        self.use_graphs = cuda_graphs and device.type == "cuda"
+        self.max_graph_batch = (
+            max(b for b in BATCH_BUCKETS if b <= max(max_num_seqs, 1)) if self.use_graphs else 0
+        )
+        self.graphs: dict[tuple[int, int], _DecodeGraph] = {}
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if pairs:
+            src = torch.tensor([p[0] for p in pairs], device=self.device)
+            dst = torch.tensor([p[1] for p in pairs], device=self.device)
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, blocks: BlockManager) -> torch.Tensor:
+        """Logits (float32) of the last token of every sequence whose uncached tokens all ran."""
+        if batch.is_decode:
+            hidden = self._decode(batch, blocks)
+            return self.model.logits(hidden)
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last_rows: list[int] = []
+        for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            start, end = seq.num_cached, seq.num_cached + count
+            ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += [blocks.slot(seq, p) for p in range(start, end)]
+            if end == seq.num_tokens:
+                last_rows.append(len(ids) - 1)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            query_lens=batch.num_new_tokens,
+            context_lens=[s.num_cached + c for s, c in zip(batch.seqs, batch.num_new_tokens, strict=True)],
+            block_tables=[self._tensor(s.block_table) for s in batch.seqs],
+        )
+        hidden = self.model(self._tensor(ids), self._tensor(positions), self.kv_caches, meta)
+        return self.model.logits(hidden[self._tensor(last_rows)])
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def _decode(self, batch: ScheduledBatch, blocks: BlockManager) -> torch.Tensor:
+        seqs = batch.seqs
+        size = len(seqs)
+        width = max(len(s.block_table) for s in seqs)
+        if self.use_graphs and size <= self.max_graph_batch:
+            size = next(b for b in BATCH_BUCKETS if b >= size)
+            width = 1 << max(3, math.ceil(math.log2(width)))
+        tables = torch.zeros(size, width, dtype=torch.int64)
+        lens = torch.ones(size, dtype=torch.int64)
+        ids = torch.zeros(size, dtype=torch.int64)
+        positions = torch.zeros(size, dtype=torch.int64)
+        slots = torch.zeros(size, dtype=torch.int64)
+        for i, seq in enumerate(seqs):
+            pos = seq.num_tokens - 1
+            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table)
+            lens[i] = seq.num_tokens
+            ids[i] = seq.token_ids[pos]
+            positions[i] = pos
+            slots[i] = blocks.slot(seq, pos)
+        if self.use_graphs and size <= self.max_graph_batch:
+            graph = self.graphs.get((size, width)) or self._capture(size, width)
+            for static, value in zip(
+                (graph.input_ids, graph.positions, graph.slots, graph.tables, graph.lens),
+                (ids, positions, slots, tables, lens),
+                strict=True,
+            ):
+                static.copy_(value, non_blocking=True)
+            graph.graph.replay()
+            return graph.hidden[: len(seqs)]
+        inputs = [t.to(self.device, non_blocking=True) for t in (ids, positions, slots, tables, lens)]
+        return self._decode_forward(*inputs)[: len(seqs)]
+
+    def _decode_forward(self, ids, positions, slots, tables, lens) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            query_lens=[],
+            context_lens=[],
+            block_tables=[],
+            decode=True,
+            decode_block_tables=tables,
+            decode_context_lens=lens,
+        )
+        return self.model(ids, positions, self.kv_caches, meta)
+
+    def _capture(self, size: int, width: int) -> _DecodeGraph:
+        make = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=self.device)  # noqa: E731
+        ids, positions, slots, tables, lens = (
+            make(size),
+            make(size),
+            make(size),
+            make(size, width),
+            make(size),
+        )
+        lens.fill_(1)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._decode_forward(ids, positions, slots, tables, lens)  # warm-up outside the graph
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graph_pool):
+            hidden = self._decode_forward(ids, positions, slots, tables, lens)
+        captured = _DecodeGraph(graph, ids, positions, slots, tables, lens, hidden)
+        self.graphs[(size, width)] = captured
+        return captured

@@ -1,0 +1,103 @@
+"""On-device sampling with per-row temperature, top-k, top-p, min-p and seeds.
+
+Randomness is counter-based: the noise for row r is a hash of (the sample's seed, the position
+of the token being drawn, the vocabulary index), so a seeded sample draws the same tokens
+whatever else is in the batch, after a preemption, and on CPU or GPU. A token is drawn as
+argmax(p / E) with E ~ Exp(1) (the exponential-race form of categorical sampling).
+
+The returned logprob is log_softmax(logits / T) at the drawn token (T = 1 for greedy rows),
+computed from the same logits the token was drawn from.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+
+
+def fmix32(x: torch.Tensor | int) -> torch.Tensor | int:
+    """MurmurHash3's 32-bit finaliser on non-negative values below 2**32 (ints or int64 tensors)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & MASK32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & MASK32
+    return x ^ (x >> 16)
+
+
+def row_key(seed: int, sample_index: int, position: int) -> int:
+    key = fmix32((seed & MASK32) ^ fmix32((seed >> 32) & MASK32))
+    key = fmix32(key ^ fmix32(sample_index + 0x9E3779B9 & MASK32))
+    return int(fmix32(key ^ fmix32(position & MASK32)))
+
+
+def uniform_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, vocab] uniforms in (0, 1) from int64 row keys."""
+    index = torch.arange(vocab, device=keys.device, dtype=torch.int64)
+    x = (keys[:, None] + index[None, :] * 0x9E3779B9) & MASK32
+    x = fmix32(fmix32(x) ^ keys[:, None])
+    return ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters (all length `rows`)."""
+
+    temperatures: list[float]
+    top_ps: list[float]
+    top_ks: list[int]
+    min_ps: list[float]
+    keys: list[int]  # row_key(...) per row
+    num_top_logprobs: int = 0
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float]
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
+    """logits: [rows, vocab] float32."""
+    device, vocab = logits.device, logits.shape[-1]
+    temps = torch.tensor(batch.temperatures, device=device, dtype=torch.float32)
+    greedy = temps <= 0
+    scaled = logits / torch.where(greedy, 1.0, temps)[:, None]
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    tokens = logprobs.argmax(dim=-1)
+    if not bool(greedy.all()):
+        probs = _filtered_probs(logprobs.exp(), batch, device)
+        keys = torch.tensor(batch.keys, device=device, dtype=torch.int64)
+        drawn = (probs / -torch.log(uniform_noise(keys, vocab))).argmax(dim=-1)
+        tokens = torch.where(greedy, tokens, drawn)
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    result = SampleResult(tokens.tolist(), chosen.tolist())
+    if batch.num_top_logprobs > 0:
+        values, ids = logprobs.topk(min(batch.num_top_logprobs, vocab), dim=-1)
+        result.top_ids, result.top_logprobs = ids.tolist(), values.tolist()
+    return result
+
+
+def _filtered_probs(probs: torch.Tensor, batch: SamplingBatch, device: torch.device) -> torch.Tensor:
+    """Zero the tokens that min-p, top-k and top-p exclude (the most likely token always stays)."""
+    vocab = probs.shape[-1]
+    if any(p > 0 for p in batch.min_ps):
+        min_p = torch.tensor(batch.min_ps, device=device)
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+    ks = [k if 0 < k < vocab else 0 for k in batch.top_ks]
+    if any(ks):
+        top = probs.topk(max(ks), dim=-1).values
+        k_index = torch.tensor([max(k, 1) - 1 for k in ks], device=device)
+        threshold = top.gather(1, k_index[:, None])
+        threshold = torch.where(torch.tensor(ks, device=device)[:, None] > 0, threshold, 0.0)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    if any(p < 1.0 for p in batch.top_ps):
+        top_p = torch.tensor(batch.top_ps, device=device)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = mass_before >= top_p[:, None] * sorted_probs.sum(dim=-1, keepdim=True)
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    return probs

@@ -1,0 +1,109 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each computes.
+
+Every step the running sequences go first (decodes take one token, a partly prefilled prompt
+takes the next chunk), then waiting sequences join in arrival order while the token budget,
+`max_num_seqs` and free KV blocks allow. A prompt longer than the remaining budget is prefilled
+in chunks over several steps. When a running sequence needs a block and none is free, the newest
+running sequence is preempted: its blocks are freed and it goes back to the front of the queue
+to be recomputed later, so the cache never overflows.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+from tandem.inference.engine.block_manager import BlockManager
+from tandem.inference.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # tokens each sequence computes this step
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self, admit_new: bool = True) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        batch = ScheduledBatch([], [])
+        preempted_before = self.num_preemptions
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            count = min(seq.num_uncached, budget)
+            while not self.blocks.allocate(seq, seq.num_cached + count):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(count)
+                budget -= count
+                i += 1
+        if admit_new and self.num_preemptions == preempted_before:
+            budget = self._admit(batch, budget)
+        batch.num_preempted = self.num_preemptions - preempted_before
+        return batch
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> int:
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if self.running and len(self.running) + seq.fan_out > self.max_num_seqs:
+                break
+            count = min(seq.num_uncached, budget)
+            if not self.blocks.allocate(seq, seq.num_cached + count):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(count)
+            budget -= count
+        return budget
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out and free its blocks."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status = Status.FINISHED
+
+    def insert_running_after(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Forked samples run right after their parent (same age for preemption purposes)."""
+        at = self.running.index(parent) + 1
+        self.running[at:at] = children
+        for child in children:
+            child.status = Status.RUNNING

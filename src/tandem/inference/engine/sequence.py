@@ -1,0 +1,72 @@
+"""One sample's state: its tokens, how many of them are in the KV cache, and its blocks."""
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum
+
+from tandem.inference.engine.api import FinishReason, SamplingParams, TokenOutput
+
+_ids = itertools.count()
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A sample being generated. A request with n > 1 starts as one sequence that prefills the
+    prompt; when the prompt is done, it is forked into n samples that share the prompt's blocks.
+
+    `num_cached` tokens of `token_ids` have their keys and values in the cache; the next step
+    computes `token_ids[num_cached:]` (or a chunk of it) and, once all are computed, samples one token.
+    """
+
+    request: "Request"
+    index: int  # sample index within the request; the prompt sequence of an n > 1 request has index 0
+    token_ids: list[int]
+    num_prompt_tokens: int
+    fan_out: int = 1  # samples drawn when this sequence's prompt finishes (n for the prompt sequence)
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    seq_id: int = field(default_factory=lambda: next(_ids))
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncached(self) -> int:
+        return len(self.token_ids) - self.num_cached
+
+
+@dataclass(eq=False)
+class Request:
+    """The n samples of one prompt, and where their updates go."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    n: int
+    seed: int  # sample i draws with seed (seed, i); reproducible whatever the batch
+    arrival: int
+    sequences: dict[int, Sequence] = field(default_factory=dict)  # live sequences by sample index
+    finished: dict[int, FinishReason] = field(default_factory=dict)
+    cancelled: dict[int, FinishReason] = field(default_factory=dict)  # finish once forked
+    pending: dict[int, list[TokenOutput]] = field(default_factory=dict)  # tokens not yet delivered
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == self.n
