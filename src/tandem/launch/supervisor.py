@@ -1,0 +1,294 @@
+"""Start a set of processes, stream their output, and stop them all when one fails.
+
+Services (the inference servers) start first and must answer their health URL; then jobs (the
+trainer and the orchestrator) start. The run succeeds when every job exits 0; services are then
+stopped. Any process that exits non-zero, a service that exits at all, a health check that times
+out, or SIGINT/SIGTERM to the launcher stops everything: SIGTERM to each process group, then
+SIGKILL after the grace period. Each child leads its own process group (so torchrun's workers
+die with it) and gets SIGTERM from the kernel if the launcher itself dies.
+"""
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Literal
+
+TAIL_LINES = 20
+POLL_S = 0.1
+COLOURS = ("36", "35", "33", "32", "34", "31")  # cyan, magenta, yellow, green, blue, red
+
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class ProcessSpec:
+    """One child: its name (log file and console prefix), command, extra environment, role."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    role: Literal["service", "job"] = "job"
+    health_url: str | None = None
+
+
+@dataclass
+class Child:
+    spec: ProcessSpec
+    popen: subprocess.Popen
+    pump: threading.Thread
+    tail: deque[str]
+    started: float
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+class Console:
+    """Prefixed, optionally coloured lines from many threads, one whole line at a time."""
+
+    def __init__(self, stream: IO[str] | None = None, colour: bool | None = None) -> None:
+        self.stream = stream or sys.stdout
+        if colour is None:
+            colour = self.stream.isatty() and "NO_COLOR" not in os.environ
+        self.colour = colour
+        self.lock = threading.Lock()
+
+    def line(self, prefix: str, text: str, colour_code: str = "1") -> None:
+        head = f"\033[{colour_code}m[{prefix}]\033[0m" if self.colour else f"[{prefix}]"
+        with self.lock:
+            self.stream.write(f"{head} {text}\n")
+            self.stream.flush()
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+
+_PRCTL = _load_prctl()  # loaded in the parent: a forked child should not dlopen
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: have the kernel send SIGTERM to this child when the launcher dies (Linux)."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class Supervisor:
+    def __init__(
+        self,
+        specs: list[ProcessSpec],
+        log_dir: Path,
+        startup_timeout_s: float = 300.0,
+        shutdown_grace_s: float = 10.0,
+        console: Console | None = None,
+        prog: str = "rl",
+    ) -> None:
+        self.specs = specs
+        self.log_dir = Path(log_dir)
+        self.startup_timeout_s = startup_timeout_s
+        self.shutdown_grace_s = shutdown_grace_s
+        self.console = console or Console()
+        self.prog = prog
+        self.children: list[Child] = []
+        self.stop_signal: int | None = None
+
+    # ---- public ------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Run everything to the end; the launcher's exit code (0 on success)."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        start = time.monotonic()
+        try:
+            code = self._supervise()
+        finally:
+            self._stop_all()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if code == 0:
+            self.say(f"done in {time.monotonic() - start:.1f} s; logs in {self.log_dir}")
+        return code
+
+    def say(self, text: str) -> None:
+        self.console.line(self.prog, text)
+
+    # ---- phases ------------------------------------------------------------------------------
+
+    def _supervise(self) -> int:
+        services = [s for s in self.specs if s.role == "service"]
+        jobs = [s for s in self.specs if s.role == "job"]
+        for spec in services:
+            self._start(spec)
+        for spec in services:
+            if spec.health_url and (code := self._wait_healthy(spec)) is not None:
+                return code
+        for spec in jobs:
+            self._start(spec)
+        return self._watch()
+
+    def _wait_healthy(self, spec: ProcessSpec) -> int | None:
+        """None once `spec` is healthy, else the launcher's exit code."""
+        assert spec.health_url
+        child = next(c for c in self.children if c.spec is spec)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.stop_signal is not None:
+                return self._interrupted()
+            if child.popen.poll() is not None:
+                return self._failed(child, "exited before it became healthy")
+            if _healthy(spec.health_url):
+                self.say(f"{spec.name} is healthy ({spec.health_url}) after {self._age(child):.1f} s")
+                return None
+            time.sleep(0.25)
+        return self._failed(
+            child, f"did not answer {spec.health_url} within startup_timeout_s={self.startup_timeout_s:g}"
+        )
+
+    def _watch(self) -> int:
+        pending_jobs = {c.name for c in self.children if c.spec.role == "job"}
+        while True:
+            if self.stop_signal is not None:
+                return self._interrupted()
+            for child in self.children:
+                code = child.popen.poll()
+                if code is None or (child.spec.role == "job" and child.name not in pending_jobs):
+                    continue
+                if code != 0:
+                    return self._failed(child, describe_exit(code))
+                if child.spec.role == "service":
+                    return self._failed(child, "exited while the run was still going (exit code 0)")
+                pending_jobs.discard(child.name)
+                self.say(f"{child.name} finished after {self._age(child):.1f} s")
+            if not pending_jobs:
+                return 0
+            time.sleep(POLL_S)
+
+    # ---- processes ---------------------------------------------------------------------------
+
+    def _start(self, spec: ProcessSpec) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
+        log_path = self.log_dir / f"{spec.name}.log"
+        popen = subprocess.Popen(
+            spec.argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+            text=True,
+            errors="replace",
+            bufsize=1,
+        )
+        tail: deque[str] = deque(maxlen=TAIL_LINES)
+        colour = COLOURS[len(self.children) % len(COLOURS)]
+        pump = threading.Thread(
+            target=self._pump, args=(spec.name, popen.stdout, log_path, tail, colour), daemon=True
+        )
+        pump.start()
+        self.children.append(Child(spec, popen, pump, tail, time.monotonic()))
+        self.say(f"started {spec.name} (pid {popen.pid}), log {log_path}")
+
+    def _pump(self, name: str, stream: IO[str], log_path: Path, tail: deque[str], colour: str) -> None:
+        with log_path.open("a", encoding="utf-8") as log:
+            for raw in stream:
+                line = raw.rstrip("\n")
+                log.write(line + "\n")
+                log.flush()
+                tail.append(line)
+                self.console.line(name, line, colour)
+
+    def _stop_all(self) -> None:
+        """SIGTERM every process group still alive, SIGKILL what is left after the grace period."""
+        live = [c for c in self.children if _group_alive(c.popen.pid)]
+        if not live:
+            return
+        self.say(f"stopping {', '.join(c.name for c in live)}")
+        for child in live:
+            _signal_group(child.popen.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.shutdown_grace_s
+        while time.monotonic() < deadline and any(_group_alive(c.popen.pid) for c in live):
+            for child in live:
+                child.popen.poll()  # reap the leader, so its group can empty
+            time.sleep(POLL_S)
+        for child in live:
+            if _group_alive(child.popen.pid):
+                self.say(f"{child.name} ignored SIGTERM for {self.shutdown_grace_s:g} s; sending SIGKILL")
+                _signal_group(child.popen.pid, signal.SIGKILL)
+        for child in live:
+            child.popen.wait(timeout=10)
+            child.pump.join(timeout=5)
+
+    # ---- outcomes ----------------------------------------------------------------------------
+
+    def _failed(self, child: Child, reason: str) -> int:
+        if child.popen.poll() is not None:
+            _signal_group(child.popen.pid, signal.SIGKILL)  # leftovers of a dead leader (torchrun workers)
+            child.pump.join(timeout=5)
+        self._stop_all()
+        self.say(f"{child.name} failed: {reason}. Its last {len(child.tail)} lines:")
+        for line in child.tail:
+            self.console.line(child.name, line)
+        self.say(f"full log: {self.log_dir / (child.name + '.log')}")
+        code = child.popen.returncode
+        return code if code and code > 0 else 1
+
+    def _interrupted(self) -> int:
+        assert self.stop_signal is not None
+        self.say(f"received {signal.Signals(self.stop_signal).name}; stopping")
+        self._stop_all()
+        return 128 + self.stop_signal
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.stop_signal = signum
+
+    def _age(self, child: Child) -> float:
+        return time.monotonic() - child.started
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _group_alive(pgid: int) -> bool:
+    """True while any process (zombies included) is in the group."""
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True

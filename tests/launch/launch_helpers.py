@@ -1,0 +1,38 @@
+"""Shared helpers of the launcher tests: free ports, stand-in processes, pid checks."""
+
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+CHILDREN = str(Path(__file__).with_name("children.py"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child(mode: str, *args: object) -> list[str]:
+    """argv of a stand-in process from children.py."""
+    return [sys.executable, CHILDREN, mode, *(str(a) for a in args)]
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie counts as gone: nobody may reap orphans in a container)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)

@@ -1,0 +1,163 @@
+"""The supervisor with real child processes: start order, health, failure, shutdown, signals."""
+
+import io
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from launch_helpers import alive, child, free_port, wait_for
+
+from tandem.launch.supervisor import Console, ProcessSpec, Supervisor
+
+RUNNER = str(Path(__file__).with_name("supervise_json.py"))
+
+
+def supervise(specs: list[ProcessSpec], tmp_path: Path, **kwargs: float) -> tuple[int, str, Supervisor]:
+    out = io.StringIO()
+    sup = Supervisor(specs, tmp_path / "logs", console=Console(out, colour=False), **kwargs)
+    code = sup.run()
+    return code, out.getvalue(), sup
+
+
+def service(port: int) -> ProcessSpec:
+    return ProcessSpec(
+        "inference", child("service", port), role="service", health_url=f"http://127.0.0.1:{port}/health"
+    )
+
+
+def test_jobs_finish_then_services_stop(tmp_path: Path) -> None:
+    port = free_port()
+    specs = [service(port), ProcessSpec("trainer", child("job", "trainer", 3, 0, 0.5))]
+    specs.append(ProcessSpec("orchestrator", child("job", "orch", 2, 0, 0.2)))
+    code, out, sup = supervise(specs, tmp_path)
+
+    assert code == 0
+    assert not any(alive(c.popen.pid) for c in sup.children)
+    assert "[trainer] trainer line 2" in out and "[orchestrator] orch line 1" in out
+    assert "[rl] inference is healthy" in out
+    # the jobs started only after the service answered its health check
+    assert out.index("inference is healthy") < out.index("started trainer")
+    log = (tmp_path / "logs" / "trainer.log").read_text().splitlines()
+    assert log == ["trainer line 0", "trainer line 1", "trainer line 2"]
+    assert "service listening" in (tmp_path / "logs" / "inference.log").read_text()
+
+
+def test_failure_stops_the_rest_and_reports_tail(tmp_path: Path) -> None:
+    port = free_port()
+    specs = [
+        service(port),
+        ProcessSpec("trainer", child("job", "trainer", 30, 3, 0.3)),
+        ProcessSpec("orchestrator", child("job", "orch", 1, 0, 120)),
+    ]
+    start = time.monotonic()
+    code, out, sup = supervise(specs, tmp_path, shutdown_grace_s=5)
+    elapsed = time.monotonic() - start
+
+    assert code == 3
+    assert elapsed < 20, f"took {elapsed:.1f} s"
+    assert not any(alive(c.popen.pid) for c in sup.children)
+    report = out[out.index("trainer failed: exit code 3") :]
+    assert "Its last 20 lines" in report
+    assert "[trainer] trainer line 29" in report and "[trainer] trainer line 10" in report
+    assert "trainer line 9\n" not in report
+    assert str(tmp_path / "logs" / "trainer.log") in report
+
+
+def test_sigterm_ignored_leads_to_sigkill(tmp_path: Path) -> None:
+    pidfile = tmp_path / "stubborn.pid"
+    specs = [
+        ProcessSpec("stubborn", child("stubborn", pidfile)),
+        ProcessSpec("trainer", child("job", "trainer", 1, 1, 1.0)),
+    ]
+    start = time.monotonic()
+    code, out, _ = supervise(specs, tmp_path, shutdown_grace_s=1)
+
+    assert code == 1
+    assert time.monotonic() - start < 10
+    assert "stubborn ignored SIGTERM for 1 s; sending SIGKILL" in out
+    assert not alive(int(pidfile.read_text()))
+
+
+def test_whole_process_group_is_killed(tmp_path: Path) -> None:
+    pidfile = tmp_path / "spawner.pid"
+    specs = [
+        ProcessSpec("spawner", child("spawner", pidfile)),
+        ProcessSpec("trainer", child("job", "trainer", 1, 2, 1.5)),
+    ]
+    code, _, _ = supervise(specs, tmp_path, shutdown_grace_s=3)
+
+    assert code == 2
+    pids = [int(p) for p in pidfile.read_text().split()]
+    assert len(pids) == 2
+    wait_for(lambda: not any(alive(p) for p in pids), 5, "the spawner and its grandchild to be gone")
+
+
+def test_health_timeout_is_a_failure(tmp_path: Path) -> None:
+    port = free_port()  # nothing will listen here
+    specs = [
+        ProcessSpec(
+            "inference",
+            child("job", "silent", 1, 0, 60),
+            role="service",
+            health_url=f"http://127.0.0.1:{port}/health",
+        ),
+        ProcessSpec("trainer", child("job", "trainer", 1, 0, 0)),
+    ]
+    code, out, sup = supervise(specs, tmp_path, startup_timeout_s=1.5, shutdown_grace_s=2)
+
+    assert code == 1
+    assert "inference failed: did not answer" in out and "startup_timeout_s=1.5" in out
+    assert [c.name for c in sup.children] == ["inference"], "jobs must not start before services are healthy"
+    assert not alive(sup.children[0].popen.pid)
+
+
+def test_service_exiting_early_is_a_failure(tmp_path: Path) -> None:
+    specs = [
+        ProcessSpec(
+            "inference", child("job", "crash", 2, 7, 0), role="service", health_url="http://127.0.0.1:9/h"
+        ),
+        ProcessSpec("trainer", child("job", "trainer", 1, 0, 0)),
+    ]
+    code, out, _ = supervise(specs, tmp_path)
+
+    assert code == 7
+    assert "inference failed: exited before it became healthy" in out
+    assert "[inference] crash line 1" in out
+
+
+def test_sigint_to_launcher_stops_all_children(tmp_path: Path) -> None:
+    port = free_port()
+    specs = [
+        {"name": "inference", "argv": child("service", port), "role": "service",
+         "health_url": f"http://127.0.0.1:{port}/health"},
+        {"name": "trainer", "argv": child("job", "trainer", 1, 0, 120)},
+        {"name": "orchestrator", "argv": child("job", "orch", 1, 0, 120)},
+    ]  # fmt: skip
+    spec_file = tmp_path / "specs.json"
+    spec_file.write_text(json.dumps(specs))
+    launcher = subprocess.Popen(
+        [sys.executable, RUNNER, str(spec_file), str(tmp_path / "logs"), "5"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    pids: dict[str, int] = {}
+    assert launcher.stdout is not None
+    for line in launcher.stdout:
+        if m := re.search(r"started (\w+) \(pid (\d+)\)", line):
+            pids[m[1]] = int(m[2])
+        if len(pids) == 3:
+            break
+    assert set(pids) == {"inference", "trainer", "orchestrator"}
+    assert all(alive(p) for p in pids.values())
+
+    launcher.send_signal(signal.SIGINT)
+    rest, _ = launcher.communicate(timeout=20)
+
+    assert launcher.returncode == 130
+    assert "received SIGINT; stopping" in rest
+    wait_for(lambda: not any(alive(p) for p in pids.values()), 5, "every child to be gone")
