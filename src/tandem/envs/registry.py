@@ -1,0 +1,41 @@
+"""Environments by name: `load_environment("reverse_text", {...})` or an import path `pkg.mod:Class`."""
+
+import importlib
+from typing import Any
+
+from pydantic import ValidationError
+
+from tandem.config.loader import ConfigError
+from tandem.envs.base import Environment
+
+BUILT_IN = {
+    "reverse_text": "tandem.envs.reverse_text_env:ReverseTextEnv",
+}
+
+
+def resolve(name: str) -> type[Environment]:
+    target = BUILT_IN.get(name, name)
+    module_name, colon, class_name = target.partition(":")
+    if not colon:
+        known = ", ".join(sorted(BUILT_IN))
+        raise ConfigError(f"env.name: unknown environment '{name}' (built in: {known}; or 'module:Class')")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"env.name: cannot import '{target}': {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise ConfigError(f"env.name: '{target}' is not a tandem Environment subclass")
+    return cls
+
+
+def load_environment(name: str, args: dict[str, Any] | None = None) -> Environment:
+    """Build the environment with validated args; mistakes raise ConfigError naming `env.args.KEY`."""
+    cls = resolve(name)
+    try:
+        parsed = cls.Args.model_validate(args or {})
+        return cls(parsed)
+    except ValidationError as e:
+        problems = [f"'env.args.{'.'.join(map(str, err['loc']))}': {err['msg']}" for err in e.errors()]
+        raise ConfigError("invalid environment args: " + "; ".join(problems)) from None
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

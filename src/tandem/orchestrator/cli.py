@@ -1,0 +1,24 @@
+"""`uv run orchestrator @ rl.toml [--resume]`: produce rollouts for the trainer from inference servers."""
+
+import asyncio
+import logging
+
+from tandem.cli import run_cli
+from tandem.config.loader import parse_config
+from tandem.orchestrator.config import OrchestratorConfig
+from tandem.orchestrator.loop import Orchestrator
+
+
+def run(cfg: OrchestratorConfig) -> None:
+    logging.basicConfig(
+        level=cfg.log_level.upper(),
+        format="%(asctime)s %(levelname)s orchestrator: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    for noisy in ("httpx", "openai"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    asyncio.run(Orchestrator(cfg).run())
+
+
+def main() -> None:
+    run_cli(lambda: run(parse_config(OrchestratorConfig, prog="orchestrator")), "orchestrator")

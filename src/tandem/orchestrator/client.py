@@ -1,0 +1,217 @@
+"""A thin async client of one tandem inference server, and a pool that spreads work over several.
+
+Chat requests go through the official `openai.AsyncOpenAI` client (exposed as `.openai` for
+environments that want the raw API); tandem's own fields ride along in `extra_body`
+(`return_token_ids`) and come back as extra response fields (`prompt_token_ids`, per-choice
+`token_ids` and weight versions). Token ids are taken from the server as-is, never re-tokenised.
+
+Every request is retried with exponential backoff on connection errors, timeouts and 5xx
+answers; after the last retry a `ServerUnavailable` names the server.
+"""
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import openai
+
+from tandem.cli import UserError
+from tandem.orchestrator.config import ClientConfig, SamplingConfig
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+MAX_BACKOFF = 30.0
+
+
+class ServerUnavailable(UserError):
+    """An inference server did not answer after all retries."""
+
+
+class RequestRejected(RuntimeError):
+    """The server answered with a 4xx: the request itself is wrong; retrying cannot help."""
+
+
+@dataclass
+class Generation:
+    """One sampled completion (one choice) as the server produced it."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    weight_versions: list[int]
+    """Policy versions that produced this choice's tokens, oldest first (several when the weights
+    changed mid-generation)."""
+    finish_reason: str
+
+
+@dataclass
+class ChatResult:
+    prompt_token_ids: list[int]
+    choices: list[Generation]
+
+
+def is_retryable(error: Exception) -> bool:
+    if isinstance(error, openai.APIStatusError):
+        return error.status_code >= 500 or error.status_code == 429
+    if isinstance(error, httpx.HTTPStatusError):
+        return error.response.status_code >= 500 or error.response.status_code == 429
+    return isinstance(error, openai.APIConnectionError | httpx.TransportError | asyncio.TimeoutError)
+
+
+def describe(error: Exception) -> str:
+    if isinstance(error, openai.APIStatusError):
+        return f"HTTP {error.status_code}: {error.message}"
+    if isinstance(error, httpx.HTTPStatusError):
+        return f"HTTP {error.response.status_code}: {error.response.text[:300]}"
+    return f"{type(error).__name__}: {error}".strip()
+
+
+def parse_choice(choice: Any) -> Generation:
+    extra = choice.model_extra or {}
+    token_ids = extra.get("token_ids")
+    if token_ids is None:
+        raise RequestRejected("the server returned no 'token_ids' (it must support return_token_ids)")
+    content = choice.logprobs.content if choice.logprobs is not None else None
+    if content is None or len(content) != len(token_ids):
+        raise RequestRejected("the server's logprobs do not match its token_ids one to one")
+    versions = extra.get("weight_versions")
+    if versions is None:
+        versions = [extra["weight_version"]] if "weight_version" in extra else []
+    return Generation(
+        text=choice.message.content or "",
+        token_ids=list(token_ids),
+        logprobs=[item.logprob for item in content],
+        weight_versions=sorted(set(versions)),
+        finish_reason=choice.finish_reason or "stop",
+    )
+
+
+class InferenceClient:
+    """One server: chat completions with token ids, plus the admin endpoints."""
+
+    def __init__(self, base_url: str, cfg: ClientConfig, model: str = "") -> None:
+        self.base_url = base_url.rstrip("/")
+        self.cfg = cfg
+        self.model = model
+        self.in_flight = 0
+        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        self.http = httpx.AsyncClient(base_url=self.base_url, timeout=cfg.request_timeout, headers=headers)
+        self.openai = openai.AsyncOpenAI(
+            base_url=f"{self.base_url}/v1",
+            api_key=cfg.api_key or "EMPTY",
+            timeout=cfg.request_timeout,
+            max_retries=0,
+        )
+
+    async def with_retries(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        delay = self.cfg.retry_backoff
+        for attempt in range(self.cfg.max_retries + 1):
+            try:
+                return await call()
+            except Exception as e:
+                if isinstance(e, openai.APIStatusError | httpx.HTTPStatusError) and not is_retryable(e):
+                    raise RequestRejected(f"{self.base_url} rejected {what}: {describe(e)}") from None
+                if not is_retryable(e):
+                    raise
+                if attempt == self.cfg.max_retries:
+                    raise ServerUnavailable(
+                        f"inference server {self.base_url} did not answer {what} after "
+                        f"{attempt + 1} attempts: {describe(e)}"
+                    ) from None
+                log.warning("%s: %s failed (%s); retry in %.1fs", self.base_url, what, describe(e), delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, MAX_BACKOFF)
+        raise AssertionError("unreachable")
+
+    async def post(self, path: str, body: dict | None = None) -> dict:
+        async def call() -> dict:
+            response = await self.http.post(path, json=body or {})
+            response.raise_for_status()
+            return response.json() if response.content else {}
+
+        return await self.with_retries(f"POST {path}", call)
+
+    async def connect(self) -> str:
+        """Check the server answers and learn the model name it serves; returns that name."""
+
+        async def call() -> str:
+            response = await self.http.get("/v1/models")
+            response.raise_for_status()
+            return response.json()["data"][0]["id"]
+
+        served = await self.with_retries("GET /v1/models", call)
+        self.model = self.model or served
+        return served
+
+    async def chat(
+        self, messages: list[dict[str, Any]], sampling: SamplingConfig, n: int = 1, **extra: Any
+    ) -> ChatResult:
+        """`n` completions of one conversation, with the server's token ids and logprobs."""
+
+        async def call() -> Any:
+            return await self.openai.chat.completions.create(
+                model=self.model,
+                messages=messages,  # type: ignore[arg-type]
+                n=n,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_tokens=sampling.max_tokens,
+                logprobs=True,
+                extra_body={"return_token_ids": True, **extra},
+            )
+
+        response = await self.with_retries("a chat completion", call)
+        prompt_ids = (response.model_extra or {}).get("prompt_token_ids")
+        if prompt_ids is None:
+            raise RequestRejected(f"{self.base_url} returned no 'prompt_token_ids' (return_token_ids)")
+        choices = sorted(response.choices, key=lambda c: c.index)
+        return ChatResult(prompt_token_ids=list(prompt_ids), choices=[parse_choice(c) for c in choices])
+
+    async def update_weights(self, path: Path) -> int:
+        """Have the server load a weights directory; returns the version it now serves."""
+        return int((await self.post("/update_weights", {"path": str(path)}))["weight_version"])
+
+    async def close(self) -> None:
+        await self.http.aclose()
+        await self.openai.close()
+
+
+class ServerPool:
+    """All servers; `lease()` hands out the least-loaded one (round-robin among equals)."""
+
+    def __init__(self, urls: list[str], cfg: ClientConfig, model: str = "") -> None:
+        self.clients = [InferenceClient(url, cfg, model) for url in urls]
+        self.next = 0
+        self.slots = asyncio.Semaphore(cfg.max_concurrent_groups)
+
+    async def connect(self) -> str:
+        names = await asyncio.gather(*(c.connect() for c in self.clients))
+        return names[0]
+
+    def pick(self) -> InferenceClient:
+        order = self.clients[self.next :] + self.clients[: self.next]
+        chosen = min(order, key=lambda c: c.in_flight)
+        self.next = (self.clients.index(chosen) + 1) % len(self.clients)
+        return chosen
+
+    @contextlib.asynccontextmanager
+    async def lease(self) -> AsyncIterator[InferenceClient]:
+        """A server for one group's requests, counted as busy while the lease is held."""
+        async with self.slots:
+            client = self.pick()
+            client.in_flight += 1
+            try:
+                yield client
+            finally:
+                client.in_flight -= 1
+
+    async def update_weights(self, path: Path) -> list[int]:
+        return list(await asyncio.gather(*(c.update_weights(path) for c in self.clients)))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.clients))

@@ -1,0 +1,146 @@
+"""Configuration of the orchestrator (`uv run orchestrator @ rl.toml`)."""
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from tandem.config.base import ModelConfig, Section
+
+
+class SamplingConfig(Section):
+    """How training rollouts are sampled (evaluation always decodes greedily)."""
+
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 = greedy.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    max_tokens: int = Field(128, gt=0, description="Most tokens one model turn may generate.")
+
+
+class EnvConfig(Section):
+    """Which environment produces tasks, rollouts and rewards."""
+
+    name: str = Field(
+        "reverse_text",
+        description="A registered name (see tandem.envs.registry) or an import path 'module:Class'.",
+    )
+    args: dict[str, Any] = Field({}, description="Keyword arguments of the environment (its Args section).")
+
+
+class AdvantageConfig(Section):
+    """Group-relative advantages: reward minus the mean reward of the prompt's group."""
+
+    std_normalize: bool = Field(False, description="Also divide by the group's reward std (+1e-6).")
+
+
+class EvalConfig(Section):
+    """Periodic greedy evaluation on the environment's held-out split."""
+
+    interval: int = Field(
+        0, ge=0, description="Evaluate before every `interval`-th step and after the last; 0 = never."
+    )
+    num_tasks: int = Field(64, gt=0, description="Held-out tasks per evaluation (the first N of the split).")
+    max_tokens: int | None = Field(None, gt=0, description="Generation limit; default: sampling.max_tokens.")
+
+
+class ClientConfig(Section):
+    """How the orchestrator talks to inference servers."""
+
+    request_timeout: float = Field(300.0, gt=0, description="Seconds one HTTP request may take.")
+    max_retries: int = Field(5, ge=0, description="Retries of a failed request (connection error, 5xx).")
+    retry_backoff: float = Field(
+        0.5, gt=0, description="First retry delay in seconds; doubles per retry (capped at 30 s)."
+    )
+    api_key: str | None = Field(None, description="Bearer key, when the servers were started with one.")
+    max_concurrent_groups: int = Field(
+        256, gt=0, description="Most group requests in flight at once, over all servers."
+    )
+
+
+class WeightsConfig(Section):
+    """How new policy weights reach the servers."""
+
+    poll_interval: float = Field(0.5, gt=0, description="Seconds between scans for weights/step_N/STABLE.")
+    wait_timeout: float = Field(
+        3600.0, gt=0, description="Seconds to wait for weights that max_async_level requires, then fail."
+    )
+
+
+class OrchestratorConfig(Section):
+    model: ModelConfig = Field(
+        ModelConfig(),
+        description="The policy's initial checkpoint: its tokenizer measures prompts; "
+        "servers serve it as version 0.",
+    )
+    seq_len: int = Field(2048, gt=0, description="Most tokens (prompt + completion) of one sample.")
+    max_steps: int = Field(
+        100, gt=0, description="Trainer steps to produce rollouts for (steps 0..max_steps-1)."
+    )
+    run_dir: Path = Field(Path("runs/rl"), description="Shared run directory (rollouts/, weights/, metrics).")
+    seed: int = Field(
+        0, description="Seed of the task order (the tasks of step N depend on seed and N only)."
+    )
+    resume: bool = Field(
+        False,
+        description="Continue after the last complete rollouts/step_N instead of refusing a used run_dir.",
+    )
+
+    batch_size: int = Field(64, gt=0, description="Samples per trainer step (prompts × group_size).")
+    group_size: int = Field(8, gt=0, description="Completions per prompt (one request with n=group_size).")
+    num_ranks: int = Field(1, gt=0, description="Trainer data-parallel ranks; one rank_R.bin file each.")
+    micro_batch_tokens: int = Field(
+        8192, gt=0, description="Token budget of one packed micro-batch (at least seq_len)."
+    )
+    max_async_level: int = Field(
+        1,
+        ge=0,
+        description="Rollouts for step N come from policy version >= N - max_async_level; 0 = synchronous.",
+    )
+    filter_zero_advantage_groups: bool = Field(
+        False, description="Drop groups whose rewards are all equal and sample replacement prompts."
+    )
+    max_filtered_groups: int = Field(
+        64,
+        ge=0,
+        description="Per step, after this many dropped groups the batch is filled with zero-advantage groups.",
+    )
+
+    sampling: SamplingConfig = SamplingConfig()
+    servers: list[str] = Field(
+        ["http://127.0.0.1:8000"],
+        description="Base URLs of the inference servers (without /v1); groups go to the least loaded.",
+    )
+    env: EnvConfig = EnvConfig()
+    advantage: AdvantageConfig = AdvantageConfig()
+    eval: EvalConfig = EvalConfig()
+    client: ClientConfig = ClientConfig()
+    weights: WeightsConfig = WeightsConfig()
+    log_level: Literal["debug", "info", "warning"] = Field("info", description="Log verbosity (stderr).")
+
+    @model_validator(mode="after")
+    def check_shapes(self) -> "OrchestratorConfig":
+        if self.batch_size % self.group_size:
+            raise PydanticCustomError(
+                "shape",
+                f"batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size})",
+            )
+        if self.seq_len <= self.sampling.max_tokens:
+            raise PydanticCustomError(
+                "shape",
+                f"seq_len ({self.seq_len}) must exceed sampling.max_tokens ({self.sampling.max_tokens}) "
+                "to leave room for the prompt",
+            )
+        if self.micro_batch_tokens < self.seq_len:
+            raise PydanticCustomError(
+                "shape",
+                f"micro_batch_tokens ({self.micro_batch_tokens}) must be at least seq_len ({self.seq_len})",
+            )
+        if not self.servers:
+            raise PydanticCustomError(
+                "shape", "servers is empty: give at least one inference server base URL"
+            )
+        return self
+
+    @property
+    def groups_per_step(self) -> int:
+        return self.batch_size // self.group_size

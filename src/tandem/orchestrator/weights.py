@@ -1,0 +1,89 @@
+"""Policy versions: keep every server on the newest published weights, and gate steps on them.
+
+The trainer publishes policy version N as `run_dir/weights/step_N/` and writes `STABLE` into it
+last. Version 0 is the initial model the servers start with. Rollouts for step N may only be
+generated once the servers serve a version >= N - max_async_level (docs/async.md).
+"""
+
+import asyncio
+import logging
+import re
+import time
+from pathlib import Path
+
+from tandem.cli import UserError
+from tandem.orchestrator.client import ServerPool
+from tandem.orchestrator.config import WeightsConfig
+
+log = logging.getLogger(__name__)
+STABLE = "STABLE"
+STEP_DIR = re.compile(r"step_(\d+)")
+
+
+def weights_dir(run_dir: Path, version: int) -> Path:
+    return run_dir / "weights" / f"step_{version}"
+
+
+def latest_stable(run_dir: Path) -> int | None:
+    """The highest N with weights/step_N/STABLE, or None when nothing is published yet."""
+    root = run_dir / "weights"
+    if not root.is_dir():
+        return None
+    versions = [
+        int(m.group(1))
+        for p in root.iterdir()
+        if (m := STEP_DIR.fullmatch(p.name)) and (p / STABLE).is_file()
+    ]
+    return max(versions, default=None)
+
+
+class WeightsTimeout(UserError):
+    """The weights a step needs did not appear in time."""
+
+
+class PolicySync:
+    """Tracks the version every server serves; loads newer published weights onto all of them."""
+
+    def __init__(self, run_dir: Path, pool: ServerPool, cfg: WeightsConfig, version: int = 0) -> None:
+        self.run_dir = run_dir
+        self.pool = pool
+        self.cfg = cfg
+        self.version = version
+        self.lock = asyncio.Lock()
+
+    async def sync(self) -> int:
+        """Load the newest STABLE weights onto every server if they are newer; returns the version."""
+        async with self.lock:
+            latest = latest_stable(self.run_dir)
+            if latest is None or latest <= self.version:
+                return self.version
+            path = weights_dir(self.run_dir, latest)
+            start = time.perf_counter()
+            served = await self.pool.update_weights(path)
+            if any(v != latest for v in served):
+                raise UserError(
+                    f"servers report weight versions {served} after loading {path}; expected {latest} "
+                    "(the server must take the policy version from the weights directory)"
+                )
+            log.info("servers now serve policy version %d (%.2fs)", latest, time.perf_counter() - start)
+            self.version = latest
+            return latest
+
+    async def wait_for(self, version: int, step: int, max_async_level: int) -> float:
+        """Block until the servers serve `version` or newer; returns seconds waited."""
+        start = time.perf_counter()
+        while (await self.sync()) < version:
+            waited = time.perf_counter() - start
+            if waited > self.cfg.wait_timeout:
+                raise WeightsTimeout(
+                    f"waited {waited:.0f}s for {weights_dir(self.run_dir, version) / STABLE}: step {step} "
+                    f"needs policy version >= {version} (max_async_level {max_async_level}); is the trainer running?"
+                )
+            await asyncio.sleep(self.cfg.poll_interval)
+        return time.perf_counter() - start
+
+    async def watch(self) -> None:
+        """Forever: push newly published weights to the servers as soon as STABLE appears."""
+        while True:
+            await self.sync()
+            await asyncio.sleep(self.cfg.poll_interval)
