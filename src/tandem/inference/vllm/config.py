@@ -10,4 +10,14 @@ class VLLMConfig(Section):
         None, description="Python interpreter of the virtual environment that has vLLM; default: this one."
     )
     extra_args: list[str] = Field(default_factory=list, description="Extra arguments for vLLM's server.")
-    startup_timeout_s: float = Field(600, gt=0)
+    startup_timeout_s: float = Field(600, gt=0, description="How long to wait for vLLM's /health.")
+    port: int = Field(
+        0, ge=0, le=65535, description="Port of the vLLM subprocess on 127.0.0.1; 0 = a free one."
+    )
+    max_model_len: int | None = Field(None, gt=0, description="Context length; default: the model's.")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    enforce_eager: bool = Field(False, description="Skip torch.compile and CUDA graphs (faster start-up).")
+    request_timeout_s: float = Field(
+        3600, gt=0, description="Longest a forwarded request may take (a paused server holds requests)."
+    )
+    admin_timeout_s: float = Field(600, gt=0, description="Longest a weight load, pause or resume may take.")

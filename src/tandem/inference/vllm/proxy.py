@@ -1,0 +1,330 @@
+"""tandem's HTTP front for a vLLM server: the same endpoints and semantics as the native server.
+
+Generation requests (`/v1/*`) are forwarded to vLLM as they are (vLLM validates them and answers
+its own 4xx in the same error shape), with three additions:
+- a request that arrives while the server is paused waits here until /resume (or a 503);
+- a `cache_salt` naming the current weight version, so vLLM's prefix cache never serves KV
+  computed with older weights to a newer request;
+- `weight_versions` on every response, choice and stream chunk: the versions that were live
+  while the request ran (vLLM finishes in-flight requests on the new weights, as the native
+  engine's `finish_old` mode does).
+The admin endpoints are tandem's: /update_weights calls the worker extension through vLLM's
+/collective_rpc, /pause and /resume call vLLM's (in-flight requests are kept, not aborted), and
+/metrics passes vLLM's metrics through after tandem's own.
+"""
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from tandem.inference.config import InferenceConfig
+from tandem.inference.engine.weights import version_from_path
+from tandem.inference.errors import APIError, install_error_handlers
+from tandem.inference.metrics import ServerCounters, metric
+from tandem.inference.protocol import UpdateWeightsRequest
+from tandem.inference.server import GENERATION_PATHS, Gatekeeper, Server, SSEResponse
+
+log = logging.getLogger("tandem.inference.vllm")
+LOAD_METHOD = "tandem_load_weights"
+"""The worker extension's method (tandem.inference.vllm.worker_extension)."""
+VLLM_GAUGES = {
+    "tandem_requests_running": "vllm:num_requests_running",
+    "tandem_requests_waiting": "vllm:num_requests_waiting",
+    "tandem_kv_cache_usage": "vllm:kv_cache_usage_perc",
+}
+"""tandem's gauge names (as the native server reports them) and the vLLM metrics they come from."""
+
+
+class WeightVersions:
+    """The weight versions served so far, in load order; tells which were live during a request."""
+
+    def __init__(self, initial: int = 0) -> None:
+        self.history = [initial]
+
+    @property
+    def current(self) -> int:
+        return self.history[-1]
+
+    def mark(self) -> int:
+        """A position to pass to `since` when the request ends."""
+        return len(self.history) - 1
+
+    def since(self, mark: int) -> list[int]:
+        return sorted(set(self.history[mark:]))
+
+    def advance(self, version: int) -> None:
+        self.history.append(version)
+
+
+def sum_metric(text: str, name: str) -> float:
+    """Sum of a metric's samples (over its labels) in Prometheus text."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith((name + "{", name + " ")):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+class VLLMFront:
+    """State of the front: the client to vLLM, weight versions, the pause gate and counters."""
+
+    def __init__(self, config: InferenceConfig, upstream: str, upstream_key: str) -> None:
+        self.config = config
+        self.client = httpx.AsyncClient(
+            base_url=upstream,
+            headers={"Authorization": f"Bearer {upstream_key}"},
+            timeout=httpx.Timeout(config.vllm.request_timeout_s, connect=10),
+        )
+        self.versions = WeightVersions()
+        self.counters = ServerCounters()
+        self.resumed = asyncio.Event()
+        self.resumed.set()
+        self.admin_lock = asyncio.Lock()
+
+    # --- vLLM calls --------------------------------------------------------------------------
+
+    async def call(self, method: str, path: str, **kwargs: object) -> httpx.Response:
+        try:
+            return await self.client.request(method, path, **kwargs)  # type: ignore[arg-type]
+        except httpx.TransportError as e:
+            raise APIError(503, f"vLLM is not reachable ({type(e).__name__}: {e})") from None
+
+    async def admin(self, path: str, **kwargs: object) -> httpx.Response:
+        response = await self.call("POST", path, timeout=self.config.vllm.admin_timeout_s, **kwargs)
+        if response.status_code != 200:
+            raise APIError(500, f"vLLM answered {path} with {response.status_code}: {response.text[:500]}")
+        return response
+
+    # --- generation ----------------------------------------------------------------------------
+
+    async def wait_until_resumed(self) -> None:
+        if self.resumed.is_set():
+            return
+        self.counters.waiting_for_resume += 1
+        try:
+            await asyncio.wait_for(self.resumed.wait(), self.config.pause_timeout_s)
+        except TimeoutError:
+            raise APIError(
+                503,
+                "the server is paused (weights are being updated) and did not resume within "
+                f"{self.config.pause_timeout_s:g} s",
+            ) from None
+        finally:
+            self.counters.waiting_for_resume -= 1
+
+    def salted(self, body: bytes) -> tuple[bytes, bool]:
+        """The request body with the weight version in its cache salt, and whether it streams.
+        Bodies that are not a JSON object go to vLLM unchanged, for vLLM to refuse."""
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return body, False
+        if not isinstance(data, dict):
+            return body, False
+        salt = f"tandem-w{self.versions.current}"
+        data["cache_salt"] = f"{data['cache_salt']}-{salt}" if data.get("cache_salt") else salt
+        return json.dumps(data).encode(), bool(data.get("stream"))
+
+    async def generate(self, request: Request) -> Response:
+        body = await request.body()
+        await self.wait_until_resumed()
+        mark = self.versions.mark()
+        body, stream = self.salted(body)
+        upstream = self.client.build_request(
+            "POST", request.url.path, content=body, headers={"Content-Type": "application/json"}
+        )
+        try:
+            response = await self.client.send(upstream, stream=True)
+        except httpx.TransportError as e:
+            raise APIError(503, f"vLLM is not reachable ({type(e).__name__}: {e})") from None
+        if stream and response.status_code == 200:
+            return SSEResponse(self.relay_events(response, mark))
+        content = await Server.until_disconnect(request, self.read_all(response))
+        if content is None:
+            self.counters.requests_aborted_total += 1
+            return Response(status_code=499)
+        if response.status_code != 200:
+            return Response(content, response.status_code, media_type="application/json")
+        data = json.loads(content)
+        self.add_versions(data, mark)
+        return JSONResponse(data)
+
+    @staticmethod
+    async def read_all(response: httpx.Response) -> bytes:
+        try:
+            return await response.aread()
+        finally:
+            await response.aclose()  # also when cancelled: vLLM sees the disconnect and aborts
+
+    def add_versions(self, data: dict, mark: int) -> None:
+        versions = self.versions.since(mark)
+        data["weight_versions"] = versions
+        for choice in data.get("choices") or ():
+            choice["weight_versions"] = versions
+
+    async def relay_events(self, response: httpx.Response, mark: int) -> AsyncIterator[str]:
+        """vLLM's server-sent events with weight versions added to each data chunk."""
+        try:
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    try:
+                        chunk = json.loads(line[6:])
+                    except ValueError:
+                        chunk = None
+                    if isinstance(chunk, dict) and "error" not in chunk:
+                        self.add_versions(chunk, mark)
+                        line = "data: " + json.dumps(chunk, separators=(",", ":"))
+                yield line + "\n"
+        finally:
+            await response.aclose()
+
+    # --- admin -----------------------------------------------------------------------------------
+
+    def weights_path(self, req: UpdateWeightsRequest) -> Path:
+        if req.path is not None:
+            return Path(req.path).expanduser().resolve()
+        if self.config.run_dir is None:
+            raise APIError(400, "'step' needs the server to know the run directory (set run_dir)", "step")
+        return (self.config.run_dir / "weights" / f"step_{req.step}").resolve()
+
+    async def update_weights(self, req: UpdateWeightsRequest) -> dict:
+        path = self.weights_path(req)
+        async with self.admin_lock:
+            version = req.version
+            if version is None:
+                version = version_from_path(path)
+            if version is None:
+                version = self.versions.current + 1
+            rpc = {"method": LOAD_METHOD, "args": [str(path)], "timeout": self.config.vllm.admin_timeout_s}
+            response = await self.call(
+                "POST", "/collective_rpc", json=rpc, timeout=self.config.vllm.admin_timeout_s + 30
+            )
+            if response.status_code != 200:
+                log.error("vLLM failed to load %s: %s", path, response.text[:2000])
+                raise APIError(
+                    500,
+                    f"vLLM failed while loading weights from {path} ({response.status_code}: "
+                    f"{response.text[:300]}); the served weights may be partly updated",
+                )
+            refused = [r["error"] for r in response.json()["results"] if not r.get("ok")]
+            if refused:
+                raise APIError(
+                    400, f"cannot load weights from {path}: {refused[0]}; the old weights stay live", "path"
+                )
+            self.versions.advance(version)
+        self.counters.weight_updates_total += 1
+        log.info("loaded weights from %s as version %d", path, version)
+        return {"weight_version": version, "path": str(path)}
+
+    async def pause(self) -> dict:
+        async with self.admin_lock:
+            self.resumed.clear()
+            await self.admin("/pause", params={"mode": "keep"})
+        return {"paused": True, "weight_version": self.versions.current}
+
+    async def resume(self) -> dict:
+        async with self.admin_lock:
+            await self.admin("/resume")
+            self.resumed.set()
+        return {"paused": False, "weight_version": self.versions.current}
+
+    async def metrics(self) -> str:
+        response = await self.call("GET", "/metrics")
+        if response.status_code != 200:
+            raise APIError(503, f"vLLM answered /metrics with {response.status_code}")
+        upstream = response.text
+        lines: list[str] = []
+        metric(
+            lines,
+            "tandem_weight_version",
+            "gauge",
+            "Version of the weights being served.",
+            self.versions.current,
+        )
+        metric(
+            lines, "tandem_paused", "gauge", "1 while generation is paused.", int(not self.resumed.is_set())
+        )
+        for name, source in VLLM_GAUGES.items():
+            metric(lines, name, "gauge", f"{source}, summed over engines.", sum_metric(upstream, source))
+        metric(
+            lines,
+            "tandem_requests_waiting_for_resume",
+            "gauge",
+            "HTTP requests held while the server is paused.",
+            self.counters.waiting_for_resume,
+        )
+        counters = {
+            "tandem_http_requests_total": ("Generation requests received.", self.counters.requests_total),
+            "tandem_http_requests_failed_total": (
+                "Generation requests answered with an error.",
+                self.counters.requests_failed_total,
+            ),
+            "tandem_http_requests_aborted_total": (
+                "Generation requests whose client went away before the end.",
+                self.counters.requests_aborted_total,
+            ),
+            "tandem_weight_updates_total": ("Successful weight updates.", self.counters.weight_updates_total),
+        }
+        for name, (help_text, value) in counters.items():
+            metric(lines, name, "counter", help_text, value)
+        return "\n".join(lines) + "\n" + upstream
+
+
+def build_front(config: InferenceConfig, upstream: str, upstream_key: str) -> FastAPI:
+    """The ASGI app of the front; `upstream` is vLLM's base URL, `upstream_key` its private API key."""
+    front = VLLMFront(config, upstream, upstream_key)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await front.client.aclose()
+
+    app = FastAPI(title="tandem inference (vLLM backend)", lifespan=lifespan)
+    app.state.front = front
+    install_error_handlers(app)
+    app.add_middleware(Gatekeeper, counters=front.counters, api_key=config.api_key)
+
+    @app.get("/health")
+    async def health() -> dict:
+        response = await front.call("GET", "/health", timeout=10)
+        if response.status_code != 200:
+            raise APIError(503, f"vLLM is unhealthy ({response.status_code})")
+        return {
+            "status": "ok",
+            "weight_version": front.versions.current,
+            "paused": not front.resumed.is_set(),
+            "backend": "vllm",
+        }
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        response = await front.call("GET", "/v1/models")
+        return Response(response.content, response.status_code, media_type="application/json")
+
+    for path in GENERATION_PATHS:
+        app.add_api_route(path, front.generate, methods=["POST"])
+
+    @app.post("/update_weights")
+    async def update_weights(req: UpdateWeightsRequest) -> dict:
+        return await front.update_weights(req)
+
+    @app.post("/pause")
+    async def pause() -> dict:
+        return await front.pause()
+
+    @app.post("/resume")
+    async def resume() -> dict:
+        return await front.resume()
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(await front.metrics(), media_type="text/plain; version=0.0.4")
+
+    return app

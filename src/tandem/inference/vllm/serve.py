@@ -1,0 +1,105 @@
+"""`backend = "vllm"`: start vLLM as a child process, wait for it, serve tandem's front before it.
+
+The front listens on `config.host:port`; vLLM listens on 127.0.0.1 at a private port with a private
+API key. vLLM is stopped when the front exits (SIGTERM, Ctrl-C, error), and the front exits with
+vLLM's last log lines when vLLM dies.
+"""
+
+import logging
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+
+import uvicorn
+
+from tandem.cli import UserError
+from tandem.inference.config import InferenceConfig
+from tandem.inference.vllm.process import VLLMDiedError, VLLMProcess, new_api_key, vllm_command, vllm_env
+from tandem.inference.vllm.proxy import build_front
+
+log = logging.getLogger("tandem.inference.vllm")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_python(config: InferenceConfig) -> str:
+    python = config.vllm.python or sys.executable
+    found = shutil.which(python) if not Path(python).is_file() else python
+    if found is None:
+        raise UserError(f"vllm.python: no Python interpreter at {python}")
+    return found
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail before the slow vLLM start-up, not after it."""
+    if port == 0:
+        return
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise UserError(f"port: cannot listen on {host}:{port} ({e.strerror})") from None
+
+
+def _exit_on_sigterm(signum: int, _: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+def watch(process: VLLMProcess, server: uvicorn.Server, died: threading.Event) -> None:
+    """Stop the front as soon as vLLM exits."""
+    while not server.should_exit:
+        if process.returncode() is not None:
+            died.set()
+            server.should_exit = True
+            return
+        time.sleep(0.5)
+
+
+def serve_vllm(config: InferenceConfig) -> None:
+    """Blocking: run vLLM and the front until SIGTERM/Ctrl-C or until vLLM dies (exit code 1)."""
+    if not config.model.name:
+        raise UserError("model.name: give the model to serve (a directory or a hub name)")
+    python = resolve_python(config)
+    check_port_free(config.host, config.port)
+    port = config.vllm.port or free_port()
+    key = new_api_key()
+    process = VLLMProcess(vllm_command(config, python, port, key), vllm_env())
+    upstream = f"http://127.0.0.1:{port}"
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        log.info("starting vLLM (%s) on %s", python, upstream)
+        process.start()
+        try:
+            seconds = process.wait_healthy(f"{upstream}/health", config.vllm.startup_timeout_s)
+        except (VLLMDiedError, TimeoutError) as e:
+            log.error("%s", e)
+            raise SystemExit(1) from None
+        log.info("vLLM is up after %.0f s; serving on http://%s:%d", seconds, config.host, config.port)
+        app = build_front(config, upstream, key)
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host=config.host,
+                port=config.port,
+                log_level=config.log_level,
+                timeout_graceful_shutdown=5,
+            )
+        )
+        died = threading.Event()
+        threading.Thread(target=watch, args=(process, server, died), name="vllm-watch", daemon=True).start()
+        server.run()
+        if died.is_set():
+            log.error("%s", process.died_error())
+            raise SystemExit(1)
+    finally:
+        process.stop()
+        signal.signal(signal.SIGTERM, previous)
