@@ -1,0 +1,75 @@
+"""AdamW, the learning-rate schedule and gradient clipping, shared by the SFT and RL trainers."""
+
+import math
+from typing import Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
+
+from tandem.config.base import Section
+
+
+class OptimConfig(Section):
+    """AdamW with linear warmup, then cosine, linear or constant decay."""
+
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate, reached after warmup.")
+    weight_decay: float = Field(
+        0.0, ge=0, description="AdamW weight decay, applied to matrices only (not norms or biases)."
+    )
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas (beta1, beta2).")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear warmup from 0 to lr.")
+    schedule: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="Decay after warmup, down to min_lr_ratio × lr at max_steps."
+    )
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate as a fraction of lr.")
+    max_grad_norm: float = Field(
+        1.0, ge=0, description="Clip the global gradient norm to this; 0 = measure but do not clip."
+    )
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over trainable parameters; weight decay on parameters with ≥ 2 dimensions only."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=True
+    )
+
+
+def lr_factor(step: int, cfg: OptimConfig, max_steps: int) -> float:
+    """Multiplier of cfg.lr for the optimizer step that follows `step` completed steps."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    decay_steps = max(1, max_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1 - progress
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int) -> LambdaLR:
+    return LambdaLR(optimizer, lambda step: lr_factor(step, cfg, max_steps))
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Global gradient norm over all ranks' shards; gradients are scaled down to `max_norm` if set.
+
+    FSDP2 gradients are DTensors, so torch's clipping reduces the norm across the mesh; the
+    returned norm is the full (unsharded) one on every rank.
+    """
+    grads = [p for p in model.parameters() if p.grad is not None]
+    if max_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(grads, max_norm, foreach=True)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in grads], foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm)

@@ -1,0 +1,98 @@
+"""Process groups and FSDP2 sharding, shared by the SFT and RL trainers.
+
+A trainer always runs inside a process group: under `torchrun` it joins the launched group
+(NCCL on GPU, gloo on CPU); started as a plain process it forms a group of one. Sharding is
+therefore one code path: `fully_shard` on every decoder layer and then on the root, which
+holds the embeddings, the final norm and the (possibly tied) output head.
+"""
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from tandem.models.loading import resolve_device
+
+TIMEOUT = timedelta(minutes=10)
+"""How long a collective may wait for the other ranks before the process fails."""
+
+
+@dataclass(frozen=True)
+class World:
+    """Where this process sits: its rank among `size` and the device it computes on."""
+
+    rank: int
+    size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: str = "auto") -> World:
+    """Join torchrun's process group, or form a group of one when not launched by torchrun."""
+    torch_device = resolve_device(device)
+    launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+    rank = int(os.environ["RANK"]) if launched else 0
+    size = int(os.environ["WORLD_SIZE"]) if launched else 1
+    local_rank = int(os.environ.get("LOCAL_RANK", 0)) if launched else 0
+    if torch_device.type == "cuda":
+        torch_device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(torch_device)
+    backend = "nccl" if torch_device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        if launched:
+            dist.init_process_group(backend, timeout=TIMEOUT, device_id=_device_id(torch_device))
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=TIMEOUT)
+    return World(rank=rank, size=size, local_rank=local_rank, device=torch_device)
+
+
+def _device_id(device: torch.device) -> torch.device | None:
+    return device if device.type == "cuda" else None
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    """Sum a small tensor over ranks (in place) and return it."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The repeated transformer blocks of a Hugging Face decoder (`model.model.layers`)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{type(model).__name__} has no model.layers ModuleList to shard")
+    return layers
+
+
+def mixed_precision(device: torch.device, weights: torch.dtype) -> MixedPrecisionPolicy:
+    """bf16 compute with fp32 gradient reduction for fp32 weights on GPU; otherwise weights' dtype."""
+    if device.type == "cuda" and weights == torch.float32:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def apply_fsdp(model: nn.Module, policy: MixedPrecisionPolicy) -> nn.Module:
+    """Shard each decoder layer, then the root; returns the same (now sharded) module."""
+    for layer in decoder_layers(model):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model

@@ -1,0 +1,64 @@
+"""The `sft` command's configuration."""
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from tandem.config.base import ModelConfig, Section
+from tandem.envs.reverse_text import MAX_LEN, MIN_LEN
+from tandem.trainer.optim import OptimConfig
+
+
+class DataConfig(Section):
+    """Which chats to train on and how they are batched."""
+
+    task: Literal["reverse_text"] = Field("reverse_text", description="Task whose train split is the data.")
+    num_examples: int = Field(10_000, ge=0, description="Distinct training examples; epochs repeat them.")
+    min_len: int = Field(MIN_LEN, ge=MIN_LEN, le=MAX_LEN, description="Shortest text of the task.")
+    max_len: int = Field(MAX_LEN, ge=MIN_LEN, le=MAX_LEN, description="Longest text of the task.")
+    batch_size: int = Field(64, gt=0, description="Examples per optimizer step, over all ranks together.")
+    micro_batch_size: int = Field(
+        4,
+        gt=0,
+        description="Packed rows of seq_len tokens per forward pass on each rank (accumulated).",
+    )
+    shuffle: bool = Field(True, description="Reshuffle the examples every epoch (seeded by `seed`).")
+
+
+class CheckpointConfig(Section):
+    interval: int = Field(
+        0, ge=0, description="Write run_dir/checkpoints/step_N every this many steps; 0 = only at the end."
+    )
+    keep: int = Field(2, ge=0, description="Keep the newest this many checkpoints; 0 = keep all.")
+    final: bool = Field(True, description="Also checkpoint after the last step (so the run can be extended).")
+
+
+class LogConfig(Section):
+    interval: int = Field(10, gt=0, description="Print a plain progress line every this many steps (no TTY).")
+
+
+class SFTConfig(Section):
+    """Supervised fine-tuning of a causal LM on chats; loss on assistant tokens only."""
+
+    model: ModelConfig = Field(
+        default_factory=ModelConfig,
+        description="Model to train. dtype auto = fp32 weights (bf16 compute on GPU); "
+        "an explicit dtype trains weights in that dtype.",
+    )
+    seq_len: int = Field(512, gt=0, description="Tokens per packed row; every example must fit.")
+    max_steps: int = Field(100, gt=0, description="Optimizer steps to train for (in total, across resumes).")
+    run_dir: Path = Field(
+        Path("runs/sft"), description="Output directory: metrics, checkpoints, final model."
+    )
+    seed: int = Field(0, description="Seed of data order and any randomness in training.")
+    resume: bool = Field(False, description="Continue from the newest checkpoint in run_dir/checkpoints.")
+    init_tiny_model: bool = Field(
+        False,
+        description="If model.name does not exist yet, first build tandem's random-init tiny Qwen3 there "
+        "(for the CPU examples, which train from scratch).",
+    )
+    data: DataConfig = Field(default_factory=DataConfig, description="Training data.")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and LR schedule.")
+    ckpt: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
+    log: LogConfig = Field(default_factory=LogConfig, description="Console logging.")

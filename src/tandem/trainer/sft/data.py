@@ -1,0 +1,91 @@
+"""SFT examples: task chats rendered with the tokenizer's chat template, in a seeded order.
+
+An example is the user prompt followed by the assistant answer. Its loss mask covers the
+answer tokens and the closing end-of-turn token: the tokens after the templated prompt with
+`add_generation_prompt=True`, up to and including the first eos. Anything the template adds
+after the eos (ChatML's trailing newline) stays in the sequence without loss.
+"""
+
+import random
+from collections.abc import Sequence
+
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from tandem.cli import UserError
+from tandem.envs.reverse_text import ReverseTextTask, make_tasks
+from tandem.trainer.packing import Sample
+from tandem.trainer.sft.config import DataConfig
+
+
+def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], prompt: bool) -> list[int]:
+    encoded = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=prompt)
+    return list(encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded)
+
+
+def chat_sample(tokenizer: PreTrainedTokenizerBase, prompt: list[dict[str, str]], answer: str) -> Sample:
+    """Token ids of prompt + answer, with the loss on the answer and its end-of-turn token."""
+    prompt_ids = chat_ids(tokenizer, prompt, prompt=True)
+    full_ids = chat_ids(tokenizer, [*prompt, {"role": "assistant", "content": answer}], prompt=False)
+    if full_ids[: len(prompt_ids)] != prompt_ids:
+        raise UserError("the chat template renders the prompt differently with and without the answer")
+    eos = tokenizer.eos_token_id
+    try:
+        end = full_ids.index(eos, len(prompt_ids)) + 1
+    except ValueError:
+        raise UserError(f"the chat template does not close the assistant turn with eos {eos}") from None
+    mask = [False] * len(prompt_ids) + [True] * (end - len(prompt_ids)) + [False] * (len(full_ids) - end)
+    return Sample(full_ids, mask)
+
+
+class SFTDataset:
+    """Examples in a seeded order that is a pure function of the position, so resume is exact.
+
+    Position g is example `perm_e[g mod N]` of epoch e = g // N; each epoch has its own permutation.
+    """
+
+    def __init__(
+        self, tasks: Sequence[ReverseTextTask], tokenizer: PreTrainedTokenizerBase, seed: int, shuffle: bool
+    ) -> None:
+        if not tasks:
+            raise UserError("data.num_examples is 0: the training dataset is empty")
+        self.tasks = tasks
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.shuffle = shuffle
+        self._order: tuple[int, list[int]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def sample(self, task: ReverseTextTask) -> Sample:
+        return chat_sample(self.tokenizer, task.messages, task.answer)
+
+    def index(self, position: int) -> int:
+        epoch, offset = divmod(position, len(self.tasks))
+        if not self.shuffle:
+            return offset
+        if self._order is None or self._order[0] != epoch:
+            order = list(range(len(self.tasks)))
+            random.Random(f"sft/{self.seed}/{epoch}").shuffle(order)
+            self._order = (epoch, order)
+        return self._order[1][offset]
+
+    def batch(self, start: int, size: int) -> list[Sample]:
+        """The `size` examples at positions start, start+1, …"""
+        return [self.sample(self.tasks[self.index(p)]) for p in range(start, start + size)]
+
+
+def build_dataset(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int, seq_len: int) -> SFTDataset:
+    """The task's train split; fails early if the longest possible example cannot fit seq_len."""
+    if cfg.min_len > cfg.max_len:
+        raise UserError(f"data.min_len {cfg.min_len} is greater than data.max_len {cfg.max_len}")
+    dataset = SFTDataset(
+        make_tasks("train", cfg.num_examples, seed, cfg.min_len, cfg.max_len), tokenizer, seed, cfg.shuffle
+    )
+    longest = dataset.sample(ReverseTextTask("probe", "a" * cfg.max_len))
+    if len(longest.input_ids) > seq_len:
+        raise UserError(
+            f"seq_len {seq_len} is too small: an example of {cfg.max_len} letters takes "
+            f"{len(longest.input_ids)} tokens"
+        )
+    return dataset

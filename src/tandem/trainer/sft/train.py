@@ -1,0 +1,187 @@
+"""The SFT loop: packed micro-batches → token-normalised loss → clipped AdamW step.
+
+Every rank builds the same global batch (data order is a pure function of the position), packs
+it into rows of seq_len, and takes its round-robin share of the rows. The loss is the sum of
+token cross-entropies over the global batch divided by its number of loss tokens; since FSDP2
+averages gradients over ranks, each rank scales its partial sum by world_size / global tokens.
+"""
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.cli import UserError
+from tandem.models.loading import load_model, load_tokenizer
+from tandem.monitor.metrics import MetricsWriter
+from tandem.monitor.progress import TrainingProgress
+from tandem.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, write_hf_model
+from tandem.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
+from tandem.trainer.packing import MicroBatch, make_micro_batches, pack_rows, shard_rows
+from tandem.trainer.parallel import (
+    World,
+    all_reduce_sum,
+    apply_fsdp,
+    barrier,
+    init_distributed,
+    mixed_precision,
+    shutdown,
+)
+from tandem.trainer.sft.config import SFTConfig
+from tandem.trainer.sft.data import SFTDataset, build_dataset
+
+
+def token_loss_sum(model: nn.Module, batch: MicroBatch) -> torch.Tensor:
+    """Sum of next-token cross-entropies (fp32) over the batch's loss tokens."""
+    logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+    mask = batch.loss_mask[:, 1:]
+    selected = logits[:, :-1][mask].float()
+    return F.cross_entropy(selected, batch.input_ids[:, 1:][mask], reduction="sum")
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    dataset: SFTDataset,
+    position: int,
+    cfg: SFTConfig,
+    world: World,
+) -> dict[str, float]:
+    """One optimizer step on the global batch at `position`; returns its statistics."""
+    samples = dataset.batch(position, cfg.data.batch_size)
+    loss_tokens = sum(s.num_loss_tokens for s in samples)
+    rows, num_micro = shard_rows(
+        pack_rows(samples, cfg.seq_len), world.rank, world.size, cfg.data.micro_batch_size
+    )
+    pad_id = dataset.tokenizer.pad_token_id or 0
+    loss_sum = torch.zeros((), device=world.device)
+    for batch in make_micro_batches(rows, cfg.seq_len, pad_id, cfg.data.micro_batch_size, num_micro):
+        partial = token_loss_sum(model, batch.to(world.device))
+        (partial * (world.size / loss_tokens)).backward()
+        loss_sum += partial.detach()
+    grad_norm = clip_grad_norm(model, cfg.optim.max_grad_norm)
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss = float(all_reduce_sum(loss_sum)) / loss_tokens
+    tokens = sum(len(s.input_ids) for s in samples)
+    return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "loss_tokens": loss_tokens}
+
+
+def prepare_model_source(cfg: SFTConfig, world: World) -> None:
+    """Build the tiny random model at model.name on first use, when the config asks for it."""
+    if not cfg.init_tiny_model or Path(cfg.model.name).expanduser().exists():
+        return
+    if world.is_main:
+        from tandem.models.tiny import build_tiny_model
+
+        build_tiny_model(out=Path(cfg.model.name).expanduser(), seed=cfg.seed)
+        print(f"sft: built a random-init tiny Qwen3 at {cfg.model.name}", flush=True)
+    barrier()
+
+
+def train(cfg: SFTConfig) -> dict[str, Any]:
+    """Run SFT as configured (single process or one torchrun rank); returns the final summary."""
+    world = init_distributed(cfg.model.device)
+    try:
+        return _train(cfg, world)
+    finally:
+        shutdown()
+
+
+def _train(cfg: SFTConfig, world: World) -> dict[str, Any]:
+    torch.manual_seed(cfg.seed)
+    ckpt_root = cfg.run_dir / "checkpoints"
+    resume_from = latest_checkpoint(ckpt_root) if cfg.resume else None
+    if cfg.resume and resume_from is None:
+        raise UserError(f"resume is set but {ckpt_root} holds no checkpoint")
+    prepare_model_source(cfg, world)
+    tokenizer = load_tokenizer(cfg.model.name)
+    dataset = build_dataset(cfg.data, tokenizer, cfg.seed, cfg.seq_len)
+
+    weights = "float32" if cfg.model.dtype == "auto" else cfg.model.dtype
+    source = str(resume_from) if resume_from else cfg.model.name
+    model = load_model(cfg.model.model_copy(update={"name": source, "dtype": weights}), world.device)
+    model.config.use_cache = False
+    apply_fsdp(model, mixed_precision(world.device, next(model.parameters()).dtype))
+    model.train()
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
+    step, position = 0, 0
+    if resume_from:
+        step, extra = load_trainer_state(resume_from, model, optimizer, scheduler, world)
+        position = int(extra["data_position"])
+        if world.is_main:
+            print(f"sft: resumed from {resume_from} (step {step})", flush=True)
+
+    metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl", "sft", enabled=world.is_main)
+    progress = TrainingProgress(cfg.max_steps, step, cfg.log.interval, enabled=world.is_main)
+    start, total_tokens, start_step, stats = time.monotonic(), 0, step, {}
+    if world.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(world.device)
+    with metrics, progress:
+        while step < cfg.max_steps:
+            step_start = time.monotonic()
+            stats = train_step(model, optimizer, dataset, position, cfg, world)
+            scheduler.step()
+            step += 1
+            position += cfg.data.batch_size
+            total_tokens += stats["tokens"]
+            stats["tokens_per_s"] = stats["tokens"] / (time.monotonic() - step_start)
+            stats["elapsed"] = time.monotonic() - start
+            stats.update(_memory(world))
+            metrics.log(step, **stats)
+            progress.update(step, {k: stats[k] for k in ("loss", "grad_norm", "tokens_per_s")})
+            if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
+                save_checkpoint(
+                    ckpt_root,
+                    step,
+                    model,
+                    optimizer,
+                    scheduler,
+                    tokenizer,
+                    world,
+                    {"data_position": position},
+                    cfg.ckpt.keep,
+                )
+    if cfg.ckpt.final and step > start_step and not (cfg.ckpt.interval and step % cfg.ckpt.interval == 0):
+        save_checkpoint(
+            ckpt_root,
+            step,
+            model,
+            optimizer,
+            scheduler,
+            tokenizer,
+            world,
+            {"data_position": position},
+            cfg.ckpt.keep,
+        )
+    final_dir = cfg.run_dir / "final"
+    write_hf_model(model, tokenizer, final_dir, world)
+    elapsed = time.monotonic() - start
+    summary = {
+        "steps": step,
+        "loss": stats.get("loss"),
+        "tokens_per_s": total_tokens / elapsed if elapsed > 0 else 0.0,
+        "train_seconds": elapsed,
+        "final_model": str(final_dir),
+        **_memory(world),
+    }
+    if world.is_main:
+        memory = f", peak memory {summary['peak_memory_gib']:.2f} GiB" if "peak_memory_gib" in summary else ""
+        loss = f"{summary['loss']:.4f}" if summary["loss"] is not None else "n/a"
+        print(
+            f"sft: done {step} steps in {elapsed:.1f}s, loss {loss}, {summary['tokens_per_s']:,.0f} tokens/s "
+            f"({world.size} rank{'s' if world.size > 1 else ''}){memory}; model in {final_dir}",
+            flush=True,
+        )
+    return summary
+
+
+def _memory(world: World) -> dict[str, float]:
+    if world.device.type != "cuda":
+        return {}
+    return {"peak_memory_gib": torch.cuda.max_memory_allocated(world.device) / 2**30}
