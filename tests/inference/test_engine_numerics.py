@@ -1,0 +1,146 @@
+"""The native engine against transformers on the tiny Qwen3 (CPU, float32)."""
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tandem.inference.config import InferenceConfig
+from tandem.inference.engine import AsyncEngine
+from tandem.inference.engine.api import SampleUpdate, SamplingParams, TokenOutput
+from tandem.inference.engine.core import EngineCore
+from tandem.inference.engine.model_runner import kv_bytes_per_block
+
+PROMPTS = ["hello world", "abc", "the quick brown fox jumps over the lazy dog", "x", "reverse: tandem"]
+
+
+def engine_config(model: Path, **engine: object) -> InferenceConfig:
+    return InferenceConfig.model_validate(
+        {"model": {"name": str(model), "dtype": "float32"}, "engine": engine}
+    )
+
+
+def run_sync(core: EngineCore, requests: dict[str, tuple[list[int], SamplingParams, int]]) -> dict:
+    """Add all requests, step until done; {request_id: {index: [TokenOutput]}} and finish reasons."""
+    for rid, (ids, params, n) in requests.items():
+        core.add_request(rid, ids, params, n)
+    out: dict[str, dict[int, list[TokenOutput]]] = {rid: {} for rid in requests}
+    reasons: dict[tuple[str, int], str] = {}
+    for _ in range(10_000):
+        if not core.has_work():
+            break
+        for rid, updates in core.step():
+            for u in updates:
+                out[rid].setdefault(u.index, []).extend(u.tokens)
+                if u.finish_reason:
+                    reasons[(rid, u.index)] = u.finish_reason
+    assert not core.has_work()
+    return {"tokens": out, "reasons": reasons}
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def core(tiny_model: Path) -> EngineCore:
+    return EngineCore(engine_config(tiny_model, max_num_batched_tokens=64))
+
+
+def hf_greedy(hf_model: torch.nn.Module, ids: list[int], new: int) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None
+        )
+    return out[0, len(ids) :].tolist()
+
+
+def hf_logprobs(
+    hf_model: torch.nn.Module, ids: list[int], completion: list[int], temperature: float
+) -> torch.Tensor:
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids + completion])).logits[0].double()
+    logprobs = torch.log_softmax(logits[len(ids) - 1 : -1] / temperature, dim=-1)
+    return logprobs.gather(1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def test_greedy_matches_transformers_batched_with_shared_prompts(core, hf_model, tiny_model) -> None:
+    tok = core.tokenizer
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    requests = {f"r{i}": (tok.encode(p), params, 3 if i % 2 else 1) for i, p in enumerate(PROMPTS)}
+    result = run_sync(core, requests)["tokens"]
+    for rid, (ids, _, n) in requests.items():
+        expected = hf_greedy(hf_model, ids, 24)
+        assert sorted(result[rid]) == list(range(n))
+        for index in range(n):
+            assert [t.token_id for t in result[rid][index]] == expected, (rid, index)
+    assert core.blocks.num_free == core.blocks.num_usable  # everything freed
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.3])
+def test_logprobs_match_transformers_forward(core, hf_model, temperature: float) -> None:
+    tok = core.tokenizer
+    params = SamplingParams(temperature=temperature, max_tokens=20, ignore_eos=True, seed=7, top_logprobs=3)
+    requests = {f"p{i}": (tok.encode(p), params, 2) for i, p in enumerate(PROMPTS[:3])}
+    result = run_sync(core, requests)["tokens"]
+    for rid, (ids, _, n) in requests.items():
+        for index in range(n):
+            tokens = result[rid][index]
+            completion = [t.token_id for t in tokens]
+            reference = hf_logprobs(hf_model, ids, completion, temperature or 1.0)
+            got = torch.tensor([t.logprob for t in tokens], dtype=torch.float64)
+            assert torch.allclose(got, reference, atol=1e-4, rtol=0), (got - reference).abs().max()
+            # alternatives: the 3 best tokens of the same distribution, best first
+            first = tokens[0].top_logprobs
+            assert len(first) == 3 and first[0][1] >= first[1][1] >= first[2][1]
+            if temperature == 0.0:
+                assert first[0][0] == completion[0]
+
+
+def test_chunked_prefill_and_preemption_keep_greedy_outputs(tiny_model, hf_model) -> None:
+    """A 16-block cache and 8-token steps: prompts are prefilled in chunks and running samples
+    get preempted and recomputed, yet every sample equals transformers' greedy output."""
+    per_block = kv_bytes_per_block(hf_model.config, 16, torch.float32)
+    cfg = engine_config(tiny_model, max_num_batched_tokens=8, kv_cache_memory_gb=16 * per_block / 2**30)
+    core = EngineCore(cfg)
+    assert core.blocks.num_usable == 16
+    tok = core.tokenizer
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    long_prompt = "a long prompt that takes several chunks to prefill"
+    requests = {f"r{i}": (tok.encode(p), params, 2) for i, p in enumerate([*PROMPTS[:3], long_prompt])}
+    result = run_sync(core, requests)["tokens"]
+    assert core.scheduler.num_preemptions > 0
+    for rid, (ids, _, n) in requests.items():
+        expected = hf_greedy(hf_model, ids, 40)
+        for index in range(n):
+            assert [t.token_id for t in result[rid][index]] == expected, (rid, index)
+    assert core.blocks.num_free == core.blocks.num_usable
+
+
+def test_async_engine_streams_and_stops(tiny_model, hf_model) -> None:
+    async def main() -> tuple[dict[int, list[SampleUpdate]], list[int]]:
+        engine = AsyncEngine(engine_config(tiny_model))
+        try:
+            ids = engine.tokenizer.encode("hello")
+            expected = hf_greedy(hf_model, ids, 12)
+            stop_at = expected[5]
+            params = SamplingParams(
+                temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=(stop_at,)
+            )
+            updates: dict[int, list[SampleUpdate]] = {}
+            async for u in engine.generate("a", ids, params, n=2):
+                updates.setdefault(u.index, []).append(u)
+            return updates, expected
+        finally:
+            await engine.shutdown()
+
+    updates, expected = asyncio.run(main())
+    stop = expected.index(expected[5]) + 1
+    for index in (0, 1):
+        tokens = [t.token_id for u in updates[index] for t in u.tokens]
+        assert tokens == expected[:stop]
+        assert updates[index][-1].finish_reason == "stop"
+        assert all(u.finish_reason is None for u in updates[index][:-1])
