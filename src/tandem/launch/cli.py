@@ -1,0 +1,106 @@
+"""`uv run rl @ examples/reverse_text/rl.toml [--resume] [--dry-run]`: one RL run on one machine.
+
+Writes the resolved per-process configs to run_dir/configs/, starts the inference server(s),
+waits for their /health, then starts the trainer and the orchestrator, streaming every line to
+the console and to run_dir/logs/<name>.log. Exits 0 when trainer and orchestrator finish; when
+any process fails, stops the rest and shows the failed one's last lines.
+"""
+
+import shlex
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from tandem.cli import UserError, run_cli
+from tandem.config.loader import parse_config
+from tandem.launch.config import RLConfig
+from tandem.launch.devices import visible_gpus
+from tandem.launch.plan import RunPlan, plan_run
+from tandem.launch.supervisor import Console, Supervisor
+
+PROG = "rl"
+
+
+def describe(plan: RunPlan) -> str:
+    """The resolved configs and the commands, as --dry-run prints them."""
+    parts = []
+    for name, text in plan.files().items():
+        if name != "rl":
+            parts.append(f"# ---- {plan.config_dir / name}.toml ----\n{text}")
+    devices = plan.devices
+    where = "CPU only" if not devices.on_gpu else ("colocated on GPU" if devices.colocated else "split GPUs")
+    parts.append(f"# ---- commands ({where}) ----")
+    for spec in plan.specs():
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in spec.env.items())
+        parts.append(f"[{spec.name}] {env} {shlex.join(spec.argv)}")
+    return "\n".join(parts) + "\n"
+
+
+def preflight(plan: RunPlan) -> None:
+    """Fail before starting anything when the run directory or a port is already taken."""
+    if not plan.config.resume:
+        from tandem.orchestrator.loop import written_steps
+
+        if done := written_steps(plan.config.run_dir):
+            raise UserError(
+                f"{plan.config.run_dir} already holds rollouts up to step {done[-1]}: pass --resume to "
+                "continue that run, or choose another run_dir"
+            )
+    for cfg in plan.inference:
+        with socket.socket() as probe:
+            try:
+                probe.bind((cfg.host, cfg.port))
+            except OSError as e:
+                raise UserError(
+                    f"port {cfg.port} on {cfg.host} is taken ({e.strerror}); stop what uses it or set "
+                    "deployment.inference_ports / inference.port"
+                ) from None
+
+
+def latest_weights(run_dir: Path) -> Path | None:
+    published = [p for p in (run_dir / "weights").glob("step_*") if (p / "STABLE").is_file()]
+    return max(published, key=lambda p: int(p.name.removeprefix("step_")), default=None)
+
+
+def launch(plan: RunPlan) -> int:
+    preflight(plan)
+    plan.write_configs()
+    console = Console()
+    supervisor = Supervisor(
+        plan.specs(),
+        plan.log_dir,
+        startup_timeout_s=plan.config.deployment.startup_timeout_s,
+        shutdown_grace_s=plan.config.deployment.shutdown_grace_s,
+        console=console,
+        prog=PROG,
+    )
+    supervisor.say(f"run_dir {plan.config.run_dir}; configs in {plan.config_dir}")
+    code = supervisor.run()
+    if code == 0:
+        weights = latest_weights(plan.config.run_dir)
+        supervisor.say(
+            f"finished {plan.trainer.max_steps} steps; final weights: {weights or 'none published'}; "
+            f"metrics in {plan.config.run_dir}"
+        )
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    def run() -> None:
+        args = list(sys.argv[1:] if argv is None else argv)
+        dry_run = any(a in ("--dry-run", "--dry_run") for a in args)
+        args = [a for a in args if a not in ("--dry-run", "--dry_run")]
+        plan = plan_run(parse_config(RLConfig, args, prog=PROG), visible_gpus())
+        if dry_run:
+            print(describe(plan), end="")
+            return
+        code = launch(plan)
+        if code:
+            raise SystemExit(code)
+
+    run_cli(run, PROG)
+
+
+if __name__ == "__main__":
+    main()

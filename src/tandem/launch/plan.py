@@ -1,0 +1,217 @@
+"""From one RLConfig to the per-process configs and commands of a run.
+
+The launcher owns the fields that connect the processes: each server's port, the orchestrator's
+server URLs and rank count, run_dir and resume. Top-level shared fields fill every section that
+left them unset; fields that must agree between processes are checked here, so a mismatch is one
+clear line at start rather than a hang later.
+"""
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from tandem.config.loader import ConfigError, deep_merge, format_validation_error, to_toml
+from tandem.inference.config import InferenceConfig
+from tandem.launch.config import RLConfig
+from tandem.launch.devices import DeviceAssignment, assign_devices
+from tandem.launch.supervisor import ProcessSpec
+from tandem.orchestrator.config import OrchestratorConfig
+from tandem.trainer.rl.config import RLTrainerConfig
+
+M = TypeVar("M", bound=BaseModel)
+
+INFERENCE_MODULE = "tandem.inference.cli"
+ORCHESTRATOR_MODULE = "tandem.orchestrator.cli"
+TRAINER_MODULE = "tandem.trainer.rl.cli"
+
+
+@dataclass
+class RunPlan:
+    config: RLConfig  # as resolved: what run_dir/configs/rl.toml holds
+    devices: DeviceAssignment
+    inference: list[InferenceConfig]
+    orchestrator: OrchestratorConfig
+    trainer: RLTrainerConfig
+
+    @property
+    def config_dir(self) -> Path:
+        return self.config.run_dir / "configs"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.config.run_dir / "logs"
+
+    def files(self) -> dict[str, str]:
+        """run_dir/configs/<name>.toml → its text."""
+        texts = {f"inference_{i}": to_toml(c) for i, c in enumerate(self.inference)}
+        texts |= {"orchestrator": to_toml(self.orchestrator), "trainer": to_toml(self.trainer)}
+        texts["rl"] = to_toml(self.config)
+        return texts
+
+    def write_configs(self) -> None:
+        self.config_dir.mkdir(parents=True, exist_ok=True)
+        for name, text in self.files().items():
+            path = self.config_dir / f"{name}.toml"
+            tmp = path.with_suffix(".toml.tmp")
+            tmp.write_text(text)
+            tmp.replace(path)
+
+    def specs(self) -> list[ProcessSpec]:
+        """The processes to start, servers first, each pinned to its devices."""
+        python = sys.executable
+        specs = []
+        for i, (cfg, gpus) in enumerate(zip(self.inference, self.devices.inference, strict=True)):
+            specs.append(
+                ProcessSpec(
+                    f"inference_{i}" if len(self.inference) > 1 else "inference",
+                    [python, "-m", INFERENCE_MODULE, "@", str(self.config_dir / f"inference_{i}.toml")],
+                    env={"CUDA_VISIBLE_DEVICES": ",".join(gpus)},
+                    role="service",
+                    health_url=f"{server_url(cfg)}/health",
+                )
+            )
+        nproc = self.devices.trainer_nproc
+        runner = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        trainer_argv = [*(runner if nproc > 1 else [python]), "-m", TRAINER_MODULE]
+        specs.append(
+            ProcessSpec(
+                "trainer",
+                [*trainer_argv, "@", str(self.config_dir / "trainer.toml")],
+                env={"CUDA_VISIBLE_DEVICES": ",".join(self.devices.trainer)},
+            )
+        )
+        specs.append(
+            ProcessSpec(
+                "orchestrator",
+                [python, "-m", ORCHESTRATOR_MODULE, "@", str(self.config_dir / "orchestrator.toml")],
+                env={"CUDA_VISIBLE_DEVICES": ""},
+            )
+        )
+        return specs
+
+
+def server_url(cfg: InferenceConfig) -> str:
+    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
+    return f"http://{host}:{cfg.port}"
+
+
+def plan_run(config: RLConfig, visible_gpus: list[str]) -> RunPlan:
+    """Resolve `config` against the visible GPUs; ConfigError (one line) on any inconsistency."""
+    dep = config.deployment
+    devices = assign_devices(
+        visible_gpus, dep.inference_gpus, dep.trainer_gpus, dep.inference_servers, dep.trainer_nproc
+    )
+    num_servers = len(devices.inference)
+    ports = dep.inference_ports or [config.inference.port + i for i in range(num_servers)]
+    if len(ports) != num_servers:
+        raise ConfigError(
+            f"deployment.inference_ports: {len(ports)} port(s) for {num_servers} inference server(s)"
+        )
+
+    shared = {
+        "model": config.model,
+        "seq_len": config.seq_len,
+        "max_steps": config.max_steps,
+        "seed": config.seed,
+    }
+    owned = {"run_dir": config.run_dir}
+    inference = _fill(config.inference, "inference", shared, owned)
+    inference_updates = _inference_defaults(config, devices)
+    inference = _update("inference", inference, inference_updates)
+
+    owned_jobs = owned | {"resume": config.resume}
+    servers = [server_url(_update("inference", inference, {"port": p})) for p in ports]
+    orchestrator = _fill(
+        config.orchestrator,
+        "orchestrator",
+        shared,
+        owned_jobs | {"servers": servers, "num_ranks": devices.trainer_nproc},
+    )
+    if inference.api_key and orchestrator.client.api_key is None:
+        orchestrator = _update("orchestrator", orchestrator, {"client": {"api_key": inference.api_key}})
+    trainer = _fill(config.trainer, "trainer", shared, owned_jobs)
+    _check_agreement(inference, orchestrator, trainer)
+
+    resolved = _update("", config, {"inference": inference, "orchestrator": orchestrator, "trainer": trainer})
+    servers_cfgs = [_update("inference", inference, {"port": p}) for p in ports]
+    return RunPlan(resolved, devices, servers_cfgs, orchestrator, trainer)
+
+
+def _fill(section: M, name: str, shared: dict[str, Any], owned: dict[str, Any]) -> M:
+    """Shared values where the section left them unset; launcher-owned values always.
+
+    A launcher-owned field the user set to something else is an error, not silently replaced.
+    """
+    updates = {
+        k: v
+        for k, v in shared.items()
+        if k in type(section).model_fields and k not in section.model_fields_set
+    }
+    for key, value in owned.items():
+        if key in section.model_fields_set and _plain(getattr(section, key)) != _plain(value):
+            raise ConfigError(
+                f"{name}.{key} is set by the launcher ({_plain(value)!r}); set it at the top level or in "
+                f"[deployment] instead of {_plain(getattr(section, key))!r}"
+            )
+        updates[key] = value
+    return _update(name, section, updates)
+
+
+def _inference_defaults(config: RLConfig, devices: DeviceAssignment) -> dict[str, Any]:
+    """The server's context length is seq_len; a server sharing a GPU gets a smaller memory share."""
+    inf = config.inference
+    engine: dict[str, Any] = {}
+    vllm: dict[str, Any] = {}
+    if inf.engine.max_model_len is None:
+        engine["max_model_len"] = config.seq_len
+    if inf.vllm.max_model_len is None:
+        vllm["max_model_len"] = config.seq_len
+    if devices.colocated:
+        share = config.deployment.colocated_gpu_memory_utilization
+        if "gpu_memory_utilization" not in inf.engine.model_fields_set:
+            engine["gpu_memory_utilization"] = share
+        if "gpu_memory_utilization" not in inf.vllm.model_fields_set:
+            vllm["gpu_memory_utilization"] = share
+    return {"engine": engine, "vllm": vllm}
+
+
+def _check_agreement(
+    inference: InferenceConfig, orchestrator: OrchestratorConfig, trainer: RLTrainerConfig
+) -> None:
+    if not orchestrator.model.name:
+        raise ConfigError("model.name is empty: set the policy's checkpoint under [model]")
+    names = {
+        "inference": inference.model.name,
+        "orchestrator": orchestrator.model.name,
+        "trainer": trainer.model.name,
+    }
+    if len(set(names.values())) > 1:
+        shown = ", ".join(f"{k}.model.name={v!r}" for k, v in names.items())
+        raise ConfigError(f"every process must start from the same checkpoint, got {shown}")
+    if orchestrator.max_steps != trainer.max_steps:
+        raise ConfigError(
+            f"orchestrator.max_steps ({orchestrator.max_steps}) and trainer.max_steps ({trainer.max_steps}) "
+            "differ; set max_steps once at the top level"
+        )
+    keep, lag = trainer.weights.keep, orchestrator.max_async_level
+    if keep and keep <= lag:
+        raise ConfigError(
+            f"trainer.weights.keep ({keep}) must exceed orchestrator.max_async_level ({lag}), or be 0 (keep all)"
+        )
+
+
+def _update(name: str, model: M, updates: dict[str, Any]) -> M:
+    """A validated copy of `model` with `updates` merged in (nested dicts merge into sub-sections)."""
+    data = model.model_dump(exclude_unset=True)
+    data = deep_merge(data, updates)
+    try:
+        return type(model).model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"{format_validation_error(e)} (in the resolved {name or 'rl'} config)") from None
+
+
+def _plain(value: Any) -> Any:
+    return value.model_dump(mode="json") if isinstance(value, BaseModel) else value

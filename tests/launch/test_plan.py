@@ -1,0 +1,192 @@
+"""Device assignment, config cross-filling and validation, written configs, and --dry-run."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tandem.config.loader import ConfigError, build_config
+from tandem.inference.config import InferenceConfig
+from tandem.launch.cli import main
+from tandem.launch.config import RLConfig
+from tandem.launch.devices import assign_devices
+from tandem.launch.plan import plan_run
+from tandem.orchestrator.config import OrchestratorConfig
+from tandem.trainer.rl.config import RLTrainerConfig
+
+
+def gpus(n: int) -> list[str]:
+    return [str(i) for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("visible", "inference", "trainer", "nproc", "colocated"),
+    [
+        (0, [[]], [], 1, False),
+        (1, [["0"]], ["0"], 1, True),
+        (2, [["0"]], ["1"], 1, False),
+        (4, [["0"], ["1"]], ["2", "3"], 2, False),
+    ],
+)
+def test_default_assignment(
+    visible: int, inference: list[list[str]], trainer: list[str], nproc: int, colocated: bool
+) -> None:
+    a = assign_devices(gpus(visible), None, None, None, None)
+    assert (a.inference, a.trainer, a.trainer_nproc, a.colocated) == (inference, trainer, nproc, colocated)
+    assert a.on_gpu == (visible > 0)
+
+
+def test_configured_assignment() -> None:
+    assert assign_devices(gpus(4), None, None, 1, None).inference == [["0", "1"]]
+    a = assign_devices(gpus(4), ["3"], None, None, None)
+    assert (a.inference, a.trainer, a.trainer_nproc) == ([["3"]], ["0", "1", "2"], 3)
+    a = assign_devices(gpus(2), ["0"], ["0", "1"], None, None)
+    assert a.colocated and a.trainer_nproc == 2
+    cpu = assign_devices([], None, None, 2, 4)
+    assert (cpu.inference, cpu.trainer, cpu.trainer_nproc) == ([[], []], [], 4)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            (gpus(2), ["5"], None, None, None),
+            "deployment.inference_gpus: GPU(s) 5 not visible (visible: 0, 1)",
+        ),
+        ((gpus(4), None, None, None, 3), "deployment.trainer_nproc: 3 rank(s) on 2 trainer GPU(s)"),
+        ((gpus(4), ["0", "1", "2"], ["3"], 2, None), "2 server(s) cannot split 3 inference GPU(s)"),
+        ((gpus(2), ["0"], [], None, None), "the trainer would run on CPU while the other side has GPUs"),
+        ((gpus(2), ["0", "0"], ["1"], None, None), "a GPU is listed twice"),
+    ],
+)
+def test_assignment_errors(args: tuple, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        assign_devices(*args)
+
+
+def config(tmp_path: Path, **overrides: object) -> RLConfig:
+    base = [("model.name", "tiny"), ("run_dir", str(tmp_path / "run")), ("max_steps", 3), ("seq_len", 128)]
+    base += [("orchestrator.sampling.max_tokens", 16)]
+    return build_config(RLConfig, overrides=base + list(overrides.items()))
+
+
+def test_cross_filling_on_cpu(tmp_path: Path) -> None:
+    cfg = config(
+        tmp_path, **{"deployment.inference_servers": 2, "deployment.trainer_nproc": 2, "resume": True}
+    )
+    plan = plan_run(cfg, [])
+    run = tmp_path / "run"
+
+    assert [c.port for c in plan.inference] == [8000, 8001]
+    assert plan.orchestrator.servers == ["http://127.0.0.1:8000", "http://127.0.0.1:8001"]
+    assert plan.orchestrator.num_ranks == 2
+    assert {plan.orchestrator.run_dir, plan.trainer.run_dir, *(c.run_dir for c in plan.inference)} == {run}
+    assert plan.orchestrator.resume and plan.trainer.resume
+    assert plan.orchestrator.max_steps == plan.trainer.max_steps == 3  # top level, not the sections' defaults
+    assert plan.orchestrator.seq_len == 128 and plan.inference[0].engine.max_model_len == 128
+    assert plan.trainer.model.name == plan.inference[1].model.name == "tiny"
+    assert plan.inference[0].engine.gpu_memory_utilization == 0.85  # not colocated on CPU
+
+    specs = {s.name: s for s in plan.specs()}
+    assert list(specs) == ["inference_0", "inference_1", "trainer", "orchestrator"]
+    trainer = specs["trainer"].argv
+    assert trainer[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
+    assert trainer[6:] == ["tandem.trainer.rl.cli", "@", str(run / "configs" / "trainer.toml")]
+    assert all(s.env["CUDA_VISIBLE_DEVICES"] == "" for s in specs.values())
+    assert specs["inference_1"].health_url == "http://127.0.0.1:8001/health"
+    assert specs["inference_0"].role == "service" and specs["trainer"].role == "job"
+
+
+def test_gpu_placement_and_colocation(tmp_path: Path) -> None:
+    plan = plan_run(config(tmp_path), ["0"])
+    specs = {s.name: s for s in plan.specs()}
+    assert (
+        specs["inference"].env["CUDA_VISIBLE_DEVICES"] == specs["trainer"].env["CUDA_VISIBLE_DEVICES"] == "0"
+    )
+    assert specs["orchestrator"].env["CUDA_VISIBLE_DEVICES"] == ""
+    assert plan.inference[0].engine.gpu_memory_utilization == 0.3
+    assert plan.inference[0].vllm.gpu_memory_utilization == 0.3
+    assert specs["trainer"].argv[1:3] == ["-m", "tandem.trainer.rl.cli"]
+
+    explicit = plan_run(config(tmp_path, **{"inference.engine.gpu_memory_utilization": 0.5}), ["0"])
+    assert explicit.inference[0].engine.gpu_memory_utilization == 0.5
+
+    split = plan_run(config(tmp_path, **{"inference.api_key": "k"}), gpus(4))
+    specs = {s.name: s for s in split.specs()}
+    assert [specs[n].env["CUDA_VISIBLE_DEVICES"] for n in ("inference_0", "inference_1", "trainer")] == [
+        "0",
+        "1",
+        "2,3",
+    ]
+    assert "--nproc-per-node=2" in specs["trainer"].argv and split.orchestrator.num_ranks == 2
+    assert split.inference[0].engine.gpu_memory_utilization == 0.85
+    assert split.orchestrator.client.api_key == "k"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"orchestrator.batch_size": 10, "orchestrator.group_size": 4}, "batch_size (10) must be a multiple"),
+        ({"seq_len": 16}, "seq_len (16) must exceed sampling.max_tokens (16)"),
+        ({"orchestrator.servers": ["http://x:1"]}, "orchestrator.servers is set by the launcher"),
+        ({"trainer.run_dir": "elsewhere"}, "trainer.run_dir is set by the launcher"),
+        ({"orchestrator.max_steps": 9}, "orchestrator.max_steps (9) and trainer.max_steps (3) differ"),
+        ({"model.name": ""}, "model.name is empty"),
+        ({"trainer.model.name": "other"}, "same checkpoint"),
+        ({"trainer.weights.keep": 1}, "trainer.weights.keep (1) must exceed"),
+        ({"deployment.shutdown_grace_s": 60}, "deployment.shutdown_grace_s"),
+        ({"deployment.inference_ports": [9000, 9001]}, "2 port(s) for 1 inference server"),
+        ({"deployment.colour": True}, "unknown key 'deployment.colour'"),
+    ],
+)
+def test_validation_is_one_clear_line(tmp_path: Path, overrides: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)) as error:
+        plan_run(config(tmp_path, **overrides), [])
+    assert "\n" not in str(error.value)
+
+
+def test_written_configs_load_back(tmp_path: Path) -> None:
+    plan = plan_run(config(tmp_path, **{"deployment.inference_servers": 2}), [])
+    plan.write_configs()
+    d = tmp_path / "run" / "configs"
+    assert sorted(p.name for p in d.iterdir()) == [
+        "inference_0.toml",
+        "inference_1.toml",
+        "orchestrator.toml",
+        "rl.toml",
+        "trainer.toml",
+    ]
+    assert build_config(InferenceConfig, [d / "inference_1.toml"]) == plan.inference[1]
+    assert build_config(OrchestratorConfig, [d / "orchestrator.toml"]) == plan.orchestrator
+    assert build_config(RLTrainerConfig, [d / "trainer.toml"]) == plan.trainer
+    again = plan_run(build_config(RLConfig, [d / "rl.toml"]), [])  # the saved run re-launches unchanged
+    assert (again.inference, again.orchestrator, again.trainer) == (
+        plan.inference,
+        plan.orchestrator,
+        plan.trainer,
+    )
+
+
+def test_dry_run_prints_plan_and_starts_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    toml = tmp_path / "rl.toml"
+    toml.write_text(f'run_dir = "{tmp_path / "run"}"\nmax_steps = 2\n[model]\nname = "m"\n')
+    main(["@", str(toml), "--deployment.trainer_nproc", "2", "--resume", "--dry-run"])
+    out = capsys.readouterr().out
+
+    assert f"# ---- {tmp_path / 'run' / 'configs' / 'trainer.toml'} ----" in out
+    assert "num_ranks = 2" in out and "resume = true" in out
+    assert "[trainer] CUDA_VISIBLE_DEVICES=''" in out and "--nproc-per-node=2 -m tandem.trainer.rl.cli" in out
+    assert "-m tandem.inference.cli @" in out and "-m tandem.orchestrator.cli @" in out
+    assert not (tmp_path / "run").exists()
+
+
+def test_cli_error_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model.name", "m", "--orchestrator.batch_size", "7", "--dry-run"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rl: error: invalid config: ") and "batch_size (7)" in err
+    assert err.count("\n") == 1
