@@ -10,6 +10,8 @@ def group_advantages(rewards: list[float], std_normalize: bool = False) -> list[
     """reward − mean(group); with `std_normalize`, divided by (population std + 1e-6)."""
     if not rewards:
         raise ValueError("a group needs at least one reward")
+    if max(rewards) == min(rewards):
+        return [0.0] * len(rewards)  # exactly zero: a mean's rounding error must not fake a signal
     mean = sum(rewards) / len(rewards)
     centred = [r - mean for r in rewards]
     if not std_normalize:

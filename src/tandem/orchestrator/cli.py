@@ -6,10 +6,11 @@ import logging
 from tandem.cli import run_cli
 from tandem.config.loader import parse_config
 from tandem.orchestrator.config import OrchestratorConfig
-from tandem.orchestrator.loop import Orchestrator
 
 
 def run(cfg: OrchestratorConfig) -> None:
+    from tandem.orchestrator.loop import Orchestrator  # torch and transformers: only once the config is valid
+
     logging.basicConfig(
         level=cfg.log_level.upper(),
         format="%(asctime)s %(levelname)s orchestrator: %(message)s",
@@ -22,7 +23,3 @@ def run(cfg: OrchestratorConfig) -> None:
 
 def main() -> None:
     run_cli(lambda: run(parse_config(OrchestratorConfig, prog="orchestrator")), "orchestrator")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,224 @@
+"""Batch collection without a model: environments that script their rollouts exercise filtering,
+crash handling, the sample format, trajectory stitching, server selection and start-up errors."""
+
+import asyncio
+import logging
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tandem.cli import UserError
+from tandem.config.loader import ConfigError, build_config
+from tandem.envs.base import Environment, StitchError, Trajectory, Turn, stitch
+from tandem.envs.registry import load_environment
+from tandem.models.tiny import build_tiny_model
+from tandem.orchestrator.client import InferenceClient, ServerPool, ServerUnavailable
+from tandem.orchestrator.config import ClientConfig, OrchestratorConfig
+from tandem.orchestrator.loop import check_prompt_lengths, first_step
+from tandem.orchestrator.rollouts import RolloutCollector, RolloutsFailing
+from tandem.orchestrator.tasks import step_task_order
+from tandem.transport.rollouts import pack_samples, write_step
+
+
+@dataclass(frozen=True)
+class ScriptedTask:
+    task_id: str
+    kind: str  # "varied": rewards differ within a group; "flat": all equal; "crash": the env raises
+
+
+class ScriptedEnv(Environment):
+    """Rewards 0, 1, 2, ... within a group for 'varied' tasks; 0.5 for all of a 'flat' task."""
+
+    name = "scripted"
+
+    def __init__(self, kinds: list[str]) -> None:
+        super().__init__()
+        self.tasks = [ScriptedTask(f"t{i}", kind) for i, kind in enumerate(kinds)]
+        self.calls: dict[str, int] = {}
+
+    @property
+    def reward_functions(self) -> list:
+        return []
+
+    def dataset(self, split: str) -> list[ScriptedTask]:
+        return self.tasks
+
+    async def rollout(self, task: ScriptedTask, client: InferenceClient, sampling: object) -> Trajectory:
+        await asyncio.sleep(0.001 * (hash(task.task_id) % 5))  # finish out of order
+        if task.kind == "crash":
+            raise RuntimeError("scripted crash")
+        k = self.calls.get(task.task_id, 0)
+        self.calls[task.task_id] = k + 1
+        reward = 0.5 if task.kind == "flat" else float(k)
+        turn = Turn([1, 2, 3], [10 + k, 11], [-0.5, -0.25], [7], "stop")
+        return stitch(task.task_id, [turn], [], reward, {"k": float(k)})
+
+
+def config(tmp_path: Path, **overrides: object) -> OrchestratorConfig:
+    base = {"batch_size": 8, "group_size": 4, "seq_len": 64, "micro_batch_tokens": 64, "run_dir": tmp_path}
+    base["sampling"] = {"max_tokens": 8}
+    return OrchestratorConfig.model_validate({**base, **overrides})
+
+
+def collect(env: Environment, cfg: OrchestratorConfig, step: int = 0):
+    async def run():
+        pool = ServerPool(["http://127.0.0.1:9"], cfg.client)
+        try:
+            return await RolloutCollector(env, pool, cfg).collect(step)
+        finally:
+            await pool.close()
+
+    return asyncio.run(run())
+
+
+def stream(env: ScriptedEnv, cfg: OrchestratorConfig, step: int, count: int) -> list[ScriptedTask]:
+    order = step_task_order(len(env.tasks), cfg.seed, step)
+    return [env.tasks[next(order)] for _ in range(count)]
+
+
+def test_zero_advantage_groups_are_replaced_when_filtering(tmp_path: Path) -> None:
+    env = ScriptedEnv(["flat", "varied"] * 6)
+    cfg = config(tmp_path, filter_zero_advantage_groups=True)
+    batch = collect(env, cfg)
+    assert len(batch.groups) == 2 and len(batch.trajectories) == 8
+    assert all(any(a != 0 for a in g.advantages) for g in batch.groups)
+    # the kept tasks are the first two varied ones of step 0's deterministic stream
+    tasks = stream(env, cfg, 0, 12)
+    varied = [t.task_id for t in tasks if t.kind == "varied"][:2]
+    assert [g.task_id for g in batch.groups] == varied
+    assert batch.filtered_groups == [t.task_id for t in tasks].index(varied[1]) - 1
+    # rewards 0, 1, 2, 3 → advantages -1.5, -0.5, 0.5, 1.5
+    assert sorted(batch.groups[0].advantages) == [-1.5, -0.5, 0.5, 1.5]
+
+
+def test_zero_advantage_groups_are_kept_without_filtering_or_past_the_limit(tmp_path: Path) -> None:
+    kept = collect(ScriptedEnv(["flat"] * 4), config(tmp_path))
+    assert kept.filtered_groups == 0 and kept.zero_advantage_kept == 2
+    limited = collect(
+        ScriptedEnv(["flat"] * 4), config(tmp_path, filter_zero_advantage_groups=True, max_filtered_groups=3)
+    )
+    assert limited.filtered_groups == 3 and limited.zero_advantage_kept == 2 and len(limited.groups) == 2
+
+
+def test_a_crashing_rollout_is_logged_with_its_task_and_the_step_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = config(tmp_path)
+    order = step_task_order(5, cfg.seed, 0)
+    first, second = next(order), next(order)  # the first two tasks step 0 draws: make them crash
+    env = ScriptedEnv(["crash" if i in (first, second) else "varied" for i in range(5)])
+    with caplog.at_level(logging.ERROR):
+        batch = collect(env, cfg)
+    assert len(batch.groups) == 2 and batch.failed_groups == 2
+    assert {g.task_id for g in batch.groups}.isdisjoint({f"t{first}", f"t{second}"})
+    crashed = [f"t{first}"]
+    assert any(f"task {crashed[0]} failed: RuntimeError: scripted crash" in r.message for r in caplog.records)
+    with pytest.raises(RolloutsFailing, match="rollout groups failed; last: task t0: RuntimeError"):
+        collect(ScriptedEnv(["crash"]), cfg)
+
+
+def test_samples_carry_advantages_versions_and_pack_into_rank_files(tmp_path: Path) -> None:
+    cfg = config(tmp_path, num_ranks=2)
+    batch = collect(ScriptedEnv(["varied"] * 3), cfg)
+    samples = batch.samples("scripted")
+    assert len(samples) == 8
+    for s in samples:
+        assert s.prompt_ids == [1, 2, 3] and s.completion_mask == [True, True]
+        assert s.policy_version == 7 and s.policy_versions == [7] and s.env == "scripted"
+    assert sum(s.advantage for s in samples[:4]) == pytest.approx(0.0)
+    directory = write_step(
+        tmp_path, 0, pack_samples(samples, cfg.seq_len, cfg.num_ranks, cfg.micro_batch_tokens)
+    )
+    assert sorted(p.name for p in directory.iterdir()) == ["READY", "rank_0.bin", "rank_1.bin"]
+    assert first_step(cfg.model_copy(update={"resume": True})) == 1
+    with pytest.raises(UserError, match="already holds steps up to 0: pass --resume"):
+        first_step(cfg)
+
+
+def test_stitching_masks_environment_tokens_and_refuses_drift() -> None:
+    first = Turn([1, 2], [3, 4], [-0.1, -0.2], [0], "stop")
+    second = Turn([1, 2, 3, 4, 9, 9], [5], [-0.3], [1], "length")
+    t = stitch("x", [first, second], [], 1.0, {})
+    assert t.prompt_ids == [1, 2]
+    assert t.completion_ids == [3, 4, 9, 9, 5]
+    assert t.completion_mask == [1, 1, 0, 0, 1]
+    assert t.completion_logprobs == [-0.1, -0.2, 0.0, 0.0, -0.3]
+    assert t.weight_versions == [0, 1] and t.policy_version == 0 and t.truncated
+    with pytest.raises(StitchError, match="turn 1's prompt tokens do not extend"):
+        stitch("x", [first, Turn([1, 2, 3, 7], [5], [-0.3], [1], "stop")], [], 1.0, {})
+
+
+def test_pool_hands_out_the_least_loaded_server() -> None:
+    async def run() -> list[str]:
+        pool = ServerPool(["http://a", "http://b", "http://c"], ClientConfig())
+        seen = []
+        async with pool.lease() as first, pool.lease() as second:
+            seen += [first.base_url, second.base_url]
+            async with pool.lease() as third:
+                seen.append(third.base_url)
+            async with pool.lease() as again:
+                seen.append(again.base_url)  # c is free again, a and b are busy
+        await pool.close()
+        return seen
+
+    assert asyncio.run(run()) == ["http://a", "http://b", "http://c", "http://c"]
+
+
+def test_a_server_that_does_not_answer_is_named_after_the_retries() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = ClientConfig(max_retries=2, retry_backoff=0.05, request_timeout=2)
+
+    async def run() -> None:
+        client = InferenceClient(f"http://127.0.0.1:{port}", cfg)
+        try:
+            await client.connect()
+        finally:
+            await client.close()
+
+    with pytest.raises(
+        ServerUnavailable, match=rf"server http://127.0.0.1:{port} did not answer .* after 3 attempts"
+    ):
+        asyncio.run(run())
+
+
+def test_bad_settings_fail_at_start_with_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"batch_size \(10\) must be a multiple of group_size \(4\)"):
+        build_config(OrchestratorConfig, overrides=[("batch_size", 10), ("group_size", 4)])
+    with pytest.raises(ConfigError, match="'env.args.max_lenn': Extra inputs are not permitted"):
+        load_environment("reverse_text", {"max_lenn": 3})
+    with pytest.raises(ConfigError, match="unknown environment 'wordle"):
+        load_environment("wordle")
+    model = build_tiny_model(
+        out=tmp_path / "m", num_layers=1, hidden_size=32, head_dim=8, intermediate_size=64
+    )
+    cfg = config(
+        tmp_path, model={"name": str(model)}, seq_len=40, micro_batch_tokens=40, sampling={"max_tokens": 16}
+    )
+    with pytest.raises(
+        UserError, match=r"seq_len 40 cannot fit one sample: prompt of task .* has \d+ tokens"
+    ):
+        check_prompt_lengths(load_environment("reverse_text", {"num_train_tasks": 50}), cfg)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from tandem.orchestrator.cli import main; main()",
+            "--batch-size",
+            "6",
+            "--group-size",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "orchestrator: error: invalid config: '<root>': batch_size (6) must be a multiple of group_size (4)"
+    ]
