@@ -1,0 +1,1 @@
+"""The RL trainer: rollouts in, optimizer steps, weights out."""

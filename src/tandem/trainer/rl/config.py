@@ -1,0 +1,107 @@
+"""Configuration of the RL trainer (`uv run trainer @ cfg.toml`)."""
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Field, Tag
+
+from tandem.config.base import ModelConfig, Section
+from tandem.trainer.optim import OptimConfig
+
+
+class LossBase(Section):
+    kl_coef: float = Field(
+        0.0, ge=0, description="Weight of a per-token KL(sampler ‖ policy) penalty on loss tokens; 0 = off."
+    )
+    kl_estimator: Literal["k3", "sq_log_ratio"] = Field(
+        "k3", description="KL estimator: k3 = r − 1 − log r, or sq_log_ratio = (log r)²."
+    )
+
+
+class MaskedISLoss(LossBase):
+    """Default: −r·A on tokens whose ratio r = π/μ lies in the trust region; others masked."""
+
+    type: Literal["masked_is"] = "masked_is"
+    delta: float = Field(1.0, gt=0, description="Trust region [1/(1+delta), 1+delta] for the token ratio.")
+    low: float | None = Field(None, gt=0, le=1, description="Lower ratio bound; overrides 1/(1+delta).")
+    high: float | None = Field(None, ge=1, description="Upper ratio bound; overrides 1+delta.")
+
+    def bounds(self) -> tuple[float, float]:
+        low = self.low if self.low is not None else 1 / (1 + self.delta)
+        high = self.high if self.high is not None else 1 + self.delta
+        return low, high
+
+
+class PPOClipLoss(LossBase):
+    """−min(r·A, clip(r, 1−eps_low, 1+eps_high)·A)."""
+
+    type: Literal["ppo_clip"]
+    eps_low: float = Field(0.2, gt=0, lt=1)
+    eps_high: float = Field(0.28, gt=0)
+
+
+class TISLoss(LossBase):
+    """Truncated importance sampling: −min(r, cap)·A·log π with the weight detached."""
+
+    type: Literal["tis"]
+    cap: float = Field(2.0, gt=0, description="Truncation C of the importance ratio.")
+
+
+class CustomLoss(LossBase):
+    """A user objective `fn(inputs: LossInputs, **options) -> LossTerms` (tandem.trainer.rl.loss)."""
+
+    type: Literal["custom"]
+    import_path: str = Field(pattern=r"^[\w.]+:\w+$", description="'package.module:function'.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the function.")
+
+
+def loss_type(value: Any) -> str:
+    """`type` may be left out: then it is the default, masked_is."""
+    if isinstance(value, dict):
+        return value.get("type", "masked_is")
+    return getattr(value, "type", "masked_is")
+
+
+LossConfig = Annotated[
+    Annotated[MaskedISLoss, Tag("masked_is")]
+    | Annotated[PPOClipLoss, Tag("ppo_clip")]
+    | Annotated[TISLoss, Tag("tis")]
+    | Annotated[CustomLoss, Tag("custom")],
+    Discriminator(loss_type),
+]
+
+
+class CheckpointConfig(Section):
+    interval: int = Field(0, ge=0, description="Save a resumable checkpoint every N steps; 0 = never.")
+    keep: int = Field(2, ge=0, description="Keep the newest N checkpoints; 0 = keep all.")
+
+
+class WeightsConfig(Section):
+    keep: int = Field(
+        3,
+        ge=0,
+        description="Keep the newest N published weights/step_N directories; 0 = keep all. Must exceed "
+        "the orchestrator's max_async_level so no server is ever sent a deleted version.",
+    )
+
+
+class RLTrainerConfig(Section):
+    """The RL trainer: consumes rollouts/step_N, publishes weights/step_{N+1}."""
+
+    model: ModelConfig = ModelConfig()
+    run_dir: Path = Field(
+        Path("runs/rl"), description="Shared run directory (rollouts, weights, checkpoints)."
+    )
+    max_steps: int = Field(20, gt=0, description="Optimizer steps; step N consumes rollouts/step_N.")
+    seed: int = 0
+    optim: OptimConfig = OptimConfig(lr=1e-5, schedule="constant")
+    loss: LossConfig = MaskedISLoss()
+    ckpt: CheckpointConfig = CheckpointConfig()
+    weights: WeightsConfig = WeightsConfig()
+    logprob_chunk_size: int = Field(
+        1024, gt=0, description="Tokens per chunk of the output head when computing logprobs."
+    )
+    rollout_timeout_s: float = Field(
+        600.0, gt=0, description="How long to wait for rollouts/step_N/READY before failing."
+    )
+    resume: bool = Field(False, description="Continue from the newest checkpoint in run_dir/checkpoints.")

@@ -1,0 +1,170 @@
+"""The RL policy loss: importance-weighted policy gradient against the sampler's logprobs.
+
+Every objective is a function `(LossInputs, **options) -> LossTerms` giving a loss per token and
+which tokens it excluded (masked, clipped or truncated). `policy_loss` adds the optional KL term,
+sums over loss tokens and divides by the number of loss tokens of the whole step (all
+micro-batches, all ranks), so summing the micro-batch losses gives the global per-token mean.
+docs/algorithms.md has the math. A custom objective is named by `loss.import_path`.
+"""
+
+import importlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from tandem.cli import UserError
+from tandem.trainer.rl.config import CustomLoss, LossConfig, MaskedISLoss, PPOClipLoss, TISLoss
+
+MAX_LOG_RATIO = 20.0
+"""|log r| is clamped here before exp, so a wildly off token cannot overflow to inf (or NaN grads)."""
+
+
+@dataclass
+class LossInputs:
+    """Per-token tensors of one micro-batch, all [rows, width] and aligned with the input ids."""
+
+    logprobs: torch.Tensor  # log π_θ(token), differentiable
+    sampler_logprobs: torch.Tensor  # log μ(token) from the inference server
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor  # bool: tokens the loss is taken over
+    entropy: torch.Tensor  # of π_θ at each position (for entropy bonuses; detached use is fine)
+
+    @property
+    def log_ratio(self) -> torch.Tensor:
+        return (self.logprobs - self.sampler_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+
+
+@dataclass
+class LossTerms:
+    per_token: torch.Tensor  # loss of each token; only loss-mask entries are used
+    excluded: torch.Tensor  # bool: tokens the objective masked, clipped or truncated
+
+
+Objective = Callable[..., LossTerms]
+
+
+def masked_is(inputs: LossInputs, low: float, high: float) -> LossTerms:
+    """−r·A where r = π/μ lies in [low, high]; tokens outside contribute nothing."""
+    log_ratio = inputs.log_ratio
+    excluded = (log_ratio.detach() < math.log(low)) | (log_ratio.detach() > math.log(high))
+    per_token = -torch.exp(log_ratio) * inputs.advantages
+    return LossTerms(torch.where(excluded, 0.0, per_token), excluded)
+
+
+def ppo_clip(inputs: LossInputs, eps_low: float, eps_high: float) -> LossTerms:
+    """−min(r·A, clip(r, 1−ε_low, 1+ε_high)·A): PPO's pessimistic clipped surrogate."""
+    ratio = torch.exp(inputs.log_ratio)
+    unclipped = ratio * inputs.advantages
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * inputs.advantages
+    return LossTerms(-torch.minimum(unclipped, clipped), (clipped < unclipped).detach())
+
+
+def tis(inputs: LossInputs, cap: float) -> LossTerms:
+    """−sg(min(r, C))·A·log π: the policy gradient weighted by a truncated importance ratio."""
+    ratio = torch.exp(inputs.log_ratio.detach())
+    return LossTerms(-ratio.clamp(max=cap) * inputs.advantages * inputs.logprobs, ratio > cap)
+
+
+def kl_penalty(log_ratio: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(μ‖π) from tokens sampled by μ: k3 = r − 1 − log r, or (log r)²."""
+    if estimator == "k3":
+        return torch.exp(log_ratio) - 1 - log_ratio
+    return log_ratio**2
+
+
+def import_objective(import_path: str) -> Objective:
+    module_name, _, attr = import_path.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise UserError(f"loss.import_path '{import_path}' cannot be imported: {e}") from None
+    if not callable(fn):
+        raise UserError(f"loss.import_path '{import_path}' is not callable")
+    return fn
+
+
+def build_objective(cfg: LossConfig) -> Callable[[LossInputs], LossTerms]:
+    """The configured objective with its options bound."""
+    if isinstance(cfg, MaskedISLoss):
+        low, high = cfg.bounds()
+        return lambda inputs: masked_is(inputs, low, high)
+    if isinstance(cfg, PPOClipLoss):
+        return lambda inputs: ppo_clip(inputs, cfg.eps_low, cfg.eps_high)
+    if isinstance(cfg, TISLoss):
+        return lambda inputs: tis(inputs, cfg.cap)
+    assert isinstance(cfg, CustomLoss)
+    fn, options = import_objective(cfg.import_path), dict(cfg.options)
+
+    def custom(inputs: LossInputs) -> LossTerms:
+        terms = fn(inputs, **options)
+        if not isinstance(terms, LossTerms) or terms.per_token.shape != inputs.logprobs.shape:
+            raise UserError(f"loss '{cfg.import_path}' must return LossTerms with per-token tensors")
+        return terms
+
+    return custom
+
+
+@dataclass
+class LossStats:
+    """Sums over loss tokens (and one max), added over micro-batches, then over ranks."""
+
+    loss: float = 0.0
+    loss_tokens: float = 0.0
+    excluded_tokens: float = 0.0
+    mismatch_kl: float = 0.0
+    entropy: float = 0.0
+    max_abs_log_ratio: float = 0.0
+
+    def add(self, other: "LossStats") -> None:
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            setattr(self, f.name, max(mine, theirs) if f.name.startswith("max_") else mine + theirs)
+
+    def as_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sums, maxima) as float64 tensors, for all-reduce."""
+        sums = [getattr(self, f.name) for f in fields(self) if not f.name.startswith("max_")]
+        return torch.tensor(sums, dtype=torch.float64), torch.tensor(
+            [self.max_abs_log_ratio], dtype=torch.float64
+        )
+
+    @classmethod
+    def from_tensors(cls, sums: torch.Tensor, maxima: torch.Tensor) -> "LossStats":
+        names = [f.name for f in fields(cls) if not f.name.startswith("max_")]
+        return cls(**dict(zip(names, sums.tolist(), strict=True)), max_abs_log_ratio=float(maxima[0]))
+
+    def means(self) -> dict[str, Any]:
+        n = max(self.loss_tokens, 1.0)
+        return {
+            "loss": self.loss,
+            "loss_tokens": int(self.loss_tokens),
+            "masked_fraction": self.excluded_tokens / n,
+            "mismatch_kl": self.mismatch_kl / n,
+            "max_abs_logprob_diff": self.max_abs_log_ratio,
+            "entropy": self.entropy / n,
+        }
+
+
+def policy_loss(
+    objective: Callable[[LossInputs], LossTerms], cfg: LossConfig, inputs: LossInputs, num_loss_tokens: int
+) -> tuple[torch.Tensor, LossStats]:
+    """This micro-batch's share of the step loss (divided by the step's `num_loss_tokens`)."""
+    terms = objective(inputs)
+    per_token = terms.per_token
+    if cfg.kl_coef > 0:
+        per_token = per_token + cfg.kl_coef * kl_penalty(inputs.log_ratio, cfg.kl_estimator)
+    mask = inputs.loss_mask
+    loss = torch.where(mask, per_token, 0.0).sum() / max(num_loss_tokens, 1)
+    with torch.no_grad():
+        log_ratio = (inputs.logprobs - inputs.sampler_logprobs)[mask].double()
+        stats = LossStats(
+            loss=float(loss.detach()),
+            loss_tokens=float(mask.sum()),
+            excluded_tokens=float((terms.excluded & mask).sum()),
+            mismatch_kl=float(kl_penalty(log_ratio, "k3").sum()),
+            entropy=float(inputs.entropy[mask].double().sum()),
+            max_abs_log_ratio=float(log_ratio.abs().max()) if log_ratio.numel() else 0.0,
+        )
+    return loss, stats

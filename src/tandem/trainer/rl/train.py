@@ -1,0 +1,180 @@
+"""The RL loop: rollouts/step_N → importance-weighted loss → AdamW step → weights/step_{N+1}.
+
+Policy version = optimizer steps taken. The base model is version 0; trainer step N (0-based)
+reads `rollouts/step_N/rank_R.bin`, takes one optimizer step and publishes version N+1 as
+`weights/step_{N+1}`. Metrics of step N are logged with `step = N`, the same number the
+orchestrator uses for the rollouts it wrote, so rewards and losses line up.
+
+Each rank reads its own micro-batches (the orchestrator balanced them and gave every rank the
+same count). Micro-batch losses are divided by the step's global loss-token count; FSDP2
+averages gradients over ranks, so each rank scales its loss by world_size to get the sum.
+"""
+
+import time
+from types import MethodType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import register_fsdp_forward_method
+
+from tandem.cli import UserError
+from tandem.models.loading import load_model, load_tokenizer
+from tandem.monitor.metrics import MetricsWriter
+from tandem.monitor.progress import TrainingProgress
+from tandem.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from tandem.trainer.logprobs import sequence_logprobs
+from tandem.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
+from tandem.trainer.parallel import (
+    World,
+    all_reduce_sum,
+    apply_fsdp,
+    init_distributed,
+    mixed_precision,
+    shutdown,
+)
+from tandem.trainer.rl.config import RLTrainerConfig
+from tandem.trainer.rl.loss import LossInputs, LossStats, build_objective, policy_loss
+from tandem.transport.rollouts import MicroBatch, read_rank
+from tandem.transport.weights import publish_weights
+
+
+def load_policy(cfg: RLTrainerConfig, source: str, world: World) -> nn.Module:
+    """The model from `source`, sharded with FSDP2, with `sequence_logprobs` as an FSDP forward method."""
+    weights = "float32" if cfg.model.dtype == "auto" else cfg.model.dtype
+    model = load_model(cfg.model.model_copy(update={"name": source, "dtype": weights}), world.device)
+    model.config.use_cache = False
+    apply_fsdp(model, mixed_precision(world.device, next(model.parameters()).dtype))
+    model.sequence_logprobs = MethodType(sequence_logprobs, model)
+    register_fsdp_forward_method(model, "sequence_logprobs")
+    model.train()
+    return model
+
+
+def micro_batch_loss(
+    model: nn.Module,
+    objective: Any,
+    mb: MicroBatch,
+    cfg: RLTrainerConfig,
+    device: torch.device,
+) -> tuple[torch.Tensor, LossStats]:
+    logprobs, entropy = model.sequence_logprobs(
+        mb.input_ids.to(device), mb.position_ids.to(device), mb.temperature, cfg.logprob_chunk_size
+    )
+    inputs = LossInputs(
+        logprobs=logprobs,
+        sampler_logprobs=mb.sampler_logprobs.to(device),
+        advantages=mb.advantages.to(device),
+        loss_mask=mb.loss_mask.to(device),
+        entropy=entropy.detach(),
+    )
+    return policy_loss(objective, cfg.loss, inputs, mb.num_loss_tokens)
+
+
+def sample_stats(micro_batches: list[MicroBatch], step: int) -> tuple[list[float], float]:
+    """Local sums [samples, reward, staleness, tokens] and the maximum staleness."""
+    samples = [s for mb in micro_batches for s in mb.samples]
+    staleness = [step - s.policy_version for s in samples]
+    tokens = sum(mb.num_tokens for mb in micro_batches)
+    return [len(samples), sum(s.reward for s in samples), sum(staleness), tokens], max(staleness, default=0)
+
+
+def all_reduce_max(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0])
+
+
+def train_step(
+    model: nn.Module,
+    objective: Any,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list[MicroBatch],
+    step: int,
+    cfg: RLTrainerConfig,
+    world: World,
+) -> dict[str, float]:
+    """Forward/backward every micro-batch of this rank, clip, step; returns global statistics."""
+    local = LossStats()
+    for mb in micro_batches:
+        loss, stats = micro_batch_loss(model, objective, mb, cfg, world.device)
+        (loss * world.size).backward()
+        local.add(stats)
+    grad_norm = clip_grad_norm(model, cfg.optim.max_grad_norm)
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+    sums, maxima = local.as_tensors()
+    totals = LossStats.from_tensors(all_reduce_sum(sums), torch.tensor([all_reduce_max(float(maxima[0]))]))
+    counts, max_staleness = sample_stats(micro_batches, step)
+    n, reward, staleness, tokens = all_reduce_sum(torch.tensor(counts, dtype=torch.float64)).tolist()
+    return {
+        **totals.means(),
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "samples": int(n),
+        "reward": reward / max(n, 1),
+        "staleness": staleness / max(n, 1),
+        "max_staleness": all_reduce_max(max_staleness),
+        "tokens": int(tokens),
+    }
+
+
+def train(cfg: RLTrainerConfig) -> dict[str, Any]:
+    """Run the RL trainer (single process or one torchrun rank); returns the last step's stats."""
+    world = init_distributed(cfg.model.device)
+    try:
+        return _train(cfg, world)
+    finally:
+        shutdown()
+
+
+def _train(cfg: RLTrainerConfig, world: World) -> dict[str, Any]:
+    torch.manual_seed(cfg.seed)
+    ckpt_root = cfg.run_dir / "checkpoints"
+    resume_from = latest_checkpoint(ckpt_root) if cfg.resume else None
+    if cfg.resume and resume_from is None:
+        raise UserError(f"resume is set but {ckpt_root} holds no checkpoint")
+    objective = build_objective(cfg.loss)
+    tokenizer = load_tokenizer(cfg.model.name)
+    model = load_policy(cfg, str(resume_from) if resume_from else cfg.model.name, world)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
+    start = 0
+    if resume_from:
+        start, _ = load_trainer_state(resume_from, model, optimizer, scheduler, world)
+        if world.is_main:
+            print(f"trainer: resumed from {resume_from} (next step {start})", flush=True)
+
+    metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl", "trainer", enabled=world.is_main)
+    progress = TrainingProgress(cfg.max_steps, start, log_interval=1, enabled=world.is_main)
+    stats: dict[str, Any] = {}
+    with metrics, progress:
+        for step in range(start, cfg.max_steps):
+            wait_start = time.monotonic()
+            micro_batches = read_rank(
+                cfg.run_dir, step, world.rank, cfg.rollout_timeout_s, num_ranks=world.size
+            )
+            compute_start = time.monotonic()
+            stats = train_step(model, objective, optimizer, micro_batches, step, cfg, world)
+            scheduler.step()
+            compute_s = time.monotonic() - compute_start
+            publish_weights(model, tokenizer, cfg.run_dir, step + 1, world, cfg.weights.keep)
+            if cfg.ckpt.interval and (step + 1) % cfg.ckpt.interval == 0:
+                save_checkpoint(
+                    ckpt_root, step + 1, model, optimizer, scheduler, tokenizer, world, keep=cfg.ckpt.keep
+                )
+            stats.update(
+                policy_version=step + 1,
+                tokens_per_s=stats["tokens"] / compute_s,
+                rollout_wait_s=compute_start - wait_start,
+                publish_s=time.monotonic() - compute_start - compute_s,
+            )
+            metrics.log(step, **stats)
+            progress.update(
+                step + 1, {k: stats[k] for k in ("loss", "reward", "mismatch_kl", "tokens_per_s")}
+            )
+    return stats
