@@ -1,0 +1,202 @@
+"""AsyncEngine lifecycle: block sharing, abort, pause/resume, weight updates, bad input."""
+
+import asyncio
+import contextlib
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from tandem.inference.config import InferenceConfig
+from tandem.inference.engine import AsyncEngine
+from tandem.inference.engine.api import SampleUpdate, SamplingParams, WeightLoadError
+from tandem.inference.engine.core import EngineCore
+from tandem.models.tiny import build_tiny_model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def config(model: Path, **engine: object) -> InferenceConfig:
+    return InferenceConfig.model_validate({"model": {"name": str(model)}, "engine": engine})
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Same shapes as `tiny_model`, different random weights, in a step_N directory."""
+    return build_tiny_model(out=tmp_path_factory.mktemp("weights") / "step_5", seed=1)
+
+
+def hf_greedy(path: Path, ids: list[int], new: int) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None
+        )
+    return out[0, len(ids) :].tolist()
+
+
+async def collect(engine: AsyncEngine, rid: str, ids: list[int], params: SamplingParams, n: int = 1):
+    updates: dict[int, list[SampleUpdate]] = {}
+    async for u in engine.generate(rid, ids, params, n):
+        updates.setdefault(u.index, []).append(u)
+    return updates
+
+
+def token_ids(updates: list[SampleUpdate]) -> list[int]:
+    return [t.token_id for u in updates for t in u.tokens]
+
+
+async def wait_until(condition, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def test_samples_share_the_prompts_full_blocks(tiny_model: Path) -> None:
+    core = EngineCore(config(tiny_model))
+    prompt = list(range(3, 43))  # 40 tokens: 2 full blocks of 16 and a partial one
+    core.add_request("r", prompt, GREEDY, n=4)
+    core.step()  # prefill once, fork into 4 samples
+    assert len(core.scheduler.running) == 4
+    assert core.blocks.num_usable - core.blocks.num_free == 2 + 4  # shared full blocks + 4 partial ones
+    shared = core.scheduler.running[0].block_table[:2]
+    assert all(s.block_table[:2] == shared for s in core.scheduler.running)
+    assert all(core.blocks.ref_counts[b] == 4 for b in shared)
+    while core.has_work():
+        core.step()
+    assert core.blocks.num_free == core.blocks.num_usable
+
+
+def test_abort_pause_resume_and_finish_sample(tiny_model: Path) -> None:
+    async def main() -> None:
+        engine = AsyncEngine(config(tiny_model))
+        try:
+            long = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
+            ids = engine.tokenizer.encode("abort me")
+            async with contextlib.aclosing(engine.generate("long", ids, long, n=2)) as stream:
+                async for u in stream:
+                    if u.index == 0 and len(u.tokens) and engine.stats().generated_tokens_total > 6:
+                        break
+            await wait_until(lambda: engine.stats().kv_blocks_used == 0 and engine.stats().running == 0)
+
+            await engine.pause()
+            task = asyncio.create_task(collect(engine, "p", ids, GREEDY))
+            paused_at = engine.stats().generated_tokens_total
+            await asyncio.sleep(0.3)
+            assert engine.stats().paused and not task.done()
+            assert engine.stats().generated_tokens_total == paused_at
+            assert engine.stats().waiting == 1
+            await engine.resume()
+            updates = await asyncio.wait_for(task, 30)
+            assert len(token_ids(updates[0])) == 12
+
+            before = engine.stats().generated_tokens_total
+            await asyncio.sleep(0.2)
+            assert engine.stats().generated_tokens_total == before  # idle: nothing runs
+
+            stream = engine.generate(
+                "f", ids, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), n=2
+            )
+            first = await anext(stream)
+            await engine.finish_sample("f", 1 - first.index, "stop")
+            updates = [first] + [u async for u in stream]
+            reasons = {u.index: u.finish_reason for u in updates if u.finish_reason}
+            assert reasons == {1 - first.index: "stop", first.index: "length"}
+            stopped = [t for u in updates if u.index != first.index for t in u.tokens]
+            assert len(stopped) < 40
+            await engine.finish_sample("f", first.index, "abort")  # request gone: a no-op
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_bad_requests_raise_value_errors(tiny_model: Path) -> None:
+    async def main() -> None:
+        engine = AsyncEngine(config(tiny_model, max_model_len=64))
+        try:
+            cases = [([], 1), ([5] * 64, 1), ([5], 0), ([5], 1000), ([10_000], 1)]
+            for ids, n in cases:
+                with pytest.raises(ValueError):
+                    await collect(engine, "bad", ids, GREEDY, n)
+            updates = await collect(engine, "ok", [5] * 60, GREEDY)  # stops at the context length
+            assert len(token_ids(updates[0])) == 4 and updates[0][-1].finish_reason == "length"
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_weight_update_finish_old_and_bad_checkpoints(
+    tiny_model: Path, other_model: Path, tmp_path: Path
+) -> None:
+    ids = [7, 8, 9, 10, 11]
+    old_expected, new_expected = hf_greedy(tiny_model, ids, 12), hf_greedy(other_model, ids, 12)
+    assert old_expected != new_expected
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(other_model, corrupt)
+    (corrupt / "model.safetensors").write_bytes(b"\x00garbage" * 100)
+    wrong_shape = tmp_path / "wrong_shape"
+    wrong_shape.mkdir()
+    tensors = load_file(other_model / "model.safetensors")
+    tensors["model.norm.weight"] = torch.ones(3)
+    save_file(tensors, wrong_shape / "model.safetensors")
+    missing_tensor = tmp_path / "missing_tensor"
+    missing_tensor.mkdir()
+    save_file(
+        {k: v for k, v in tensors.items() if "layers.0." not in k}, missing_tensor / "model.safetensors"
+    )
+
+    async def main() -> None:
+        engine = AsyncEngine(config(tiny_model))
+        try:
+            for bad in (tmp_path / "nope", corrupt, wrong_shape, missing_tensor):
+                with pytest.raises(WeightLoadError):
+                    await engine.update_weights(bad)
+                assert engine.weight_version == 0
+                assert token_ids((await collect(engine, "x", ids, GREEDY))[0]) == old_expected
+
+            long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+            stream = engine.generate("inflight", ids, long)
+            first = await anext(stream)
+            assert await engine.update_weights(other_model) == 5  # version from step_5
+            rest = [u async for u in stream]
+            versions = [t.weight_version for u in [first, *rest] for t in u.tokens]
+            assert versions[0] == 0 and versions[-1] == 5 and versions == sorted(versions)
+
+            updates = await collect(engine, "y", ids, GREEDY)
+            assert token_ids(updates[0]) == new_expected
+            assert {t.weight_version for u in updates[0] for t in u.tokens} == {5}
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_weight_update_wait_mode_lets_running_requests_finish(tiny_model: Path, other_model: Path) -> None:
+    async def main() -> None:
+        engine = AsyncEngine(config(tiny_model, weight_update_mode="wait"))
+        try:
+            ids = [7, 8, 9]
+            running = asyncio.create_task(
+                collect(engine, "old", ids, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+            )
+            await wait_until(lambda: engine.stats().generated_tokens_total > 0)
+            update = asyncio.create_task(engine.update_weights(other_model, version=3))
+            await asyncio.sleep(0.05)
+            later = asyncio.create_task(collect(engine, "new", ids, GREEDY))
+            old_updates = await asyncio.wait_for(running, 60)
+            assert await asyncio.wait_for(update, 60) == 3
+            assert {t.weight_version for u in old_updates[0] for t in u.tokens} == {0}
+            new_updates = await asyncio.wait_for(later, 60)
+            assert {t.weight_version for u in new_updates[0] for t in u.tokens} == {3}
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 120))
