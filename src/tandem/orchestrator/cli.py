@@ -23,3 +23,7 @@ def run(cfg: OrchestratorConfig) -> None:
 
 def main() -> None:
     run_cli(lambda: run(parse_config(OrchestratorConfig, prog="orchestrator")), "orchestrator")
+
+
+if __name__ == "__main__":  # the rl launcher starts it with python -m
+    main()
