@@ -1,5 +1,6 @@
 """Device assignment, config cross-filling and validation, written configs, and --dry-run."""
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -10,7 +11,7 @@ from tandem.inference.config import InferenceConfig
 from tandem.launch.cli import main
 from tandem.launch.config import RLConfig
 from tandem.launch.devices import assign_devices
-from tandem.launch.plan import plan_run
+from tandem.launch.plan import INFERENCE_MODULE, ORCHESTRATOR_MODULE, TRAINER_MODULE, plan_run
 from tandem.orchestrator.config import OrchestratorConfig
 from tandem.trainer.rl.config import RLTrainerConfig
 
@@ -190,3 +191,11 @@ def test_cli_error_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) ->
     err = capsys.readouterr().err
     assert err.startswith("rl: error: invalid config: ") and "batch_size (7)" in err
     assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("module", [INFERENCE_MODULE, ORCHESTRATOR_MODULE, TRAINER_MODULE])
+def test_launched_modules_run_as_main(module: str) -> None:
+    """`python -m MODULE` must call main(); a module without the guard would exit 0 doing nothing."""
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin is not None, f"{module} is missing"
+    assert 'if __name__ == "__main__":' in Path(spec.origin).read_text(), f"{module} lacks a __main__ guard"
