@@ -10,6 +10,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from tandem.inference.engine.api import Engine, SamplingParams
+from tandem.inference.errors import APIError
 from tandem.inference.protocol import SamplingFields
 from tandem.inference.stop import TextTracker, Tokenizer
 
@@ -81,8 +82,18 @@ async def run_prompt(engine: Engine, tokenizer: Tokenizer, job: PromptJob) -> As
     ]
     stop_ids = set(job.params.stop_token_ids)
     unfinished = job.n
+    started = False
     async with aclosing(engine.generate(job.request_id, job.prompt_ids, job.params, job.n)) as updates:
-        async for update in updates:
+        while True:
+            try:
+                update = await anext(updates)
+            except StopAsyncIteration:
+                break
+            except ValueError as e:
+                if started:
+                    raise
+                raise APIError(400, f"the engine refused the request: {e}") from None  # its validation
+            started = True
             choice = choices[update.index]
             if choice.finish_reason is not None:
                 continue  # already ended by a stop string; the engine may still have sent tokens

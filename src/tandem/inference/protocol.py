@@ -42,7 +42,7 @@ class SamplingFields(APIModel):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
@@ -204,6 +204,11 @@ class UpdateWeightsRequest(APIModel):
 
     path: str | None = None
     step: int | None = Field(None, ge=0)
+    version: int | None = Field(
+        None,
+        ge=0,
+        description="Weight version to report; default: N of a step_N directory, else current + 1.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> "UpdateWeightsRequest":

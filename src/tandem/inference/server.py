@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from transformers import AutoConfig
 
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine.api import Engine, WeightLoadError
@@ -109,6 +110,14 @@ def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
 
 
+def model_vocab_size(name: str) -> int | None:
+    """Rows of the model's embedding (often more than the tokenizer's size): valid token ids."""
+    try:
+        return int(AutoConfig.from_pretrained(name).vocab_size)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+
+
 class Server:
     """State shared by the routes: the engine, the tokenizer, pause gate, counters."""
 
@@ -119,7 +128,7 @@ class Server:
         self.model_name = config.served_model_name or config.model.name
         self.accepted_names = {self.model_name, config.model.name}
         self.max_n = config.engine.max_n
-        self.vocab_size = int(getattr(engine, "vocab_size", None) or len(tokenizer))
+        self.vocab_size = model_vocab_size(config.model.name) or len(tokenizer)
         self.token_texts = TokenTexts(tokenizer)
         self.counters = ServerCounters()
         self.rate = RateMeter()
@@ -267,6 +276,10 @@ class Server:
             if req.include_usage_in_stream:
                 yield sse(builder.usage_chunk([latest[i] for i in sorted(latest)]))
             finished = True
+        except APIError as e:
+            self.counters.requests_failed_total += 1
+            yield sse(error_body(e.status, e.message, e.param))
+            finished = True
         except Exception as e:
             log.exception("error while streaming request %s", builder.request_id)
             self.counters.requests_failed_total += 1
@@ -386,7 +399,10 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
         path = server.weights_path(req)
         async with server.update_lock:
             try:
-                version = await engine.update_weights(path)
+                if req.version is None:
+                    version = await engine.update_weights(path)
+                else:
+                    version = await engine.update_weights(path, version=req.version)  # type: ignore[call-arg]
             except WeightLoadError as e:
                 raise APIError(
                     400, f"cannot load weights from {path}: {e}; the old weights stay live", "path"
