@@ -8,14 +8,16 @@ import torch
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine.api import SamplingParams
 from tandem.inference.engine.core import EngineCore
-from tandem.inference.engine.sampler import SamplingBatch, row_key, sample
+from tandem.inference.engine.sampler import SamplingBatch, sample, sample_key
 
 
 def batch_of(rows: int, **kw: object) -> SamplingBatch:
     base = {"temperatures": [1.0], "top_ps": [1.0], "top_ks": [0], "min_ps": [0.0]}
     base.update({k: [v] for k, v in kw.items()})
     return SamplingBatch(
-        **{k: v * rows for k, v in base.items()}, keys=[row_key(123, i, 5) for i in range(rows)]
+        **{k: v * rows for k, v in base.items()},
+        keys=[sample_key(123, i) for i in range(rows)],
+        positions=[5] * rows,
     )
 
 
@@ -45,7 +47,7 @@ def test_filters_restrict_the_support(filters: dict, allowed: set[int]) -> None:
 
 def test_temperature_scales_logprobs_and_greedy_rows_take_argmax() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0]])
-    batch = SamplingBatch([0.5, 0.0], [1.0, 1.0], [0, 0], [0.0, 0.0], [1, 2])
+    batch = SamplingBatch([0.5, 0.0], [1.0, 1.0], [0, 0], [0.0, 0.0], [1, 2], [3, 3])
     result = sample(logits, batch)
     assert result.token_ids[1] == 1
     expected = torch.log_softmax(logits[0] / 0.5, dim=-1)[result.token_ids[0]].item()
@@ -54,12 +56,13 @@ def test_temperature_scales_logprobs_and_greedy_rows_take_argmax() -> None:
 
 
 def test_noise_depends_on_seed_sample_and_position_only() -> None:
-    logits = torch.zeros(3, 50)
-    keys = [row_key(1, 0, 9), row_key(1, 1, 9), row_key(2, 0, 9)]
-    a = sample(logits, SamplingBatch([1.0] * 3, [1.0] * 3, [0] * 3, [0.0] * 3, keys)).token_ids
-    b = sample(logits[:1], SamplingBatch([1.0], [1.0], [0], [0.0], keys[:1])).token_ids
+    logits = torch.zeros(4, 50)
+    keys = [sample_key(1, 0), sample_key(1, 1), sample_key(2, 0), sample_key(1, 0)]
+    rows = SamplingBatch([1.0] * 4, [1.0] * 4, [0] * 4, [0.0] * 4, keys, [9, 9, 9, 10])
+    a = sample(logits, rows).token_ids
+    b = sample(logits[:1], SamplingBatch([1.0], [1.0], [0], [0.0], keys[:1], [9])).token_ids
     assert a[0] == b[0]
-    assert len(set(a)) > 1
+    assert len(set(a)) > 2
 
 
 def _tokens(core: EngineCore, requests: dict) -> dict[str, dict[int, list[int]]]:

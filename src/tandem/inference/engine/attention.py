@@ -7,13 +7,20 @@ same for values; token `p` of a sequence lives in slot `block_table[p // block_s
 - `varlen_attention`: any mix of prefill chunks and decodes, one SDPA call per sequence over
   its gathered blocks (flash/efficient kernels when the chunk is a whole prompt).
 - `decode_attention`: one new token per sequence, batched with fixed shapes (block tables
-  padded to a fixed width), so a CUDA graph can capture it for a batch-size bucket.
+  padded to a fixed width), so a CUDA graph can capture it for a batch-size bucket. On CUDA a
+  Triton kernel reads keys and values straight from the blocks; elsewhere the blocks are
+  gathered and one masked SDPA call serves the whole batch.
 """
 
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+try:  # the CUDA decode kernel; without Triton, decode uses the gather + SDPA path below
+    from tandem.inference.engine.triton_decode import paged_decode_attention
+except ImportError:
+    paged_decode_attention = None
 
 
 @dataclass
@@ -62,11 +69,13 @@ def decode_attention(
 ) -> torch.Tensor:
     """q: [B, heads, head_dim], one new token per sequence (already written to the cache).
 
-    The query heads sharing a KV head are laid out as that head's "query length", so one
+    In the gather path the query heads sharing a KV head are laid out as that head's "query length", so one
     unmasked-by-causality SDPA call serves grouped-query attention without repeating keys.
     """
     tables, lens = meta.decode_block_tables, meta.decode_context_lens
     assert tables is not None and lens is not None
+    if q.is_cuda and paged_decode_attention is not None:
+        return paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     k = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, max_ctx, d]

@@ -15,7 +15,7 @@ from tandem.inference.engine.api import FinishReason, SampleUpdate, SamplingPara
 from tandem.inference.engine.block_manager import BlockManager
 from tandem.inference.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tandem.inference.engine.models import build_model
-from tandem.inference.engine.sampler import SamplingBatch, row_key, sample
+from tandem.inference.engine.sampler import SamplingBatch, sample, sample_key
 from tandem.inference.engine.scheduler import Scheduler
 from tandem.inference.engine.sequence import Request, Sequence, Status
 from tandem.inference.engine.weights import apply_checkpoint
@@ -52,6 +52,7 @@ class EngineCore:
         self.weight_version = 0
         self.generated_tokens_total = 0
         self.prompt_tokens_total = 0
+        self.num_steps = 0
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
 
@@ -100,7 +101,8 @@ class EngineCore:
         if request_id in self.requests:
             raise ValueError(f"request id '{request_id}' is already running")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        request = Request(request_id, list(prompt_token_ids), params, n, seed, next(self._arrivals))
+        keys = [sample_key(seed, i) for i in range(n)]
+        request = Request(request_id, list(prompt_token_ids), params, n, keys, next(self._arrivals))
         seq = Sequence(request, 0, list(prompt_token_ids), len(prompt_token_ids), fan_out=n)
         request.sequences[0] = seq
         self.requests[request_id] = request
@@ -148,6 +150,7 @@ class EngineCore:
     def step(self) -> list[tuple[str, list[SampleUpdate]]]:
         """Run one batch; return the new updates of every request that got any."""
         batch = self.scheduler.schedule()
+        self.num_steps += 1
         if batch.seqs:
             sampled = [
                 seq
@@ -177,7 +180,8 @@ class EngineCore:
             top_ps=[p.top_p for p in params],
             top_ks=[p.top_k for p in params],
             min_ps=[p.min_p for p in params],
-            keys=[row_key(seq.request.seed, index, seq.num_tokens) for seq, index in targets],
+            keys=[seq.request.keys[index] for seq, index in targets],
+            positions=[seq.num_tokens for seq, _ in targets],
             num_top_logprobs=max(p.top_logprobs for p in params),
         )
         result = sample(logits, batch)

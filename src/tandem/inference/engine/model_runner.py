@@ -26,11 +26,8 @@ def kv_bytes_per_block(config: object, block_size: int, dtype: torch.dtype) -> i
 @dataclass
 class _DecodeGraph:
     graph: torch.cuda.CUDAGraph
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slots: torch.Tensor
-    tables: torch.Tensor
-    lens: torch.Tensor
+    inputs: torch.Tensor  # [4, batch]: token ids, positions, cache slots, context lengths
+    tables: torch.Tensor  # [batch, width]
     hidden: torch.Tensor
 
 
@@ -97,37 +94,39 @@ class ModelRunner:
 
     def _decode(self, batch: ScheduledBatch, blocks: BlockManager) -> torch.Tensor:
         seqs = batch.seqs
-        size = len(seqs)
+        real = len(seqs)
         width = max(len(s.block_table) for s in seqs)
-        if self.use_graphs and size <= self.max_graph_batch:
-            size = next(b for b in BATCH_BUCKETS if b >= size)
-            width = 1 << max(3, math.ceil(math.log2(width)))
-        tables = torch.zeros(size, width, dtype=torch.int64)
-        lens = torch.ones(size, dtype=torch.int64)
-        ids = torch.zeros(size, dtype=torch.int64)
-        positions = torch.zeros(size, dtype=torch.int64)
-        slots = torch.zeros(size, dtype=torch.int64)
-        for i, seq in enumerate(seqs):
-            pos = seq.num_tokens - 1
-            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table)
-            lens[i] = seq.num_tokens
-            ids[i] = seq.token_ids[pos]
-            positions[i] = pos
-            slots[i] = blocks.slot(seq, pos)
-        if self.use_graphs and size <= self.max_graph_batch:
+        graphed = self.use_graphs and real <= self.max_graph_batch
+        size = next(b for b in BATCH_BUCKETS if b >= real) if graphed else real
+        if graphed:
+            width = 8 * -(-width // 8) if width <= 64 else 1 << math.ceil(math.log2(width))
+        pad = size - real
+        positions = [s.num_tokens - 1 for s in seqs]
+        host = torch.tensor(
+            [
+                [s.token_ids[-1] for s in seqs] + [0] * pad,
+                positions + [0] * pad,
+                [blocks.slot(s, p) for s, p in zip(seqs, positions, strict=True)] + [0] * pad,
+                [s.num_tokens for s in seqs] + [1] * pad,
+            ],
+            dtype=torch.int64,
+        )
+        tables = torch.tensor(
+            [s.block_table + [0] * (width - len(s.block_table)) for s in seqs] + [[0] * width] * pad,
+            dtype=torch.int64,
+        )
+        if graphed:
             graph = self.graphs.get((size, width)) or self._capture(size, width)
-            for static, value in zip(
-                (graph.input_ids, graph.positions, graph.slots, graph.tables, graph.lens),
-                (ids, positions, slots, tables, lens),
-                strict=True,
-            ):
-                static.copy_(value, non_blocking=True)
+            graph.inputs.copy_(host, non_blocking=True)
+            graph.tables.copy_(tables, non_blocking=True)
             graph.graph.replay()
-            return graph.hidden[: len(seqs)]
-        inputs = [t.to(self.device, non_blocking=True) for t in (ids, positions, slots, tables, lens)]
-        return self._decode_forward(*inputs)[: len(seqs)]
+            return graph.hidden[:real]
+        inputs = host.to(self.device, non_blocking=True)
+        return self._decode_forward(inputs, tables.to(self.device, non_blocking=True))[:real]
 
-    def _decode_forward(self, ids, positions, slots, tables, lens) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    def _decode_forward(self, inputs: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """inputs rows: token ids, positions, cache slots, context lengths."""
+        ids, positions, slots, lens = inputs
         meta = AttentionMetadata(
             slot_mapping=slots,
             query_lens=[],
@@ -140,23 +139,17 @@ class ModelRunner:
         return self.model(ids, positions, self.kv_caches, meta)
 
     def _capture(self, size: int, width: int) -> _DecodeGraph:
-        make = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=self.device)  # noqa: E731
-        ids, positions, slots, tables, lens = (
-            make(size),
-            make(size),
-            make(size),
-            make(size, width),
-            make(size),
-        )
-        lens.fill_(1)
+        inputs = torch.zeros(4, size, dtype=torch.int64, device=self.device)
+        inputs[3].fill_(1)  # context length 1: padded rows attend to one slot of block 0
+        tables = torch.zeros(size, width, dtype=torch.int64, device=self.device)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self._decode_forward(ids, positions, slots, tables, lens)  # warm-up outside the graph
+            self._decode_forward(inputs, tables)  # warm-up (kernel compilation) outside the graph
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):
-            hidden = self._decode_forward(ids, positions, slots, tables, lens)
-        captured = _DecodeGraph(graph, ids, positions, slots, tables, lens, hidden)
+            hidden = self._decode_forward(inputs, tables)
+        captured = _DecodeGraph(graph, inputs, tables, hidden)
         self.graphs[(size, width)] = captured
         return captured

@@ -25,17 +25,18 @@ def fmix32(x: torch.Tensor | int) -> torch.Tensor | int:
     return x ^ (x >> 16)
 
 
-def row_key(seed: int, sample_index: int, position: int) -> int:
+def sample_key(seed: int, sample_index: int) -> int:
+    """The 32-bit key of sample `sample_index` of a request seeded with `seed`."""
     key = fmix32((seed & MASK32) ^ fmix32((seed >> 32) & MASK32))
-    key = fmix32(key ^ fmix32(sample_index + 0x9E3779B9 & MASK32))
-    return int(fmix32(key ^ fmix32(position & MASK32)))
+    return int(fmix32(key ^ fmix32((sample_index + 0x9E3779B9) & MASK32)))
 
 
-def uniform_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[rows, vocab] uniforms in (0, 1) from int64 row keys."""
+def uniform_noise(keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, vocab] uniforms in (0, 1) from per-row sample keys and token positions (int64)."""
+    row = fmix32(keys ^ fmix32(positions))[:, None]
     index = torch.arange(vocab, device=keys.device, dtype=torch.int64)
-    x = (keys[:, None] + index[None, :] * 0x9E3779B9) & MASK32
-    x = fmix32(fmix32(x) ^ keys[:, None])
+    x = (row + index[None, :] * 0x9E3779B9) & MASK32
+    x = fmix32(fmix32(x) ^ row)
     return ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
@@ -47,7 +48,8 @@ class SamplingBatch:
     top_ps: list[float]
     top_ks: list[int]
     min_ps: list[float]
-    keys: list[int]  # row_key(...) per row
+    keys: list[int]  # sample_key(...) per row
+    positions: list[int]  # position of the token each row draws
     num_top_logprobs: int = 0
 
 
@@ -70,7 +72,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     if not bool(greedy.all()):
         probs = _filtered_probs(logprobs.exp(), batch, device)
         keys = torch.tensor(batch.keys, device=device, dtype=torch.int64)
-        drawn = (probs / -torch.log(uniform_noise(keys, vocab))).argmax(dim=-1)
+        positions = torch.tensor(batch.positions, device=device, dtype=torch.int64)
+        drawn = (probs / -torch.log(uniform_noise(keys, positions, vocab))).argmax(dim=-1)
         tokens = torch.where(greedy, tokens, drawn)
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     result = SampleResult(tokens.tolist(), chosen.tolist())

@@ -1,0 +1,290 @@
+"""Engine-level generation throughput: the native engine vs transformers `generate`, same run.
+
+N requests of P random prompt tokens each generate O tokens (sampling at temperature 1, EOS
+ignored). The engine gets all requests at once and runs to completion; transformers generates
+the same batch in one padded-free `generate` call. Output tokens per second are compared.
+
+    uv run python benchmarks/engine_throughput.py                       # CPU, tiny model
+    python benchmarks/engine_throughput.py --shape qwen3-0.6b --num-requests 256 \\
+        --prompt-len 128 --output-len 256 --check --out results.json    # CUDA, bf16
+
+`--check` first verifies on the device: the decode kernel against the gather path, greedy
+decoding of a float32 tiny model against transformers token for token, and the engine's
+logprobs on the benchmark model against a transformers forward pass.
+"""
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
+
+from tandem.inference.config import InferenceConfig
+from tandem.inference.engine.api import SamplingParams
+from tandem.inference.engine.core import EngineCore
+from tandem.inference.engine.engine import AsyncEngine
+from tandem.models.loading import save_model
+from tandem.models.tiny import TinyModelConfig, build_tiny_model, tiny_qwen3_config
+from tandem.models.tokenizer import train_tokenizer
+
+SHAPES = {
+    "tiny": {},
+    "qwen3-0.6b": dict(
+        hidden_size=1024,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        vocab_size=151936,
+        max_position_embeddings=4096,
+    ),
+}
+
+
+def build_model(shape: str, out: Path, device: torch.device) -> Path:
+    """A random-init Qwen3 of `shape`, initialised on `device` (fast for 0.6B on a GPU)."""
+    if (out / "config.json").exists():
+        return out
+    if shape == "tiny":
+        return build_tiny_model(out=out)
+    cfg = TinyModelConfig(out=out, **SHAPES[shape])
+    tokenizer = train_tokenizer()
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(tiny_qwen3_config(cfg, len(tokenizer), tokenizer.eos_token_id, 0))
+    save_model(model.to(torch.bfloat16), tokenizer, out)
+    return out
+
+
+def engine_config(path: Path, dtype: str, args: argparse.Namespace, **engine: object) -> InferenceConfig:
+    engine = {
+        "max_num_seqs": max(args.num_requests, 1),
+        "max_model_len": args.prompt_len + args.output_len + 64,
+        "kv_cache_memory_gb": args.kv_cache_gb,
+        "cuda_graphs": not args.no_cuda_graphs,
+        **engine,
+    }
+    return InferenceConfig.model_validate({"model": {"name": str(path), "dtype": dtype}, "engine": engine})
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (count, length), generator=gen).tolist()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_core(core: EngineCore, prompts: list[list[int]], output_len: int, tag: str) -> tuple[float, int]:
+    params = SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True)
+    sync(core.device)
+    start = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        core.add_request(f"{tag}-{i}", ids, params, 1)
+    tokens = 0
+    while core.has_work():
+        for _, updates in core.step():
+            tokens += sum(len(u.tokens) for u in updates)
+    sync(core.device)
+    return time.perf_counter() - start, tokens
+
+
+def run_async(engine: AsyncEngine, prompts: list[list[int]], output_len: int) -> tuple[float, int]:
+    params = SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True)
+
+    async def one(i: int, ids: list[int]) -> int:
+        return sum([len(u.tokens) async for u in engine.generate(f"a{i}", ids, params)])
+
+    async def main() -> int:
+        return sum(await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts))))
+
+    start = time.perf_counter()
+    tokens = asyncio.run(main())
+    return time.perf_counter() - start, tokens
+
+
+def run_hf(path: Path, prompts: list[list[int]], output_len: int, device: torch.device, dtype: torch.dtype):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    ids = torch.tensor(prompts, device=device)
+    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(ids[:2], max_new_tokens=4, min_new_tokens=4, **kwargs)  # warm-up
+        sync(device)
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kwargs)
+        sync(device)
+    seconds = time.perf_counter() - start
+    del model
+    return seconds, (out.shape[1] - ids.shape[1]) * out.shape[0]
+
+
+def time_graph_replays(core: EngineCore, repeats: int = 50) -> dict[str, float]:
+    """GPU time of one captured decode step (model only: no scheduling, sampling or logits)."""
+    timings = {}
+    for (size, width), graph in core.runner.graphs.items():
+        if size < max(s for s, _ in core.runner.graphs):
+            continue
+        graph.graph.replay()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            graph.graph.replay()
+        torch.cuda.synchronize()
+        timings[f"batch{size}_width{width}"] = (time.perf_counter() - start) / repeats * 1e3
+    return timings
+
+
+def check_device(args: argparse.Namespace, device: torch.device, work: Path, bench_model: Path) -> dict:
+    """Correctness on the benchmark device; returns the measurements (and asserts exact greedy match)."""
+    from tandem.inference.engine.attention import AttentionMetadata, decode_attention
+
+    results: dict = {}
+    # 1. decode kernel vs gather path, bf16, ragged contexts
+    if device.type == "cuda":
+        from tandem.inference.engine import attention
+        from tandem.inference.engine.triton_decode import paged_decode_attention
+
+        gen = torch.Generator(device=device).manual_seed(0)
+        kc = torch.randn(300, 16, 8, 128, device=device, dtype=torch.bfloat16, generator=gen)
+        vc = torch.randn(300, 16, 8, 128, device=device, dtype=torch.bfloat16, generator=gen)
+        q = torch.randn(64, 16, 128, device=device, dtype=torch.bfloat16, generator=gen)
+        lens = torch.randint(1, 16 * 16, (64,), device=device, generator=gen)
+        tables = torch.randint(1, 300, (64, 16), device=device, generator=gen)
+        meta = AttentionMetadata(torch.zeros(1), [], [], [], True, tables, lens)
+        kernel = attention.paged_decode_attention
+        attention.paged_decode_attention = None
+        reference = decode_attention(q.float(), kc.float(), vc.float(), meta, 128**-0.5)
+        attention.paged_decode_attention = kernel
+        out = paged_decode_attention(q, kc, vc, tables, lens, 128**-0.5).float()
+        results["decode_kernel_max_abs_err_bf16"] = (out - reference).abs().max().item()
+        assert results["decode_kernel_max_abs_err_bf16"] < 3e-2, results
+    # 2. greedy, float32 tiny model, engine (graphs + kernel) vs transformers
+    tiny = build_model("tiny", work / "tiny", device)
+    core = EngineCore(engine_config(tiny, "float32", args, max_num_seqs=16, kv_cache_memory_gb=1.0))
+    prompts = random_prompts(6, 1, core.vocab_size)
+    prompts = [p * k for p, k in zip(prompts, (3, 17, 33, 5, 40, 9), strict=True)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        core.add_request(f"g{i}", ids, greedy, 2)
+    got: dict[str, list[int]] = {}
+    while core.has_work():
+        for rid, updates in core.step():
+            for u in updates:
+                got.setdefault(f"{rid}/{u.index}", []).extend(t.token_id for t in u.tokens)
+    hf = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).to(device)
+    matches = 0
+    for i, ids in enumerate(prompts):
+        ref = hf.generate(
+            torch.tensor([ids], device=device),
+            max_new_tokens=48,
+            min_new_tokens=48,
+            do_sample=False,
+            eos_token_id=None,
+        )[0, len(ids) :].tolist()
+        matches += (got[f"g{i}/0"] == ref) + (got[f"g{i}/1"] == ref)
+    results["greedy_fp32_exact_matches"] = f"{matches}/{2 * len(prompts)}"
+    del core, hf
+    # 3. logprobs of the benchmark model (bf16) vs a transformers forward pass in float32
+    core = EngineCore(engine_config(bench_model, "bfloat16", args, max_num_seqs=8, kv_cache_memory_gb=2.0))
+    ids = random_prompts(1, 64, core.vocab_size)[0]
+    core.add_request("lp", ids, SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True, seed=1), 1)
+    tokens = []
+    while core.has_work():
+        for _, updates in core.step():
+            tokens += [t for u in updates for t in u.tokens]
+    del core
+    hf = AutoModelForCausalLM.from_pretrained(bench_model, dtype=torch.float32).to(device)
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids + [t.token_id for t in tokens]], device=device)).logits[
+            0, len(ids) - 1 : -1
+        ]
+    ref = torch.log_softmax(logits.double(), -1).gather(
+        1, torch.tensor([[t.token_id] for t in tokens], device=device)
+    )
+    diff = (torch.tensor([t.logprob for t in tokens], device=device, dtype=torch.float64) - ref[:, 0]).abs()
+    results["bf16_logprob_vs_fp32_mean_abs_diff"] = diff.mean().item()
+    results["bf16_logprob_vs_fp32_max_abs_diff"] = diff.max().item()
+    del hf
+    assert matches == 2 * len(prompts), results
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--shape", choices=sorted(SHAPES), default=None, help="default: tiny on CPU, 0.6B on CUDA"
+    )
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--kv-cache-gb", type=float, default=None)
+    parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--check", action="store_true", help="run the device correctness checks first")
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/tandem-engine-bench"))
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shape = args.shape or ("qwen3-0.6b" if device.type == "cuda" else "tiny")
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    if args.kv_cache_gb is None and device.type == "cuda":
+        args.kv_cache_gb = 20.0
+    path = build_model(shape, args.work_dir / shape, device)
+    results: dict = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "shape": shape,
+    }
+    results["config"] = {k: str(v) for k, v in vars(args).items()}
+    if args.check:
+        results["check"] = check_device(args, device, args.work_dir, path)
+        print(json.dumps(results["check"], indent=2), flush=True)
+
+    rows = []
+    core = EngineCore(engine_config(path, dtype, args))
+    prompts = random_prompts(args.num_requests, args.prompt_len, min(core.vocab_size, len(core.tokenizer)))
+    cold = run_core(core, prompts, args.output_len, "cold")  # includes CUDA-graph capture
+    rows.append(("tandem engine (first run)", *cold))
+    steps_before = core.num_steps
+    rows.append(("tandem engine", *run_core(core, prompts, args.output_len, "warm")))
+    results["engine_steps"] = core.num_steps - steps_before
+    results["decode_graph_replay_ms"] = time_graph_replays(core)
+    del core
+    engine = AsyncEngine(engine_config(path, dtype, args))
+    run_async(engine, prompts[: min(8, len(prompts))], 4)  # warm-up
+    rows.append(("tandem AsyncEngine", *run_async(engine, prompts, args.output_len)))
+    asyncio.run(engine.shutdown())
+    del engine
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if not args.skip_hf:
+        rows.append(
+            ("transformers generate", *run_hf(path, prompts, args.output_len, device, getattr(torch, dtype)))
+        )
+
+    print(
+        f"\n{shape} on {results['device']}, {dtype}: {args.num_requests} requests × "
+        f"{args.prompt_len} prompt + {args.output_len} output tokens"
+    )
+    print(json.dumps({k: results[k] for k in ("engine_steps", "decode_graph_replay_ms")}))
+    print(f"| {'system':<26} | {'seconds':>8} | {'output tok/s':>12} |")
+    print(f"|{'-' * 28}|{'-' * 10}|{'-' * 14}|")
+    for name, seconds, tokens in rows:
+        print(f"| {name:<26} | {seconds:8.2f} | {tokens / seconds:12,.0f} |")
+    results["rows"] = [
+        {"system": n, "seconds": s, "output_tokens": t, "tok_per_s": t / s} for n, s, t in rows
+    ]
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
