@@ -1,0 +1,91 @@
+"""SFT end to end on a tiny model: the loss goes down, checkpoints resume exactly."""
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tandem.cli import UserError
+from tandem.config import build_config
+from tandem.config.loader import split_args
+from tandem.monitor.metrics import read_metrics
+from tandem.trainer.sft.config import SFTConfig
+from tandem.trainer.sft.train import train
+
+sys.path.insert(0, str(Path(__file__).parent))
+from sft_helpers import ENV, sft_args, tiny_model  # noqa: E402
+
+SFT = str(Path(sys.executable).parent / "sft")
+
+
+def config(argv: list[str]) -> SFTConfig:
+    _, overrides, _ = split_args(argv)
+    return build_config(SFTConfig, overrides=overrides)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Loss per step; a step logged twice (before a crash and after resuming) keeps the last value."""
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl", "sft")}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model(tmp_path_factory.mktemp("sft"))
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted 12-step run with checkpoints every 4 steps."""
+    run_dir = tmp_path_factory.mktemp("ref") / "run"
+    summary = train(config(sft_args(model, run_dir, steps=12, **{"ckpt.interval": 4})))
+    assert summary["steps"] == 12
+    return run_dir
+
+
+def test_short_run_lowers_loss_and_writes_outputs(reference: Path) -> None:
+    records = read_metrics(reference / "metrics.jsonl", "sft")
+    assert [r["step"] for r in records] == list(range(1, 13))
+    first, last = records[0]["loss"], records[-1]["loss"]
+    assert last < first - 1.0, (first, last)
+    assert all(r["tokens_per_s"] > 0 and r["grad_norm"] > 0 and r["lr"] > 0 for r in records)
+    assert records[0]["lr"] == pytest.approx(3e-3 / 2)  # first warmup step
+    assert [p.name for p in sorted((reference / "checkpoints").iterdir())] == ["step_12", "step_4", "step_8"]
+    final = AutoModelForCausalLM.from_pretrained(reference / "final")
+    ckpt = AutoModelForCausalLM.from_pretrained(reference / "checkpoints" / "step_12")
+    for (name, a), (_, b) in zip(final.state_dict().items(), ckpt.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_interrupted_run_resumes_to_the_same_losses(model: Path, reference: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = sft_args(model, run_dir, steps=12, **{"ckpt.interval": 4})
+    proc = subprocess.Popen([SFT, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV)
+    deadline = time.monotonic() + 120
+    while not (run_dir / "checkpoints" / "step_4").is_dir():
+        assert proc.poll() is None, proc.stdout.read().decode()[-2000:] if proc.stdout else ""
+        assert time.monotonic() < deadline, "no checkpoint after 120 s"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert not (run_dir / "final").exists(), "the run finished before it could be interrupted"
+    resumed_from = max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
+    assert resumed_from < 12
+
+    train(config([*args, "--resume"]))
+    expected, got = losses(reference), losses(run_dir)
+    assert sorted(got) == list(range(1, 13))
+    for step in range(1, 13):
+        assert got[step] == pytest.approx(expected[step], abs=1e-6), step
+    final = AutoModelForCausalLM.from_pretrained(run_dir / "final").state_dict()
+    for name, weight in AutoModelForCausalLM.from_pretrained(reference / "final").state_dict().items():
+        torch.testing.assert_close(final[name], weight, rtol=0, atol=1e-6)
+
+
+def test_resume_without_checkpoint_is_a_user_error(model: Path, tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="holds no checkpoint"):
+        train(config([*sft_args(model, tmp_path / "run"), "--resume"]))
