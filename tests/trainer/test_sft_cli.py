@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sft_helpers import ENV, sft_args, tiny_model  # noqa: E402
+from test_sft_helpers import ENV, sft_args, tiny_model  # noqa: E402
 
 SFT = str(Path(sys.executable).parent / "sft")
 
