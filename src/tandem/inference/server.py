@@ -103,7 +103,11 @@ class Gatekeeper:
                 self.counters.requests_failed_total += 1
             await send(message)
 
-        await self.app(scope, receive, send_counting)
+        try:
+            await self.app(scope, receive, send_counting)
+        except Exception:  # answered with a 500 by the outermost error middleware
+            self.counters.requests_failed_total += 1
+            raise
 
 
 def sse(data: dict | str) -> str:

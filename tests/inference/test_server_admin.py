@@ -1,0 +1,235 @@
+"""Admin side of the inference server: API key, weight updates (good and bad checkpoints), pause and
+resume, and an injected engine fault. The server runs in-process (uvicorn in a thread) over the
+real native engine, so the test can also look at the engine directly."""
+
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+from transformers import AutoModelForCausalLM
+
+from tandem.inference.config import InferenceConfig
+from tandem.inference.engine import AsyncEngine
+from tandem.inference.server import build_app
+from tandem.models.tiny import build_tiny_model
+
+API_KEY = "test-key"
+SERVED_NAME = "tiny-served"
+PROMPT = [5, 9, 14, 20, 3]
+
+
+@dataclass
+class InProcessServer:
+    url: str
+    engine: AsyncEngine
+    run_dir: Path
+
+    def post(
+        self, path: str, body: dict | None = None, key: str | None = API_KEY, **kwargs
+    ) -> httpx.Response:
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        return httpx.post(
+            self.url + path, json=body, headers=headers, timeout=kwargs.pop("timeout", 60), **kwargs
+        )
+
+    def greedy(self, max_tokens: int = 10) -> dict:
+        body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
+        response = self.post("/v1/completions", body)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
+    run_dir = tmp_path_factory.mktemp("run")
+    config = InferenceConfig.model_validate(
+        {
+            "model": {"name": str(tiny_model)},
+            "api_key": API_KEY,
+            "served_model_name": SERVED_NAME,
+            "run_dir": str(run_dir),
+            "pause_timeout_s": 1.5,
+            "engine": {"max_model_len": 512},
+        }
+    )
+    engine = AsyncEngine(config)
+    port = free_port()
+    uv = uvicorn.Server(
+        uvicorn.Config(build_app(engine, engine.tokenizer, config), port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    yield InProcessServer(f"http://127.0.0.1:{port}", engine, run_dir)
+    uv.should_exit = True
+    thread.join(timeout=30)
+
+
+def transformers_greedy(path: Path, max_tokens: int = 10) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([PROMPT]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(PROMPT) :].tolist()
+
+
+def test_api_key(server: InProcessServer) -> None:
+    for key in (None, "wrong"):
+        response = server.post("/v1/completions", {"prompt": "x", "max_tokens": 1}, key=key)
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "AuthenticationError"
+        assert server.post("/update_weights", {"step": 0}, key=key).status_code == 401
+    assert httpx.get(server.url + "/health").status_code == 200  # probes need no key
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+    assert [m.id for m in client.models.list().data] == [SERVED_NAME]
+    out = client.completions.create(model=SERVED_NAME, prompt="x", max_tokens=2)
+    assert out.model == SERVED_NAME
+
+
+def test_weight_updates_switch_outputs_and_versions(
+    server: InProcessServer, tiny_model: Path, tmp_path: Path
+) -> None:
+    before = server.greedy()
+    assert before["token_ids"] == transformers_greedy(tiny_model)
+    other = build_tiny_model(out=tmp_path / "other", seed=1)
+    expected_other = transformers_greedy(other)
+    assert expected_other != before["token_ids"]
+
+    response = server.post("/update_weights", {"path": str(other)})
+    assert response.status_code == 200, response.text
+    version = response.json()["weight_version"]
+    assert version == 1
+    after = server.greedy()
+    assert after["token_ids"] == expected_other and after["weight_versions"] == [version]
+    assert httpx.get(server.url + "/health").json()["weight_version"] == version
+    assert "tandem_weight_version 1" in httpx.get(server.url + "/metrics").text
+
+    # `step: N` loads run_dir/weights/step_N and reports version N
+    shutil.copytree(tiny_model, server.run_dir / "weights" / "step_5")
+    response = server.post("/update_weights", {"step": 5})
+    assert response.status_code == 200 and response.json()["weight_version"] == 5
+    assert server.greedy()["token_ids"] == before["token_ids"]
+    assert server.greedy()["weight_versions"] == [5]
+
+
+def test_bad_checkpoints_keep_the_old_weights(
+    server: InProcessServer, tiny_model: Path, tmp_path: Path
+) -> None:
+    live = server.greedy()
+    version = server.engine.weight_version
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(tiny_model, corrupt)
+    (corrupt / "model.safetensors").write_bytes(b"\x00not a safetensors file" * 10)
+    wrong_shape = build_tiny_model(out=tmp_path / "wide", hidden_size=128, head_dim=32, intermediate_size=256)
+    bodies = [
+        {"path": str(tmp_path / "missing")},
+        {"path": str(corrupt)},
+        {"path": str(wrong_shape)},
+        {"step": 999},
+    ]
+    for body in bodies:
+        response = server.post("/update_weights", body)
+        assert response.status_code == 400, (body, response.text)
+        assert "old weights stay live" in response.json()["error"]["message"]
+        assert server.greedy() == live
+        assert server.engine.weight_version == version
+    for body in ({}, {"path": "x", "step": 1}, {"step": -1}, {"paht": "x"}):
+        assert server.post("/update_weights", body).status_code == 400
+
+
+def test_pause_holds_new_requests_until_resume(server: InProcessServer) -> None:
+    assert server.post("/pause").json()["paused"] is True
+    assert httpx.get(server.url + "/health").json()["paused"] is True
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(server.greedy, 4)
+        deadline = time.monotonic() + 5
+        while "tandem_requests_waiting_for_resume 1" not in httpx.get(server.url + "/metrics").text:
+            assert time.monotonic() < deadline, "the request did not wait for resume"
+            time.sleep(0.05)
+        assert not pending.done()
+        assert server.post("/resume").json()["paused"] is False
+        assert len(pending.result(timeout=30)["token_ids"]) == 4
+
+
+def test_pause_times_out_with_503(server: InProcessServer) -> None:
+    server.post("/pause")
+    try:
+        started = time.monotonic()
+        response = server.post("/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert response.status_code == 503 and "paused" in response.json()["error"]["message"]
+        assert 1.4 < time.monotonic() - started < 10
+    finally:
+        server.post("/resume")
+    assert server.greedy(2)["token_ids"]
+
+
+def test_pause_freezes_running_requests(server: InProcessServer) -> None:
+    body = {"prompt": "x", "max_tokens": 80, "ignore_eos": True, "stream": True, "return_token_ids": True}
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json=body, headers=headers, timeout=60
+    ) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        server.post("/pause")
+        time.sleep(0.2)
+        frozen = server.engine.stats().generated_tokens_total
+        time.sleep(0.3)
+        assert server.engine.stats().generated_tokens_total == frozen
+        assert server.engine.stats().running == 1
+        server.post("/resume")
+        events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert server.engine.stats().kv_blocks_used == 0
+
+
+def test_internal_error_is_a_500_and_the_server_keeps_serving(
+    server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def broken_generate(*args, **kwargs):
+        raise RuntimeError("injected engine fault")
+        yield  # an async generator, like the real one
+
+    def failed_total() -> float:
+        text = httpx.get(server.url + "/metrics").text
+        return float(
+            next(
+                line for line in text.splitlines() if line.startswith("tandem_http_requests_failed_total")
+            ).split()[1]
+        )
+
+    failed_before = failed_total()
+    with monkeypatch.context() as patch:
+        patch.setattr(server.engine, "generate", broken_generate)
+        response = server.post("/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert response.status_code == 500
+        assert "injected engine fault" in response.json()["error"]["message"]
+        stream = server.post(
+            "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True}
+        )
+        events = [line for line in stream.text.splitlines() if line]
+        assert "injected engine fault" in events[-2] and events[-1] == "data: [DONE]"
+    assert server.greedy(3)["token_ids"]
+    assert failed_total() == failed_before + 2
