@@ -34,12 +34,24 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 TRAINER_STATE = "trainer_state.pt"
 
 
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full weights gathered on CPU, without the copies of tied weights (e.g. lm_head.weight).
+
+    Gathered from several ranks, tied parameters come back as separate tensors, which
+    save_pretrained would then write twice; a 1-rank gather shares storage and omits them.
+    """
+    state = get_model_state_dict(model, options=FULL_ON_CPU)
+    for tied in getattr(model, "all_tied_weights_keys", {}):
+        state.pop(tied, None)
+    return state
+
+
 def write_hf_model(model: nn.Module, tokenizer: PreTrainedTokenizerBase, out_dir: Path, world: World) -> None:
     """Gather full weights onto rank 0 and write a Hugging Face model to `out_dir` atomically.
 
     Collective: every rank must call it. An existing `out_dir` is replaced.
     """
-    state = get_model_state_dict(model, options=FULL_ON_CPU)
+    state = full_model_state(model)
     if world.is_main:
         tmp = _tmp_dir(out_dir)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -62,7 +74,7 @@ def save_checkpoint(
     """Write `root/step_{step}` (collective); keep only the newest `keep` checkpoints if keep > 0."""
     final = Path(root) / f"step_{step}"
     tmp = _tmp_dir(final)
-    model_state = get_model_state_dict(model, options=FULL_ON_CPU)
+    model_state = full_model_state(model)
     optim_state = get_optimizer_state_dict(model, optimizer, options=FULL_ON_CPU)
     if world.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
