@@ -1,0 +1,72 @@
+"""TextTracker (incremental detokenisation + stop strings) with the real tiny tokenizer."""
+
+import pytest
+
+from tandem.inference.stop import TextTracker
+from tandem.models.tokenizer import train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer()
+
+
+TEXTS = ["Reverse the following text: hello", "naïve café — 日本語 🚀 done", "a\nb  c\t{}"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_one_token_at_a_time_equals_decoding_all(tokenizer, text: str) -> None:
+    ids = tokenizer.encode(text)
+    tracker = TextTracker(tokenizer)
+    streamed = ""
+    for token in ids:
+        assert tracker.add([token]) == 1
+        streamed += tracker.take_delta()
+        assert "\ufffd" not in streamed  # never hands out half a character
+    tracker.finish()
+    streamed += tracker.take_delta(final=True)
+    assert streamed == tracker.text == tokenizer.decode(ids) == text
+
+
+def test_lazy_mode_decodes_once_at_the_end(tokenizer) -> None:
+    ids = tokenizer.encode(TEXTS[1])
+    tracker = TextTracker(tokenizer, incremental=False)
+    assert tracker.add(ids) == len(ids) and tracker.text == ""
+    tracker.finish()
+    assert tracker.text == TEXTS[1]
+
+
+def test_stop_string_cuts_text_and_drops_later_tokens(tokenizer) -> None:
+    text = "first line\nsecond line\nthird"
+    ids = tokenizer.encode(text)
+    tracker = TextTracker(tokenizer, stop=["\nsec", "never"])
+    used = tracker.add(ids)
+    assert tracker.stopped_by == "\nsec" and tracker.text == "first line"
+    kept = ids[:used]
+    assert "\nsec" in tokenizer.decode(kept) and "\nsec" not in tokenizer.decode(kept[:-1])
+    assert tracker.add([5]) == 0  # nothing is taken after a stop
+
+
+def test_earliest_of_several_stop_strings_wins_and_include_stop(tokenizer) -> None:
+    ids = tokenizer.encode("abc STOP xyz END")
+    tracker = TextTracker(tokenizer, stop=["END", "STOP"], include_stop=True)
+    tracker.add(ids)
+    assert tracker.text == "abc STOP" and tracker.stopped_by == "STOP"
+
+
+def test_stop_string_spanning_many_tokens_and_a_multibyte_character(tokenizer) -> None:
+    ids = tokenizer.encode("weather: 🚀🚀 launch")
+    tracker = TextTracker(tokenizer, stop=["🚀 la"])
+    for token in ids:
+        tracker.add([token])
+    assert tracker.text == "weather: 🚀" and tracker.stopped_by == "🚀 la"
+
+
+def test_streaming_holds_back_a_possible_stop_prefix(tokenizer) -> None:
+    tracker = TextTracker(tokenizer, stop=["<END>"])
+    deltas = []
+    for token in tokenizer.encode("one <EN two <END> three"):
+        tracker.add([token])
+        deltas.append(tracker.take_delta())
+        assert not "".join(deltas).endswith(("<", "<E", "<EN", "<END"))
+    assert "".join(deltas) + tracker.take_delta(final=True) == "one <EN two "
