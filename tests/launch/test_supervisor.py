@@ -78,7 +78,7 @@ def test_sigterm_ignored_leads_to_sigkill(tmp_path: Path) -> None:
 
     assert code == 1
     assert time.monotonic() - start < 10
-    assert "stubborn ignored SIGTERM for 1 s; sending SIGKILL" in out
+    assert "stubborn still running (SIGTERM ignored for 1 s); sending SIGKILL" in out
     assert not alive(int(pidfile.read_text()))
 
 
@@ -129,18 +129,14 @@ def test_service_exiting_early_is_a_failure(tmp_path: Path) -> None:
     assert "[inference] crash line 1" in out
 
 
-def test_sigint_to_launcher_stops_all_children(tmp_path: Path) -> None:
-    port = free_port()
-    specs = [
-        {"name": "inference", "argv": child("service", port), "role": "service",
-         "health_url": f"http://127.0.0.1:{port}/health"},
-        {"name": "trainer", "argv": child("job", "trainer", 1, 0, 120)},
-        {"name": "orchestrator", "argv": child("job", "orch", 1, 0, 120)},
-    ]  # fmt: skip
+def start_launcher(
+    tmp_path: Path, specs: list[dict], grace_s: float
+) -> tuple[subprocess.Popen, dict[str, int]]:
+    """Run the supervisor in its own process; return it once every child has started, with their pids."""
     spec_file = tmp_path / "specs.json"
     spec_file.write_text(json.dumps(specs))
     launcher = subprocess.Popen(
-        [sys.executable, RUNNER, str(spec_file), str(tmp_path / "logs"), "5"],
+        [sys.executable, RUNNER, str(spec_file), str(tmp_path / "logs"), str(grace_s)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -150,10 +146,22 @@ def test_sigint_to_launcher_stops_all_children(tmp_path: Path) -> None:
     for line in launcher.stdout:
         if m := re.search(r"started (\w+) \(pid (\d+)\)", line):
             pids[m[1]] = int(m[2])
-        if len(pids) == 3:
+        if len(pids) == len(specs):
             break
-    assert set(pids) == {"inference", "trainer", "orchestrator"}
+    assert set(pids) == {s["name"] for s in specs}
     assert all(alive(p) for p in pids.values())
+    return launcher, pids
+
+
+def test_sigint_to_launcher_stops_all_children(tmp_path: Path) -> None:
+    port = free_port()
+    specs = [
+        {"name": "inference", "argv": child("service", port), "role": "service",
+         "health_url": f"http://127.0.0.1:{port}/health"},
+        {"name": "trainer", "argv": child("job", "trainer", 1, 0, 120)},
+        {"name": "orchestrator", "argv": child("job", "orch", 1, 0, 120)},
+    ]  # fmt: skip
+    launcher, pids = start_launcher(tmp_path, specs, grace_s=5)
 
     launcher.send_signal(signal.SIGINT)
     rest, _ = launcher.communicate(timeout=20)
@@ -161,3 +169,23 @@ def test_sigint_to_launcher_stops_all_children(tmp_path: Path) -> None:
     assert launcher.returncode == 130
     assert "received SIGINT; stopping" in rest
     wait_for(lambda: not any(alive(p) for p in pids.values()), 5, "every child to be gone")
+
+
+def test_second_signal_skips_the_grace_period(tmp_path: Path) -> None:
+    specs = [{"name": "stubborn", "argv": child("stubborn", tmp_path / "pid")}]
+    launcher, pids = start_launcher(tmp_path, specs, grace_s=25)
+    wait_for((tmp_path / "pid").exists, 10, "the stubborn child to ignore SIGTERM")
+
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.stdout is not None
+    for line in launcher.stdout:
+        if "stopping stubborn" in line:
+            break
+    start = time.monotonic()
+    launcher.send_signal(signal.SIGTERM)
+    rest, _ = launcher.communicate(timeout=10)
+
+    assert time.monotonic() - start < 5, "the second signal must not wait out the 25 s grace period"
+    assert launcher.returncode == 128 + signal.SIGTERM
+    assert "stubborn still running (a second signal); sending SIGKILL" in rest
+    assert not alive(pids["stubborn"])

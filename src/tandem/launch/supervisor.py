@@ -4,7 +4,7 @@ Services (the inference servers) start first and must answer their health URL; t
 trainer and the orchestrator) start. The run succeeds when every job exits 0; services are then
 stopped. Any process that exits non-zero, a service that exits at all, a health check that times
 out, or SIGINT/SIGTERM to the launcher stops everything: SIGTERM to each process group, then
-SIGKILL after the grace period. Each child leads its own process group (so torchrun's workers
+SIGKILL after the grace period (at once on a second Ctrl-C). Each child leads its own process group (so torchrun's workers
 die with it) and gets SIGTERM from the kernel if the launcher itself dies.
 """
 
@@ -115,6 +115,7 @@ class Supervisor:
         self.prog = prog
         self.children: list[Child] = []
         self.stop_signal: int | None = None
+        self.hurry = False  # a second SIGINT/SIGTERM: skip the grace period
 
     # ---- public ------------------------------------------------------------------------------
 
@@ -231,13 +232,16 @@ class Supervisor:
         for child in live:
             _signal_group(child.popen.pid, signal.SIGTERM)
         deadline = time.monotonic() + self.shutdown_grace_s
-        while time.monotonic() < deadline and any(_group_alive(c.popen.pid) for c in live):
+        while time.monotonic() < deadline and not self.hurry and any(_group_alive(c.popen.pid) for c in live):
             for child in live:
                 child.popen.poll()  # reap the leader, so its group can empty
             time.sleep(POLL_S)
         for child in live:
             if _group_alive(child.popen.pid):
-                self.say(f"{child.name} ignored SIGTERM for {self.shutdown_grace_s:g} s; sending SIGKILL")
+                reason = (
+                    "a second signal" if self.hurry else f"SIGTERM ignored for {self.shutdown_grace_s:g} s"
+                )
+                self.say(f"{child.name} still running ({reason}); sending SIGKILL")
                 _signal_group(child.popen.pid, signal.SIGKILL)
         for child in live:
             child.popen.wait(timeout=10)
@@ -264,6 +268,7 @@ class Supervisor:
         return 128 + self.stop_signal
 
     def _on_signal(self, signum: int, _frame: object) -> None:
+        self.hurry = self.stop_signal is not None
         self.stop_signal = signum
 
     def _age(self, child: Child) -> float:
