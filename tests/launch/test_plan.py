@@ -65,6 +65,11 @@ def test_assignment_errors(args: tuple, message: str) -> None:
         assign_devices(*args)
 
 
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
 def config(tmp_path: Path, **overrides: object) -> RLConfig:
     base = [("model.name", "tiny"), ("run_dir", str(tmp_path / "run")), ("max_steps", 3), ("seq_len", 128)]
     base += [("orchestrator.sampling.max_tokens", 16)]
@@ -177,9 +182,13 @@ def test_dry_run_prints_plan_and_starts_nothing(
     main(["@", str(toml), "--deployment.trainer_nproc", "2", "--resume", "--dry-run"])
     out = capsys.readouterr().out
 
-    assert f"# ---- {tmp_path / 'run' / 'configs' / 'trainer.toml'} ----" in out
-    assert "num_ranks = 2" in out and "resume = true" in out
-    assert "[trainer] CUDA_VISIBLE_DEVICES=''" in out and "--nproc-per-node=2 -m tandem.trainer.rl.cli" in out
+    resolved = build_config(RLConfig, [write(tmp_path / "resolved.toml", out)])  # a valid config file
+    assert resolved.orchestrator.num_ranks == 2 and resolved.trainer.resume and resolved.max_steps == 2
+    assert "# commands (CPU only)" in out
+    assert (
+        "#   [trainer] CUDA_VISIBLE_DEVICES=''" in out
+        and "--nproc-per-node=2 -m tandem.trainer.rl.cli" in out
+    )
     assert "-m tandem.inference.cli @" in out and "-m tandem.orchestrator.cli @" in out
     assert not (tmp_path / "run").exists()
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tandem.cli import UserError, run_cli
-from tandem.config.loader import parse_config
+from tandem.config.loader import parse_config, to_toml
 from tandem.launch.config import RLConfig
 from tandem.launch.devices import visible_gpus
 from tandem.launch.plan import RunPlan, plan_run
@@ -23,18 +23,15 @@ PROG = "rl"
 
 
 def describe(plan: RunPlan) -> str:
-    """The resolved configs and the commands, as --dry-run prints them."""
-    parts = []
-    for name, text in plan.files().items():
-        if name != "rl":
-            parts.append(f"# ---- {plan.config_dir / name}.toml ----\n{text}")
+    """What --dry-run prints: the resolved config (itself a valid config file), then the commands."""
     devices = plan.devices
     where = "CPU only" if not devices.on_gpu else ("colocated on GPU" if devices.colocated else "split GPUs")
-    parts.append(f"# ---- commands ({where}) ----")
+    lines = [f"# commands ({where}); {plan.config_dir}/<name>.toml holds each one's section of the above:"]
     for spec in plan.specs():
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in spec.env.items())
-        parts.append(f"[{spec.name}] {env} {shlex.join(spec.argv)}")
-    return "\n".join(parts) + "\n"
+        health = f"  (waits for {spec.health_url})" if spec.health_url else ""
+        lines.append(f"#   [{spec.name}] {env} {shlex.join(spec.argv)}{health}")
+    return to_toml(plan.config) + "\n" + "\n".join(lines) + "\n"
 
 
 def preflight(plan: RunPlan) -> None:
