@@ -1,7 +1,14 @@
 """Rollouts for RL trainer tests: reverse-text samples drawn from a tiny model with transformers."""
 
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
+import httpx
 import torch
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -79,3 +86,74 @@ def write_rollouts(
         samples, 256, num_ranks, micro_batch_tokens=512, step=step, temperature=temperature
     )
     write_step(run_dir, step, per_rank)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def inference_server(args: list[str], log_path: Path, timeout_s: float = 180) -> Iterator[str]:
+    """`inference ARGS --port P` as a real process until /health answers; yields its URL."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tandem.inference.cli", *args, "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert process.poll() is None, f"server exited:\n{log_path.read_text()[-3000:]}"
+            with suppress(httpx.TransportError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, f"no /health in {timeout_s}s:\n{log_path.read_text()[-3000:]}"
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=15)
+
+
+def sample_from_server(
+    url: str, num_prompts: int, group_size: int, temperature: float, max_tokens: int, seed: int
+) -> list[Sample]:
+    """Reverse-text samples from a real inference server: its token ids, logprobs and weight versions."""
+    samples = []
+    for k, task in enumerate(make_tasks("train", num_prompts, seed=seed)):
+        body = {
+            "model": "policy",
+            "messages": task.messages,
+            "n": group_size,
+            "temperature": temperature,
+            "max_tokens": max_tokens,
+            "logprobs": True,
+            "return_token_ids": True,
+            "seed": seed * 1000 + k,
+        }
+        response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        out = response.json()
+        group = []
+        for choice in out["choices"]:
+            ids = choice["token_ids"]
+            lps = [item["logprob"] for item in choice["logprobs"]["content"]]
+            versions = sorted(set(choice.get("weight_versions") or [choice["weight_version"]]))
+            r = reward(choice["message"]["content"] or "", task)
+            sample = Sample(out["prompt_token_ids"], ids, [True] * len(ids), lps, r, 0.0, versions[0])
+            sample.task_id, sample.env, sample.policy_versions = task.task_id, "reverse_text", versions
+            group.append(sample)
+        mean = sum(s.reward for s in group) / group_size
+        for s in group:
+            s.advantage = s.reward - mean
+        samples.extend(group)
+    return samples
