@@ -256,7 +256,8 @@ def main() -> None:
     steps_before = core.num_steps
     rows.append(("tandem engine", *run_core(core, prompts, args.output_len, "warm")))
     results["engine_steps"] = core.num_steps - steps_before
-    results["decode_graph_replay_ms"] = time_graph_replays(core)
+    results["decode_graph_replay_ms"] = time_graph_replays(core) if core.runner.graphs else {}
+    results["engine_step_seconds_by_phase"] = core.timings
     del core
     engine = AsyncEngine(engine_config(path, dtype, args))
     run_async(engine, prompts[: min(8, len(prompts))], 4)  # warm-up
@@ -274,7 +275,14 @@ def main() -> None:
         f"\n{shape} on {results['device']}, {dtype}: {args.num_requests} requests × "
         f"{args.prompt_len} prompt + {args.output_len} output tokens"
     )
-    print(json.dumps({k: results[k] for k in ("engine_steps", "decode_graph_replay_ms")}))
+    print(
+        json.dumps(
+            {
+                k: results[k]
+                for k in ("engine_steps", "decode_graph_replay_ms", "engine_step_seconds_by_phase")
+            }
+        )
+    )
     print(f"| {'system':<26} | {'seconds':>8} | {'output tok/s':>12} |")
     print(f"|{'-' * 28}|{'-' * 10}|{'-' * 14}|")
     for name, seconds, tokens in rows:

@@ -21,10 +21,15 @@ def batch_of(rows: int, **kw: object) -> SamplingBatch:
     )
 
 
-def test_draws_follow_the_softmax_distribution() -> None:
+@pytest.mark.parametrize("seeded", [True, False])
+def test_draws_follow_the_softmax_distribution(seeded: bool) -> None:
     probs = torch.tensor([0.5, 0.25, 0.15, 0.1])
     rows = 20_000
-    result = sample(probs.log().expand(rows, -1).contiguous(), batch_of(rows))
+    batch = batch_of(rows)
+    if not seeded:
+        batch.keys = [None] * rows
+        batch.generator = torch.Generator().manual_seed(0)
+    result = sample(probs.log().expand(rows, -1).contiguous(), batch)
     freq = torch.bincount(torch.tensor(result.token_ids), minlength=4).double() / rows
     assert torch.allclose(freq, probs.double(), atol=0.015), freq
     assert result.logprobs[0] == pytest.approx(probs.log()[result.token_ids[0]].item(), abs=1e-6)

@@ -6,7 +6,7 @@ just finished prefilling, appends tokens, and finishes samples that hit a stop c
 """
 
 import itertools
-import random
+import time
 
 import torch
 
@@ -54,7 +54,8 @@ class EngineCore:
         self.prompt_tokens_total = 0
         self.num_steps = 0
         self._arrivals = itertools.count()
-        self._seeds = random.Random(config.seed)
+        self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.timings = {"schedule": 0.0, "model": 0.0, "sample": 0.0, "append": 0.0}
 
     def _num_blocks(self, config: InferenceConfig) -> int:
         cfg = config.engine
@@ -100,8 +101,7 @@ class EngineCore:
         self.validate(prompt_token_ids, params, n)
         if request_id in self.requests:
             raise ValueError(f"request id '{request_id}' is already running")
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        keys = [sample_key(seed, i) for i in range(n)]
+        keys = [None if params.seed is None else sample_key(params.seed, i) for i in range(n)]
         request = Request(request_id, list(prompt_token_ids), params, n, keys, next(self._arrivals))
         seq = Sequence(request, 0, list(prompt_token_ids), len(prompt_token_ids), fan_out=n)
         request.sequences[0] = seq
@@ -149,8 +149,11 @@ class EngineCore:
 
     def step(self) -> list[tuple[str, list[SampleUpdate]]]:
         """Run one batch; return the new updates of every request that got any."""
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
         self.num_steps += 1
+        scheduled = time.perf_counter()
+        self.timings["schedule"] += scheduled - start
         if batch.seqs:
             sampled = [
                 seq
@@ -158,6 +161,7 @@ class EngineCore:
                 if seq.num_cached + count == seq.num_tokens
             ]
             logits = self.runner.run(batch, self.blocks)
+            self.timings["model"] += time.perf_counter() - scheduled
             for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
                 seq.num_cached += count
             if sampled:
@@ -183,8 +187,12 @@ class EngineCore:
             keys=[seq.request.keys[index] for seq, index in targets],
             positions=[seq.num_tokens for seq, _ in targets],
             num_top_logprobs=max(p.top_logprobs for p in params),
+            generator=self.generator,
         )
+        start = time.perf_counter()
         result = sample(logits, batch)
+        sampled = time.perf_counter()
+        self.timings["sample"] += sampled - start
         owners = [seq if index == seq.index else self._fork(seq, index) for seq, index in targets]
         for i, ((seq, _), target) in enumerate(zip(targets, owners, strict=True)):
             if target is None:
@@ -197,6 +205,7 @@ class EngineCore:
             self._append(target, token)
         for seq in seqs:
             seq.fan_out = 1
+        self.timings["append"] += time.perf_counter() - sampled
 
     def _fork(self, parent: Sequence, index: int) -> Sequence | None:
         """Sample `index` of `parent`'s request, sharing the prompt's blocks (None if cancelled)."""

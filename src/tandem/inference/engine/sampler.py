@@ -1,9 +1,10 @@
 """On-device sampling with per-row temperature, top-k, top-p, min-p and seeds.
 
-Randomness is counter-based: the noise for row r is a hash of (the sample's seed, the position
-of the token being drawn, the vocabulary index), so a seeded sample draws the same tokens
-whatever else is in the batch, after a preemption, and on CPU or GPU. A token is drawn as
-argmax(p / E) with E ~ Exp(1) (the exponential-race form of categorical sampling).
+A token is drawn as argmax(p / E) with E ~ Exp(1) per vocabulary entry (the exponential-race
+form of categorical sampling). For a request with a seed the noise is counter-based: a hash of
+(the sample's key, the position of the token being drawn, the vocabulary index), so a seeded
+sample draws the same tokens whatever else is in the batch, after a preemption, and on CPU or
+GPU. Rows without a seed take their noise from the engine's torch.Generator (one fast kernel).
 
 The returned logprob is log_softmax(logits / T) at the drawn token (T = 1 for greedy rows),
 computed from the same logits the token was drawn from.
@@ -48,9 +49,10 @@ class SamplingBatch:
     top_ps: list[float]
     top_ks: list[int]
     min_ps: list[float]
-    keys: list[int]  # sample_key(...) per row
+    keys: list[int | None]  # sample_key(...) of seeded rows, None for unseeded ones
     positions: list[int]  # position of the token each row draws
     num_top_logprobs: int = 0
+    generator: torch.Generator | None = None  # noise of the unseeded rows
 
 
 @dataclass
@@ -71,9 +73,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     tokens = logprobs.argmax(dim=-1)
     if not bool(greedy.all()):
         probs = _filtered_probs(logprobs.exp(), batch, device)
-        keys = torch.tensor(batch.keys, device=device, dtype=torch.int64)
-        positions = torch.tensor(batch.positions, device=device, dtype=torch.int64)
-        drawn = (probs / -torch.log(uniform_noise(keys, positions, vocab))).argmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=batch.generator)
+        seeded = [i for i, key in enumerate(batch.keys) if key is not None]
+        if seeded:
+            keys = torch.tensor([batch.keys[i] for i in seeded], device=device, dtype=torch.int64)
+            positions = torch.tensor([batch.positions[i] for i in seeded], device=device, dtype=torch.int64)
+            rows = torch.tensor(seeded, device=device)
+            noise[rows] = -torch.log(uniform_noise(keys, positions, vocab))
+        drawn = (probs / noise).argmax(dim=-1)
         tokens = torch.where(greedy, tokens, drawn)
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     result = SampleResult(tokens.tolist(), chosen.tolist())

@@ -60,7 +60,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     n: int
-    keys: list[int]  # sampler key of each sample (from the seed and the index): reproducible draws
+    keys: list[int | None]  # per sample, the sampler key derived from the seed (None: unseeded)
     arrival: int
     sequences: dict[int, Sequence] = field(default_factory=dict)  # live sequences by sample index
     finished: dict[int, FinishReason] = field(default_factory=dict)
