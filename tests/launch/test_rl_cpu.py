@@ -1,0 +1,70 @@
+"""The whole `rl` command on CPU: a real inference server, orchestrator and trainer, two steps."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from launch_helpers import alive, free_port
+
+from tandem.models.tiny import build_tiny_model
+
+pytestmark = pytest.mark.slow
+
+
+def test_rl_runs_two_steps_on_cpu(tmp_path: Path) -> None:
+    model = build_tiny_model(
+        out=tmp_path / "model", num_layers=2, hidden_size=64, head_dim=16, intermediate_size=128
+    )
+    run = tmp_path / "run"
+    (tmp_path / "rl.toml").write_text(
+        f"""
+seq_len = 96
+max_steps = 2
+run_dir = "{run}"
+[model]
+name = "{model}"
+[deployment]
+startup_timeout_s = 240
+shutdown_grace_s = 5
+[inference]
+port = {free_port()}
+[orchestrator]
+batch_size = 4
+group_size = 2
+micro_batch_tokens = 256
+[orchestrator.sampling]
+max_tokens = 8
+[trainer.weights]
+keep = 2
+"""
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "tandem.launch.cli", "@", str(tmp_path / "rl.toml")],
+        capture_output=True,
+        text=True,
+        timeout=480,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+
+    assert (
+        "[rl] inference is healthy" in out
+        and "[trainer] step 2/2" in out
+        and "[orchestrator] step 2/2" in out
+    )
+    assert f"final weights: {run / 'weights' / 'step_2'}" in out
+    assert (run / "weights" / "step_2" / "STABLE").is_file()
+    assert sorted(p.name for p in (run / "configs").iterdir()) == [
+        "inference_0.toml",
+        "orchestrator.toml",
+        "rl.toml",
+        "trainer.toml",
+    ]
+    assert "step 2/2" in (run / "logs" / "trainer.log").read_text()
+    assert "Uvicorn running" in (run / "logs" / "inference.log").read_text()
+    pids = [int(p) for p in re.findall(r"started \w+ \(pid (\d+)\)", out)]
+    assert len(pids) == 3 and not any(alive(p) for p in pids)
