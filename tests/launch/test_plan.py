@@ -2,6 +2,7 @@
 
 import importlib.util
 import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -208,3 +209,29 @@ def test_launched_modules_run_as_main(module: str) -> None:
     spec = importlib.util.find_spec(module)
     assert spec is not None and spec.origin is not None, f"{module} is missing"
     assert 'if __name__ == "__main__":' in Path(spec.origin).read_text(), f"{module} lacks a __main__ guard"
+
+
+def test_example_config_plans() -> None:
+    example = Path(__file__).parents[2] / "examples" / "reverse_text" / "rl.toml"
+    plan = plan_run(build_config(RLConfig, [example]), [])
+    assert plan.orchestrator.servers == [f"http://127.0.0.1:{plan.inference[0].port}"]
+
+
+def test_refuses_used_run_dir_and_taken_port(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    base = ["--model.name", "m", "--run_dir", str(tmp_path / "run"), "--deployment.inference_servers", "1"]
+    (tmp_path / "run" / "rollouts" / "step_0").mkdir(parents=True)
+    (tmp_path / "run" / "rollouts" / "step_0" / "READY").touch()
+    with pytest.raises(SystemExit) as exit_info:
+        main(base)
+    assert exit_info.value.code == 2
+    assert "already holds rollouts up to step 0: pass --resume" in capsys.readouterr().err
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit):
+            main([*base, "--resume", "--inference.port", str(port)])
+    err = capsys.readouterr().err
+    assert f"rl: error: port {port} on 127.0.0.1 is taken" in err and err.count("\n") == 1
+    assert not (tmp_path / "run" / "configs").exists(), "nothing is written or started after a failed check"
