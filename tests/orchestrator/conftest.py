@@ -16,15 +16,16 @@ from tandem.models.tiny import build_tiny_model
 STARTUP_TIMEOUT_S = 180.0
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("model") / "tiny"
     return build_tiny_model(out=out, num_layers=2, hidden_size=64, head_dim=16, intermediate_size=128)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Base URL of a native-engine inference server serving `tiny_model` as version 0."""
+    """Base URL of a native-engine inference server, started serving `tiny_model` as version 0 and
+    shared by the session: tests that need version 0 call `serve_base_model` first."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

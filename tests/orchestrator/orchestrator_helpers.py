@@ -32,3 +32,10 @@ async def wait_for_file(path: Path, timeout_s: float = 60.0) -> float:
             raise TimeoutError(f"{path} did not appear within {timeout_s:g}s")
         await asyncio.sleep(0.02)
     return time.monotonic()
+
+
+def serve_base_model(url: str, model: Path, scratch: Path) -> None:
+    """Put the server back on the initial model (version 0), whatever earlier tests loaded."""
+    path = publish_weights(model, scratch, 0)
+    response = httpx.post(url + "/update_weights", json={"path": str(path)}, timeout=60)
+    assert response.json()["weight_version"] == 0, response.text

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from orchestrator_helpers import publish_weights, served_version, wait_for_file
+from orchestrator_helpers import publish_weights, serve_base_model, served_version, wait_for_file
 
 from tandem.orchestrator.client import ServerPool
 from tandem.orchestrator.config import ClientConfig, OrchestratorConfig, SamplingConfig, WeightsConfig
@@ -18,6 +18,8 @@ from tandem.transport.rollouts import read_rank, step_dir
 
 
 def test_wait_for_loads_weights_only_once_stable(server: str, tiny_model: Path, tmp_path: Path) -> None:
+    serve_base_model(server, tiny_model, tmp_path / "base")
+
     async def scenario() -> dict:
         pool = ServerPool([server], ClientConfig(max_retries=1))
         await pool.connect()
@@ -91,14 +93,10 @@ def test_level_one_runs_one_step_ahead_of_a_slow_trainer(
             "weights": {"poll_interval": 0.05, "wait_timeout": 60},
         }
     )
-    # the server may serve a later version from the test above: start this run from version 0
-    publish_weights(tiny_model, tmp_path / "base", 0)
+    serve_base_model(server, tiny_model, tmp_path / "base")
 
     async def scenario() -> dict[str, float]:
         seen: dict[str, float] = {}
-        pool = ServerPool([server], cfg.client)
-        assert await pool.update_weights(tmp_path / "base" / "weights" / "step_0") == [0]
-        await pool.close()
 
         async def watch_ready(step: int) -> None:
             seen[f"ready_{step}"] = await wait_for_file(step_dir(run_dir, step) / "READY")

@@ -8,7 +8,7 @@ import json
 import time
 from pathlib import Path
 
-from orchestrator_helpers import publish_weights, served_version, wait_for_file
+from orchestrator_helpers import publish_weights, serve_base_model, served_version, wait_for_file
 
 from tandem.envs.registry import load_environment
 from tandem.monitor.metrics import read_metrics
@@ -75,6 +75,7 @@ def test_synchronous_run_writes_on_policy_rollouts_and_resumes(
 ) -> None:
     run_dir = tmp_path / "run"
     cfg = config(tiny_model, run_dir, server)
+    serve_base_model(server, tiny_model, tmp_path / "base")
     assert served_version(server) == 0
     started = time.monotonic()
     assert run_with_trainer(cfg, tiny_model, first=0) == []

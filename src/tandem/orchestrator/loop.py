@@ -7,10 +7,12 @@ published `weights/step_N` to all servers as soon as its STABLE marker appears.
 """
 
 import asyncio
-import contextlib
 import logging
 import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from tandem.cli import UserError
 from tandem.envs.base import Environment, SingleTurnEnv
@@ -27,7 +29,9 @@ from tandem.orchestrator.weights import PolicySync
 from tandem.transport.rollouts import pack_samples, step_dir, write_step
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 PROMPT_CHECK_LIMIT = 5000
+STEPS_IN_FLIGHT = 2
 
 
 def written_steps(run_dir: Path) -> list[int]:
@@ -71,9 +75,7 @@ def check_prompt_lengths(env: Environment, cfg: OrchestratorConfig) -> None:
         )
 
 
-def step_metrics(
-    batch: StepBatch, cfg: OrchestratorConfig, waited: float, seconds: float
-) -> dict[str, float]:
+def step_metrics(batch: StepBatch, waited: float, seconds: float) -> dict[str, float]:
     trajectories = batch.trajectories
     generated = sum(sum(t.completion_mask) for t in trajectories)
     advantages = [a for g in batch.groups for a in g.advantages]
@@ -92,6 +94,35 @@ def step_metrics(
     }
 
 
+async def supervise(main: Awaitable[T], *helpers: Awaitable[object]) -> T:
+    """Await `main` with `helpers` running beside it. Helpers may finish early; the first failure of
+    any task cancels all others and is raised; helpers still running when `main` ends are cancelled."""
+    main_task = asyncio.ensure_future(main)
+    tasks = [main_task, *(asyncio.ensure_future(h) for h in helpers)]
+    try:
+        pending = set(tasks)
+        while not main_task.done():
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if not task.cancelled() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+        return main_task.result()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass
+class Launched:
+    """A step whose rollouts are being collected."""
+
+    step: int
+    began: float
+    waited: float
+    collecting: asyncio.Future[StepBatch]
+
+
 class Orchestrator:
     def __init__(self, cfg: OrchestratorConfig) -> None:
         self.cfg = cfg
@@ -103,7 +134,7 @@ class Orchestrator:
         self.metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl", source="orchestrator")
 
     async def run(self) -> None:
-        """Connect, then run the step loop with the weight watcher beside it; either failing stops both."""
+        """Connect, then run the steps with the weight watcher beside them; either failing stops both."""
         try:
             start = first_step(self.cfg)
             if start >= self.cfg.max_steps:
@@ -112,18 +143,9 @@ class Orchestrator:
             check_prompt_lengths(self.env, self.cfg)
             await self.pool.connect()
             await self.policy.sync()
-            loop = asyncio.ensure_future(self.steps(start))
-            watcher = asyncio.ensure_future(self.policy.watch())
-            try:
-                await asyncio.wait({loop, watcher}, return_when=asyncio.FIRST_COMPLETED)
-                if watcher.done():
-                    watcher.result()
-                loop.result()
-            finally:
-                for future in (loop, watcher):
-                    future.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await future
+            await supervise(self.steps(start), self.policy.watch())
+            if self.cfg.eval.interval > 0:
+                await supervise(self.final_eval(), self.policy.watch())
         finally:
             await self.pool.close()
             self.metrics.close()
@@ -140,45 +162,76 @@ class Orchestrator:
             "".join(f", {k[9:]} {v:.4f}" for k, v in stats.items() if k.startswith("eval/env/")),
         )
 
+    async def final_eval(self) -> None:
+        """Evaluate the policy trained on every step (weights/step_{max_steps})."""
+        await self.policy.wait_for(self.cfg.max_steps, self.cfg.max_steps, 0)
+        await self.evaluate(self.cfg.max_steps)
+
     def eval_due(self, step: int) -> bool:
         return self.cfg.eval.interval > 0 and step % self.cfg.eval.interval == 0
 
     async def steps(self, start: int) -> None:
+        """Two loops joined by a queue: `launch` gates step N on the policy version and starts
+        collecting it; `write` finishes steps in order. At most two steps collect at once, so
+        step N+1's requests already keep the servers busy while step N's last groups finish
+        (whenever the gate allows step N+1 to start)."""
         cfg = self.cfg
         k = cfg.max_async_level
         log.info("orchestrating steps %d..%d with max_async_level %d", start, cfg.max_steps - 1, k)
-        with TrainingProgress(cfg.max_steps, start=start, log_interval=1) as progress:
+        queue: asyncio.Queue[Launched | None] = asyncio.Queue()
+        slots = asyncio.Semaphore(STEPS_IN_FLIGHT)
+        launched: list[Launched] = []
+
+        async def launch() -> None:
             for step in range(start, cfg.max_steps):
+                await slots.acquire()
                 began = time.perf_counter()
                 waited = await self.policy.wait_for(step - k, step, k)
                 if self.eval_due(step):
                     await self.evaluate(step)
-                batch = await self.collector.collect(step)
-                stale = [t for t in batch.trajectories if t.policy_version < step - k]
-                if stale:
-                    log.warning("step %d: %d samples older than policy %d", step, len(stale), step - k)
-                per_rank = pack_samples(
-                    batch.samples(self.env.name),
-                    cfg.seq_len,
-                    cfg.num_ranks,
-                    cfg.micro_batch_tokens,
-                    step=step,
-                    temperature=cfg.sampling.temperature,
-                )
-                write_step(cfg.run_dir, step, per_rank)
-                stats = step_metrics(batch, cfg, waited, time.perf_counter() - began)
-                self.metrics.log(step, **stats)
-                log.debug("wrote %s", step_dir(cfg.run_dir, step))
-                progress.update(
-                    step + 1,
-                    {
-                        "reward": stats["reward_mean"],
-                        "len": stats["completion_len_mean"],
-                        "stale": stats["staleness_mean"],
-                        "tok/s": stats["rollout_tokens_per_s"],
-                        "wait": stats["wait_weights_s"],
-                    },
-                )
-        if cfg.eval.interval > 0:
-            await self.policy.wait_for(cfg.max_steps, cfg.max_steps, 0)
-            await self.evaluate(cfg.max_steps)
+                item = Launched(step, began, waited, asyncio.ensure_future(self.collector.collect(step)))
+                launched.append(item)
+                await queue.put(item)
+            await queue.put(None)
+
+        async def write(progress: TrainingProgress) -> None:
+            while (item := await queue.get()) is not None:
+                self.write_step(item.step, await item.collecting, item, progress)
+                slots.release()
+
+        try:
+            with TrainingProgress(cfg.max_steps, start=start, log_interval=1) as progress:
+                await supervise(write(progress), launch())
+        finally:
+            for item in launched:
+                item.collecting.cancel()
+            await asyncio.gather(*(item.collecting for item in launched), return_exceptions=True)
+
+    def write_step(self, step: int, batch: StepBatch, item: Launched, progress: TrainingProgress) -> None:
+        cfg = self.cfg
+        oldest_allowed = step - cfg.max_async_level
+        stale = [t for t in batch.trajectories if t.policy_version < oldest_allowed]
+        if stale:
+            log.warning("step %d: %d samples older than policy %d", step, len(stale), oldest_allowed)
+        per_rank = pack_samples(
+            batch.samples(self.env.name),
+            cfg.seq_len,
+            cfg.num_ranks,
+            cfg.micro_batch_tokens,
+            step=step,
+            temperature=cfg.sampling.temperature,
+        )
+        write_step(cfg.run_dir, step, per_rank)
+        stats = step_metrics(batch, item.waited, time.perf_counter() - item.began)
+        self.metrics.log(step, **stats)
+        log.debug("wrote %s", step_dir(cfg.run_dir, step))
+        progress.update(
+            step + 1,
+            {
+                "reward": stats["reward_mean"],
+                "len": stats["completion_len_mean"],
+                "stale": stats["staleness_mean"],
+                "tok/s": stats["rollout_tokens_per_s"],
+                "wait": stats["wait_weights_s"],
+            },
+        )
