@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from launch_helpers import alive, child, free_port, wait_for
 
 from tandem.launch.supervisor import Console, ProcessSpec, Supervisor
@@ -44,6 +45,18 @@ def test_jobs_finish_then_services_stop(tmp_path: Path) -> None:
     log = (tmp_path / "logs" / "trainer.log").read_text().splitlines()
     assert log == ["trainer line 0", "trainer line 1", "trainer line 2"]
     assert "service listening" in (tmp_path / "logs" / "inference.log").read_text()
+
+
+@pytest.mark.timeout(60)  # a pump that stopped draining would block the child forever
+def test_output_keeps_draining_when_the_console_is_gone(tmp_path: Path) -> None:
+    closed = io.StringIO()
+    closed.close()  # like stdout piped into `head` that has exited
+    specs = [ProcessSpec("trainer", child("job", "trainer", 20_000, 0, 0))]  # far more than a pipe buffers
+    sup = Supervisor(specs, tmp_path / "logs", console=Console(closed, colour=False))
+
+    assert sup.run() == 0
+    lines = (tmp_path / "logs" / "trainer.log").read_text().splitlines()
+    assert len(lines) == 20_000 and lines[-1] == "trainer line 19999"
 
 
 def test_failure_stops_the_rest_and_reports_tail(tmp_path: Path) -> None:

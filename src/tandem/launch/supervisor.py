@@ -56,20 +56,28 @@ class Child:
 
 
 class Console:
-    """Prefixed, optionally coloured lines from many threads, one whole line at a time."""
+    """Prefixed, optionally coloured lines from many threads, one whole line at a time.
+
+    A console that goes away (a closed pipe, `rl ... | head`) is dropped silently: the children's
+    output must keep draining into their log files, or they would block on a full pipe.
+    """
 
     def __init__(self, stream: IO[str] | None = None, colour: bool | None = None) -> None:
-        self.stream = stream or sys.stdout
-        if colour is None:
-            colour = self.stream.isatty() and "NO_COLOR" not in os.environ
-        self.colour = colour
+        out = stream or sys.stdout
+        self.colour = out.isatty() and "NO_COLOR" not in os.environ if colour is None else colour
+        self.stream: IO[str] | None = out
         self.lock = threading.Lock()
 
     def line(self, prefix: str, text: str, colour_code: str = "1") -> None:
         head = f"\033[{colour_code}m[{prefix}]\033[0m" if self.colour else f"[{prefix}]"
         with self.lock:
-            self.stream.write(f"{head} {text}\n")
-            self.stream.flush()
+            if self.stream is None:
+                return
+            try:
+                self.stream.write(f"{head} {text}\n")
+                self.stream.flush()
+            except (OSError, ValueError):
+                self.stream = None
 
 
 def _load_prctl() -> Callable[..., int] | None:
@@ -216,12 +224,19 @@ class Supervisor:
 
     def _pump(self, name: str, stream: IO[str], log_path: Path, tail: deque[str], colour: str) -> None:
         with log_path.open("a", encoding="utf-8") as log:
-            for raw in stream:
+            for raw in stream:  # drain to the end whatever happens, so the child never blocks
                 line = raw.rstrip("\n")
-                log.write(line + "\n")
-                log.flush()
                 tail.append(line)
                 self.console.line(name, line, colour)
+                if not log.closed:
+                    try:
+                        log.write(line + "\n")
+                        log.flush()
+                    except OSError as e:
+                        self.console.line(
+                            self.prog, f"cannot write {log_path} ({e}); {name}'s log stops here"
+                        )
+                        log.close()
 
     def _stop_all(self) -> None:
         """SIGTERM every process group still alive, SIGKILL what is left after the grace period."""
