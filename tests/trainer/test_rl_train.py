@@ -2,6 +2,8 @@
 that moves the policy the way the advantages say, published weights and metrics."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ from tandem.monitor.metrics import read_metrics
 from tandem.trainer.logprobs import sequence_logprobs
 from tandem.trainer.rl.config import RLTrainerConfig
 from tandem.trainer.rl.train import train
-from tandem.transport.rollouts import Sample, pack_samples
+from tandem.transport.rollouts import RolloutError, Sample, pack_samples
 from tandem.transport.weights import STABLE, stable_versions, weights_dir
 
 TEMPERATURE = 0.8
@@ -84,6 +86,28 @@ def test_later_step_waits_and_times_out_naming_the_path(model_dir: Path, tmp_pat
     with pytest.raises(TimeoutError, match=r"rollouts/step_1/READY"):
         train(trainer_config(model_dir, tmp_path, max_steps=2, rollout_timeout_s=1))
     assert stable_versions(tmp_path) == [1]
+
+
+def test_token_ids_outside_the_vocabulary_are_reported(model_dir: Path, tmp_path: Path) -> None:
+    sample = Sample([1, 5, 7], [600, 2], [True, True], [-1.0, -1.0], 1.0, 0.5, 0, task_id="bad")
+    write_rollouts(tmp_path, 0, [sample], TEMPERATURE)
+    with pytest.raises(
+        RolloutError, match=r"token ids span \[1, 600\], outside the model's vocabulary of 512"
+    ):
+        train(trainer_config(model_dir, tmp_path))
+
+
+def test_cli_reports_a_rollout_timeout_in_one_line(model_dir: Path, tmp_path: Path) -> None:
+    argv = ["--model.name", str(model_dir), "--model.device", "cpu", "--run_dir", str(tmp_path)]
+    argv += ["--rollout_timeout_s", "0.5"]
+    done = subprocess.run(
+        [sys.executable, "-m", "tandem.trainer.rl.cli", *argv], capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert (
+        done.stderr.strip()
+        == f"trainer: error: timed out after 0.5s waiting for {tmp_path}/rollouts/step_0/READY"
+    )
 
 
 def test_resume_without_checkpoint_is_a_user_error(model_dir: Path, tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """`trainer @ config.toml [--key value ...] [--resume]`, single process or under torchrun."""
 
-from tandem.cli import run_cli
+from tandem.cli import UserError, run_cli
 from tandem.config.loader import parse_config
 from tandem.trainer.rl.config import RLTrainerConfig
 
@@ -11,8 +11,13 @@ def main() -> None:
 
 def _run() -> None:
     from tandem.trainer.rl.train import train
+    from tandem.transport.rollouts import RolloutError
 
-    train(parse_config(RLTrainerConfig, prog="trainer"))
+    cfg = parse_config(RLTrainerConfig, prog="trainer")
+    try:
+        train(cfg)
+    except RolloutError as e:  # missing, late or corrupt rollouts: one line, not a traceback
+        raise UserError(str(e)) from None
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ docs/algorithms.md has the math. A custom objective is named by `loss.import_pat
 import importlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -107,43 +107,39 @@ def build_objective(cfg: LossConfig) -> Callable[[LossInputs], LossTerms]:
     return custom
 
 
+SUMMED = ("loss", "loss_tokens", "excluded_tokens", "mismatch_kl", "entropy")
+
+
 @dataclass
 class LossStats:
-    """Sums over loss tokens (and one max), added over micro-batches, then over ranks."""
+    """Sums over loss tokens, `sums[i]` for `SUMMED[i]`, and the largest |log π − log μ|.
 
-    loss: float = 0.0
-    loss_tokens: float = 0.0
-    excluded_tokens: float = 0.0
-    mismatch_kl: float = 0.0
-    entropy: float = 0.0
-    max_abs_log_ratio: float = 0.0
+    Kept as float64 tensors on the compute device and added up across micro-batches without
+    synchronising with the host; `means` reads them once per step, after the all-reduce.
+    """
 
-    def add(self, other: "LossStats") -> None:
-        for f in fields(self):
-            mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            setattr(self, f.name, max(mine, theirs) if f.name.startswith("max_") else mine + theirs)
-
-    def as_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sums, maxima) as float64 tensors, for all-reduce."""
-        sums = [getattr(self, f.name) for f in fields(self) if not f.name.startswith("max_")]
-        return torch.tensor(sums, dtype=torch.float64), torch.tensor(
-            [self.max_abs_log_ratio], dtype=torch.float64
-        )
+    sums: torch.Tensor
+    max_abs_log_ratio: torch.Tensor
 
     @classmethod
-    def from_tensors(cls, sums: torch.Tensor, maxima: torch.Tensor) -> "LossStats":
-        names = [f.name for f in fields(cls) if not f.name.startswith("max_")]
-        return cls(**dict(zip(names, sums.tolist(), strict=True)), max_abs_log_ratio=float(maxima[0]))
+    def zeros(cls, device: torch.device) -> "LossStats":
+        sums = torch.zeros(len(SUMMED), dtype=torch.float64, device=device)
+        return cls(sums, torch.zeros((), dtype=torch.float64, device=device))
+
+    def add(self, other: "LossStats") -> None:
+        self.sums += other.sums
+        self.max_abs_log_ratio = torch.maximum(self.max_abs_log_ratio, other.max_abs_log_ratio)
 
     def means(self) -> dict[str, Any]:
-        n = max(self.loss_tokens, 1.0)
+        total = dict(zip(SUMMED, self.sums.tolist(), strict=True))
+        n = max(total["loss_tokens"], 1.0)
         return {
-            "loss": self.loss,
-            "loss_tokens": int(self.loss_tokens),
-            "masked_fraction": self.excluded_tokens / n,
-            "mismatch_kl": self.mismatch_kl / n,
-            "max_abs_logprob_diff": self.max_abs_log_ratio,
-            "entropy": self.entropy / n,
+            "loss": total["loss"],
+            "loss_tokens": int(total["loss_tokens"]),
+            "masked_fraction": total["excluded_tokens"] / n,
+            "mismatch_kl": total["mismatch_kl"] / n,
+            "max_abs_logprob_diff": float(self.max_abs_log_ratio),
+            "entropy": total["entropy"] / n,
         }
 
 
@@ -158,13 +154,14 @@ def policy_loss(
     mask = inputs.loss_mask
     loss = torch.where(mask, per_token, 0.0).sum() / max(num_loss_tokens, 1)
     with torch.no_grad():
-        log_ratio = (inputs.logprobs - inputs.sampler_logprobs)[mask].double()
-        stats = LossStats(
-            loss=float(loss.detach()),
-            loss_tokens=float(mask.sum()),
-            excluded_tokens=float((terms.excluded & mask).sum()),
-            mismatch_kl=float(kl_penalty(log_ratio, "k3").sum()),
-            entropy=float(inputs.entropy[mask].double().sum()),
-            max_abs_log_ratio=float(log_ratio.abs().max()) if log_ratio.numel() else 0.0,
-        )
+        log_ratio = (inputs.logprobs - inputs.sampler_logprobs).double()
+        log_ratio = torch.where(mask, log_ratio, 0.0)
+        sums = [
+            loss.double(),
+            mask.sum().double(),
+            (terms.excluded & mask).sum().double(),
+            torch.where(mask, kl_penalty(log_ratio, "k3"), 0.0).sum(),
+            torch.where(mask, inputs.entropy.double(), 0.0).sum(),
+        ]
+        stats = LossStats(torch.stack(sums), log_ratio.abs().max())
     return loss, stats

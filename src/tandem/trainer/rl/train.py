@@ -36,7 +36,7 @@ from tandem.trainer.parallel import (
 )
 from tandem.trainer.rl.config import RLTrainerConfig
 from tandem.trainer.rl.loss import LossInputs, LossStats, build_objective, policy_loss
-from tandem.transport.rollouts import MicroBatch, read_rank
+from tandem.transport.rollouts import MicroBatch, RolloutError, read_rank
 from tandem.transport.weights import publish_weights
 
 
@@ -72,6 +72,17 @@ def micro_batch_loss(
     return policy_loss(objective, cfg.loss, inputs, mb.num_loss_tokens)
 
 
+def check_token_ids(micro_batches: list[MicroBatch], vocab_size: int, step: int) -> None:
+    """Fail clearly on ids the embedding cannot look up (on GPU that would be a device assert)."""
+    for mb in micro_batches:
+        low, high = int(mb.input_ids.min()), int(mb.input_ids.max())
+        if low < 0 or high >= vocab_size:
+            raise RolloutError(
+                f"rollouts/step_{step}: token ids span [{low}, {high}], outside the model's vocabulary "
+                f"of {vocab_size} (rollouts from a different model?)"
+            )
+
+
 def sample_stats(micro_batches: list[MicroBatch], step: int) -> tuple[list[float], float]:
     """Local sums [samples, reward, staleness, tokens] and the maximum staleness."""
     samples = [s for mb in micro_batches for s in mb.samples]
@@ -80,11 +91,11 @@ def sample_stats(micro_batches: list[MicroBatch], step: int) -> tuple[list[float
     return [len(samples), sum(s.reward for s in samples), sum(staleness), tokens], max(staleness, default=0)
 
 
-def all_reduce_max(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
+def all_reduce_max(value: torch.Tensor) -> torch.Tensor:
+    """Maximum of a small tensor over ranks (in place) and return it."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t[0])
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value
 
 
 def train_step(
@@ -97,7 +108,7 @@ def train_step(
     world: World,
 ) -> dict[str, float]:
     """Forward/backward every micro-batch of this rank, clip, step; returns global statistics."""
-    local = LossStats()
+    local = LossStats.zeros(world.device)
     for mb in micro_batches:
         loss, stats = micro_batch_loss(model, objective, mb, cfg, world.device)
         (loss * world.size).backward()
@@ -107,10 +118,10 @@ def train_step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
-    sums, maxima = local.as_tensors()
-    totals = LossStats.from_tensors(all_reduce_sum(sums), torch.tensor([all_reduce_max(float(maxima[0]))]))
+    totals = LossStats(all_reduce_sum(local.sums), all_reduce_max(local.max_abs_log_ratio))
     counts, max_staleness = sample_stats(micro_batches, step)
-    n, reward, staleness, tokens = all_reduce_sum(torch.tensor(counts, dtype=torch.float64)).tolist()
+    counts = all_reduce_sum(torch.tensor(counts, dtype=torch.float64, device=world.device))
+    n, reward, staleness, tokens = counts.tolist()
     return {
         **totals.means(),
         "grad_norm": grad_norm,
@@ -118,7 +129,7 @@ def train_step(
         "samples": int(n),
         "reward": reward / max(n, 1),
         "staleness": staleness / max(n, 1),
-        "max_staleness": all_reduce_max(max_staleness),
+        "max_staleness": float(all_reduce_max(torch.tensor(float(max_staleness), device=world.device))),
         "tokens": int(tokens),
     }
 
@@ -158,6 +169,7 @@ def _train(cfg: RLTrainerConfig, world: World) -> dict[str, Any]:
             micro_batches = read_rank(
                 cfg.run_dir, step, world.rank, cfg.rollout_timeout_s, num_ranks=world.size
             )
+            check_token_ids(micro_batches, model.config.vocab_size, step)
             compute_start = time.monotonic()
             stats = train_step(model, objective, optimizer, micro_batches, step, cfg, world)
             scheduler.step()
