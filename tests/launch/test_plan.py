@@ -135,8 +135,13 @@ def test_gpu_placement_and_colocation(tmp_path: Path) -> None:
     [
         ({"orchestrator.batch_size": 10, "orchestrator.group_size": 4}, "batch_size (10) must be a multiple"),
         ({"seq_len": 16}, "seq_len (16) must exceed sampling.max_tokens (16)"),
-        ({"orchestrator.servers": ["http://x:1"]}, "orchestrator.servers is set by the launcher"),
-        ({"trainer.run_dir": "elsewhere"}, "trainer.run_dir is set by the launcher"),
+        (
+            {"orchestrator.servers": ["http://x:1"]},
+            "orchestrator.servers = ['http://x:1'] conflicts with ['http://127.0.0.1:8000'], which the "
+            "launcher derives from inference.port / deployment.inference_ports; set that instead",
+        ),
+        ({"trainer.run_dir": "elsewhere"}, "trainer.run_dir = 'elsewhere' conflicts with"),
+        ({"orchestrator.num_ranks": 4}, "derives from deployment.trainer_nproc"),
         ({"orchestrator.max_steps": 9}, "orchestrator.max_steps (9) and trainer.max_steps (3) differ"),
         ({"model.name": ""}, "model.name is empty"),
         ({"trainer.model.name": "other"}, "same checkpoint"),

@@ -27,6 +27,14 @@ INFERENCE_MODULE = "tandem.inference.cli"
 ORCHESTRATOR_MODULE = "tandem.orchestrator.cli"
 TRAINER_MODULE = "tandem.trainer.rl.cli"
 
+DERIVED_FROM = {
+    "run_dir": "the top-level run_dir",
+    "resume": "the top-level resume (--resume)",
+    "servers": "inference.port / deployment.inference_ports",
+    "num_ranks": "deployment.trainer_nproc",
+}
+"""Where the launcher takes each field it owns from (named in errors)."""
+
 
 @dataclass
 class RunPlan:
@@ -119,11 +127,11 @@ def plan_run(config: RLConfig, visible_gpus: list[str]) -> RunPlan:
     }
     owned = {"run_dir": config.run_dir}
     inference = _fill(config.inference, "inference", shared, owned)
-    inference_updates = _inference_defaults(config, devices)
-    inference = _update("inference", inference, inference_updates)
+    inference = _update("inference", inference, _inference_defaults(config, devices))
+    per_server = [_update("inference", inference, {"port": p}) for p in ports]
 
     owned_jobs = owned | {"resume": config.resume}
-    servers = [server_url(_update("inference", inference, {"port": p})) for p in ports]
+    servers = [server_url(c) for c in per_server]
     orchestrator = _fill(
         config.orchestrator,
         "orchestrator",
@@ -136,8 +144,7 @@ def plan_run(config: RLConfig, visible_gpus: list[str]) -> RunPlan:
     _check_agreement(inference, orchestrator, trainer)
 
     resolved = _update("", config, {"inference": inference, "orchestrator": orchestrator, "trainer": trainer})
-    servers_cfgs = [_update("inference", inference, {"port": p}) for p in ports]
-    return RunPlan(resolved, devices, servers_cfgs, orchestrator, trainer)
+    return RunPlan(resolved, devices, per_server, orchestrator, trainer)
 
 
 def _fill(section: M, name: str, shared: dict[str, Any], owned: dict[str, Any]) -> M:
@@ -151,10 +158,11 @@ def _fill(section: M, name: str, shared: dict[str, Any], owned: dict[str, Any]) 
         if k in type(section).model_fields and k not in section.model_fields_set
     }
     for key, value in owned.items():
-        if key in section.model_fields_set and _plain(getattr(section, key)) != _plain(value):
+        given = _plain(getattr(section, key))
+        if key in section.model_fields_set and given != _plain(value):
             raise ConfigError(
-                f"{name}.{key} is set by the launcher ({_plain(value)!r}); set it at the top level or in "
-                f"[deployment] instead of {_plain(getattr(section, key))!r}"
+                f"{name}.{key} = {given!r} conflicts with {_plain(value)!r}, which the launcher derives "
+                f"from {DERIVED_FROM[key]}; set that instead"
             )
         updates[key] = value
     return _update(name, section, updates)
@@ -214,4 +222,7 @@ def _update(name: str, model: M, updates: dict[str, Any]) -> M:
 
 
 def _plain(value: Any) -> Any:
-    return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+    """A value as the user wrote it, for comparisons and messages."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    return str(value) if isinstance(value, Path) else value

@@ -4,8 +4,8 @@ Services (the inference servers) start first and must answer their health URL; t
 trainer and the orchestrator) start. The run succeeds when every job exits 0; services are then
 stopped. Any process that exits non-zero, a service that exits at all, a health check that times
 out, or SIGINT/SIGTERM to the launcher stops everything: SIGTERM to each process group, then
-SIGKILL after the grace period (at once on a second Ctrl-C). Each child leads its own process group (so torchrun's workers
-die with it) and gets SIGTERM from the kernel if the launcher itself dies.
+SIGKILL after the grace period (at once on a second Ctrl-C). Each child leads its own process
+group (so torchrun's workers die with it) and gets SIGTERM from the kernel if the launcher dies.
 """
 
 import contextlib
