@@ -83,11 +83,19 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def mixed_precision(device: torch.device, weights: torch.dtype) -> MixedPrecisionPolicy:
-    """bf16 compute with fp32 gradient reduction for fp32 weights on GPU; otherwise weights' dtype."""
-    if device.type == "cuda" and weights == torch.float32:
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
+def mixed_precision(
+    device: torch.device, weights: torch.dtype, compute: str = "auto"
+) -> MixedPrecisionPolicy:
+    """FSDP2 compute dtype policy; gradients are always reduced in fp32 when computing in bf16.
+
+    compute = "auto": bf16 for fp32 weights on GPU, otherwise the weights' own dtype.
+    """
+    if compute == "auto":
+        compute = "bfloat16" if device.type == "cuda" and weights == torch.float32 else "weights"
+    target = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(compute, weights)
+    if target == weights:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=target, reduce_dtype=torch.float32)
 
 
 def apply_fsdp(model: nn.Module, policy: MixedPrecisionPolicy) -> nn.Module:

@@ -46,6 +46,11 @@ class SFTConfig(Section):
         description="Model to train. dtype auto = fp32 weights (bf16 compute on GPU); "
         "an explicit dtype trains weights in that dtype.",
     )
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="Dtype of forward/backward (FSDP2 mixed precision; grads reduced in fp32). "
+        "auto = bfloat16 on GPU with fp32 weights, else the weights' dtype.",
+    )
     seq_len: int = Field(512, gt=0, description="Tokens per packed row; every example must fit.")
     max_steps: int = Field(100, gt=0, description="Optimizer steps to train for (in total, across resumes).")
     run_dir: Path = Field(

@@ -106,7 +106,7 @@ def _train(cfg: SFTConfig, world: World) -> dict[str, Any]:
     source = str(resume_from) if resume_from else cfg.model.name
     model = load_model(cfg.model.model_copy(update={"name": source, "dtype": weights}), world.device)
     model.config.use_cache = False
-    apply_fsdp(model, mixed_precision(world.device, next(model.parameters()).dtype))
+    apply_fsdp(model, mixed_precision(world.device, next(model.parameters()).dtype, cfg.compute_dtype))
     model.train()
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
