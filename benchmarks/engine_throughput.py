@@ -140,9 +140,75 @@ def time_graph_replays(core: EngineCore, repeats: int = 50) -> dict[str, float]:
     return timings
 
 
+def sweep_kernel(device: torch.device, batch: int, context: int) -> list[dict]:
+    """Time the decode kernel's launch parameters on the 0.6B shape; install the fastest."""
+    from tandem.inference.engine import triton_decode
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    blocks = batch * context // 16 + 1
+    kc, vc = torch.randn(2, blocks, 16, 8, 128, device=device, dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(batch, 16, 128, device=device, dtype=torch.bfloat16, generator=gen)
+    tables = torch.randperm(blocks - 1, device=device, generator=gen)[: batch * context // 16] + 1
+    tables = tables.view(batch, context // 16)
+    lens = torch.full((batch,), context, device=device)
+    rows = []
+    for block_n in (32, 64, 128):
+        for warps in (2, 4, 8):
+            for stages in (1, 2, 3, 4):
+                triton_decode.CONFIG = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+                try:
+                    triton_decode.paged_decode_attention(q, kc, vc, tables, lens, 0.1)
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    for _ in range(20):
+                        triton_decode.paged_decode_attention(q, kc, vc, tables, lens, 0.1)
+                    torch.cuda.synchronize()
+                except Exception as e:  # a configuration the compiler rejects
+                    print(f"skip {triton_decode.CONFIG}: {type(e).__name__}")
+                    continue
+                ms = (time.perf_counter() - start) / 20 * 1e3
+                gbps = 2 * batch * context * 8 * 128 * 2 / ms / 1e6
+                rows.append({**triton_decode.CONFIG, "ms": ms, "GB/s": gbps})
+    rows.sort(key=lambda r: r["ms"])
+    best = rows[0]
+    triton_decode.CONFIG = {k: best[k] for k in ("BLOCK_N", "num_warps", "num_stages")}
+    for r in rows[:6]:
+        print(r)
+    return rows
+
+
+def profile_decode(core: EngineCore, prompts: list[list[int]], steps: int = 30) -> str:
+    """cProfile of decode steps at full batch (CPU-side cost of a step)."""
+    import cProfile
+    import io
+    import pstats
+
+    params = SamplingParams(temperature=1.0, max_tokens=steps + 40, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        core.add_request(f"prof-{i}", ids, params, 1)
+    while any(s.num_uncached > 1 for s in core.scheduler.running) or core.scheduler.waiting:
+        core.step()
+    for _ in range(5):
+        core.step()
+    profiler = cProfile.Profile()
+    sync(core.device)
+    start = time.perf_counter()
+    profiler.enable()
+    for _ in range(steps):
+        core.step()
+    profiler.disable()
+    sync(core.device)
+    per_step = (time.perf_counter() - start) / steps * 1e3
+    while core.has_work():
+        core.step()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    return f"decode step (profiled): {per_step:.2f} ms\n" + text.getvalue()
+
+
 def check_device(args: argparse.Namespace, device: torch.device, work: Path, bench_model: Path) -> dict:
     """Correctness on the benchmark device; returns the measurements (and asserts exact greedy match)."""
-    from tandem.inference.engine.attention import AttentionMetadata, decode_attention
+    from tandem.inference.engine.attention import decode_attention
 
     results: dict = {}
     # 1. decode kernel vs gather path, bf16, ragged contexts
@@ -156,10 +222,9 @@ def check_device(args: argparse.Namespace, device: torch.device, work: Path, ben
         q = torch.randn(64, 16, 128, device=device, dtype=torch.bfloat16, generator=gen)
         lens = torch.randint(1, 16 * 16, (64,), device=device, generator=gen)
         tables = torch.randint(1, 300, (64, 16), device=device, generator=gen)
-        meta = AttentionMetadata(torch.zeros(1), [], [], [], True, tables, lens)
         kernel = attention.paged_decode_attention
         attention.paged_decode_attention = None
-        reference = decode_attention(q.float(), kc.float(), vc.float(), meta, 128**-0.5)
+        reference = decode_attention(q.float(), kc.float(), vc.float(), tables, lens, 128**-0.5)
         attention.paged_decode_attention = kernel
         out = paged_decode_attention(q, kc, vc, tables, lens, 128**-0.5).float()
         results["decode_kernel_max_abs_err_bf16"] = (out - reference).abs().max().item()
@@ -229,6 +294,8 @@ def main() -> None:
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--check", action="store_true", help="run the device correctness checks first")
+    parser.add_argument("--sweep-kernel", action="store_true", help="tune the CUDA decode kernel first")
+    parser.add_argument("--profile", action="store_true", help="print a cProfile of full-batch decode steps")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/tandem-engine-bench"))
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args()
@@ -248,6 +315,8 @@ def main() -> None:
         results["check"] = check_device(args, device, args.work_dir, path)
         print(json.dumps(results["check"], indent=2), flush=True)
 
+    if args.sweep_kernel and device.type == "cuda":
+        results["kernel_sweep"] = sweep_kernel(device, args.num_requests, args.prompt_len + args.output_len)
     rows = []
     core = EngineCore(engine_config(path, dtype, args))
     prompts = random_prompts(args.num_requests, args.prompt_len, min(core.vocab_size, len(core.tokenizer)))
@@ -258,6 +327,9 @@ def main() -> None:
     results["engine_steps"] = core.num_steps - steps_before
     results["decode_graph_replay_ms"] = time_graph_replays(core) if core.runner.graphs else {}
     results["engine_step_seconds_by_phase"] = core.timings
+    if args.profile:
+        results["profile"] = profile_decode(core, prompts)
+        print(results["profile"], flush=True)
     del core
     engine = AsyncEngine(engine_config(path, dtype, args))
     run_async(engine, prompts[: min(8, len(prompts))], 4)  # warm-up

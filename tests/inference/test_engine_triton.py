@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 
 SCRIPT = """
 import torch
-from tandem.inference.engine.attention import AttentionMetadata, decode_attention
+from tandem.inference.engine.attention import decode_attention
 from tandem.inference.engine.triton_decode import paged_decode_attention
 
 torch.manual_seed(0)
@@ -19,8 +19,7 @@ for kv_heads, heads, dim in [(2, 4, 64), (8, 16, 128), (4, 4, 32)]:
     q = torch.randn(3, heads, dim)
     tables = torch.tensor([[5, 9, 3, 0, 0], [1, 2, 0, 0, 0], [7, 8, 10, 11, 30]])
     lens = torch.tensor([40, 17, 80])
-    meta = AttentionMetadata(torch.zeros(1), [], [], [], True, tables, lens)
-    ref = decode_attention(q, k_cache, v_cache, meta, dim**-0.5)
+    ref = decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5)
     out = paged_decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5)
     err = (out - ref).abs().max().item()
     assert err < 1e-5, (kv_heads, heads, dim, err)

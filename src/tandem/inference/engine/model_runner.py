@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.inference.engine.attention import AttentionMetadata
+from tandem.inference.engine.attention import AttentionMetadata, Chunks, Decodes, Prompts
 from tandem.inference.engine.block_manager import BlockManager
 from tandem.inference.engine.scheduler import ScheduledBatch
 
@@ -67,29 +67,57 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch, blocks: BlockManager) -> torch.Tensor:
         """Logits (float32) of the last token of every sequence whose uncached tokens all ran."""
         if batch.is_decode:
-            hidden = self._decode(batch, blocks)
-            return self.model.logits(hidden)
+            return self.model.logits(self._decode(batch, blocks))
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         last_rows: list[int] = []
-        for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        decodes: list[int] = []  # batch positions of each kind of sequence
+        prompts: list[int] = []
+        chunks: list[int] = []
+        starts: list[int] = []
+        for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             start, end = seq.num_cached, seq.num_cached + count
+            starts.append(len(ids))
             ids += seq.token_ids[start:end]
             positions += range(start, end)
             slots += [blocks.slot(seq, p) for p in range(start, end)]
             if end == seq.num_tokens:
                 last_rows.append(len(ids) - 1)
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            query_lens=batch.num_new_tokens,
-            context_lens=[s.num_cached + c for s, c in zip(batch.seqs, batch.num_new_tokens, strict=True)],
-            block_tables=[self._tensor(s.block_table) for s in batch.seqs],
-        )
+            (decodes if count == 1 else prompts if start == 0 else chunks).append(i)
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots))
+        if decodes:
+            seqs = [batch.seqs[i] for i in decodes]
+            width = max(len(s.block_table) for s in seqs)
+            meta.decodes = Decodes(
+                rows=self._tensor([starts[i] for i in decodes]),
+                block_tables=self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]),
+                context_lens=self._tensor([s.num_cached + 1 for s in seqs]),
+            )
+        if prompts:
+            lens = [batch.num_new_tokens[i] for i in prompts]
+            longest = max(lens)
+            index = self._tensor(
+                [
+                    [starts[i] + min(j, n - 1) for j in range(longest)]
+                    for i, n in zip(prompts, lens, strict=True)
+                ]
+            )
+            valid = torch.arange(longest, device=self.device)[None, :] < self._tensor(lens)[:, None]
+            causal = torch.ones(longest, longest, dtype=torch.bool, device=self.device).tril()
+            mask = None if min(lens) == longest else (causal[None] & valid[:, None, :])[:, None]
+            meta.prompts = Prompts(index, valid, mask)
+        if chunks:
+            meta.chunks = Chunks(
+                starts=[starts[i] for i in chunks],
+                query_lens=[batch.num_new_tokens[i] for i in chunks],
+                context_lens=[batch.seqs[i].num_cached + batch.num_new_tokens[i] for i in chunks],
+                block_tables=[self._tensor(batch.seqs[i].block_table) for i in chunks],
+            )
         hidden = self.model(self._tensor(ids), self._tensor(positions), self.kv_caches, meta)
         return self.model.logits(hidden[self._tensor(last_rows)])
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
+    def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
 
     def _decode(self, batch: ScheduledBatch, blocks: BlockManager) -> torch.Tensor:
@@ -127,15 +155,7 @@ class ModelRunner:
     def _decode_forward(self, inputs: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """inputs rows: token ids, positions, cache slots, context lengths."""
         ids, positions, slots, lens = inputs
-        meta = AttentionMetadata(
-            slot_mapping=slots,
-            query_lens=[],
-            context_lens=[],
-            block_tables=[],
-            decode=True,
-            decode_block_tables=tables,
-            decode_context_lens=lens,
-        )
+        meta = AttentionMetadata(slot_mapping=slots, decodes=Decodes(None, tables, lens))
         return self.model(ids, positions, self.kv_caches, meta)
 
     def _capture(self, size: int, width: int) -> _DecodeGraph:

@@ -70,6 +70,10 @@ def _decode_kernel(
     tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
 
 
+# Launch parameters; benchmarks/engine_throughput.py --sweep-kernel measures the alternatives.
+CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -102,7 +106,7 @@ def paged_decode_attention(
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        BLOCK_N=64,
         IEEE=q.dtype == torch.float32,
+        **CONFIG,
     )
     return out

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from tandem.inference.engine.attention import AttentionMetadata, decode_attention, varlen_attention, write_kv
+from tandem.inference.engine.attention import AttentionMetadata, paged_attention
 
 
 class RMSNorm(nn.Module):
@@ -80,10 +80,7 @@ class Qwen3Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        attend = decode_attention if meta.decode else varlen_attention
-        out = attend(q, k_cache, v_cache, meta, self.scale)
+        out = paged_attention(q, k, v, *kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
