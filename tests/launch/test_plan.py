@@ -222,7 +222,13 @@ def test_example_config_plans() -> None:
     assert plan.orchestrator.servers == [f"http://127.0.0.1:{plan.inference[0].port}"]
 
 
-def test_refuses_used_run_dir_and_taken_port(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_refuses_missing_model_used_run_dir_and_taken_port(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["--model.name", str(tmp_path / "nope"), "--run_dir", str(tmp_path / "run")])
+    assert "does not exist or has no config.json" in capsys.readouterr().err
+
     base = ["--model.name", "m", "--run_dir", str(tmp_path / "run"), "--deployment.inference_servers", "1"]
     (tmp_path / "run" / "rollouts" / "step_0").mkdir(parents=True)
     (tmp_path / "run" / "rollouts" / "step_0" / "READY").touch()

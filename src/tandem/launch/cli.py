@@ -18,6 +18,7 @@ from tandem.launch.config import RLConfig
 from tandem.launch.devices import visible_gpus
 from tandem.launch.plan import RunPlan, plan_run
 from tandem.launch.supervisor import Console, Supervisor
+from tandem.models.loading import check_model_source
 
 PROG = "rl"
 
@@ -35,7 +36,8 @@ def describe(plan: RunPlan) -> str:
 
 
 def preflight(plan: RunPlan) -> None:
-    """Fail before starting anything when the run directory or a port is already taken."""
+    """Fail before starting anything on a missing model, a used run directory or a taken port."""
+    check_model_source(plan.orchestrator.model.name)
     if not plan.config.resume:
         from tandem.orchestrator.loop import written_steps
 

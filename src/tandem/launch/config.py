@@ -78,7 +78,7 @@ class RLConfig(Section):
         20, gt=0, description="Trainer steps; the orchestrator produces rollouts for each."
     )
     run_dir: Path = Field(Path("runs/rl"), description="Run directory shared by all processes.")
-    seed: int = 0
+    seed: int = Field(0, description="Seed of every process (task order, sampling, initialisation).")
     resume: bool = Field(False, description="Continue the run in run_dir (orchestrator and trainer).")
     deployment: DeploymentConfig = DeploymentConfig()
     inference: InferenceConfig = InferenceConfig()
