@@ -222,3 +222,26 @@ def test_bad_settings_fail_at_start_with_one_line(tmp_path: Path) -> None:
     assert result.stderr.strip().splitlines() == [
         "orchestrator: error: invalid config: '<root>': batch_size (6) must be a multiple of group_size (4)"
     ]
+
+
+def test_cli_names_a_server_that_does_not_answer(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    model = build_tiny_model(
+        out=tmp_path / "m", num_layers=1, hidden_size=32, head_dim=8, intermediate_size=64
+    )
+    args = ["--model.name", str(model), "--run-dir", str(tmp_path / "run"), "--servers", f'["{url}"]']
+    args += ["--seq-len", "128", "--micro-batch-tokens", "128", "--sampling.max-tokens", "8"]
+    args += ["--client.max-retries", "1", "--client.retry-backoff", "0.05"]
+    result = subprocess.run(
+        [sys.executable, "-c", "from tandem.orchestrator.cli import main; main()", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"orchestrator: error: inference server {url} did not answer GET /v1/models after 2 attempts"
+    )

@@ -141,7 +141,10 @@ class Orchestrator:
                 log.info("all %d steps are already written; nothing to do", self.cfg.max_steps)
                 return
             check_prompt_lengths(self.env, self.cfg)
-            await self.pool.connect()
+            served = await self.pool.connect()
+            log.info(
+                "%d server(s) serving %s: %s", len(self.cfg.servers), served, ", ".join(self.cfg.servers)
+            )
             await self.policy.sync()
             await supervise(self.steps(start), self.policy.watch())
             if self.cfg.eval.interval > 0:

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.cli import UserError
 from tandem.envs.base import Environment, Trajectory
 from tandem.orchestrator.advantages import group_advantages, is_zero_advantage
 from tandem.orchestrator.client import ServerPool, ServerUnavailable
@@ -22,8 +23,8 @@ from tandem.transport.rollouts import Sample
 log = logging.getLogger(__name__)
 
 
-class RolloutsFailing(RuntimeError):
-    """Too many rollouts of one step failed; the run cannot make progress."""
+class RolloutsFailing(UserError):
+    """Too many rollouts of one step failed (an environment bug, or requests the server refuses)."""
 
 
 @dataclass

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from tandem.cli import UserError
-from tandem.orchestrator.client import ServerPool
+from tandem.orchestrator.client import RequestRejected, ServerPool
 from tandem.orchestrator.config import WeightsConfig
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,10 @@ class PolicySync:
                 return self.version
             path = weights_dir(self.run_dir, latest)
             start = time.perf_counter()
-            served = await self.pool.update_weights(path)
+            try:
+                served = await self.pool.update_weights(path)
+            except RequestRejected as e:
+                raise UserError(f"the servers could not load policy version {latest}: {e}") from None
             if any(v != latest for v in served):
                 raise UserError(
                     f"servers report weight versions {served} after loading {path}; expected {latest} "
