@@ -434,3 +434,16 @@ def test_disconnect_while_waiting_for_full_response_frees_blocks(server: Any) ->
     after = wait_for_idle(server)
     assert after["tandem_generation_tokens_total"] - before["tandem_generation_tokens_total"] < 8 * 1000
     assert after["tandem_http_requests_aborted_total"] == before["tandem_http_requests_aborted_total"] + 1
+
+
+@pytest.mark.parametrize("narrowing", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}])
+def test_top_k_top_p_min_p_reach_the_sampler(client: openai.OpenAI, narrowing: dict) -> None:
+    kwargs = dict(
+        model=model_name(client), prompt="abc", max_tokens=12, extra_body={"return_token_ids": True}
+    )
+    greedy = client.completions.create(temperature=0, **kwargs).choices[0].token_ids
+    sampled = client.completions.create(temperature=1.0, seed=1, **kwargs).choices[0].token_ids
+    assert sampled != greedy
+    kwargs["extra_body"] = {**kwargs["extra_body"], **narrowing}
+    narrowed = client.completions.create(temperature=1.0, seed=1, **kwargs).choices[0].token_ids
+    assert narrowed == greedy  # only the most likely token survives the filter
