@@ -77,11 +77,12 @@ def config(tmp_path: Path, **overrides: object) -> RLConfig:
     return build_config(RLConfig, overrides=base + list(overrides.items()))
 
 
-def test_cross_filling_on_cpu(tmp_path: Path) -> None:
+def test_cross_filling_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cfg = config(
         tmp_path, **{"deployment.inference_servers": 2, "deployment.trainer_nproc": 2, "resume": True}
     )
-    plan = plan_run(cfg, [])
+    plan = plan_run(cfg, [], cores=9)
     run = tmp_path / "run"
 
     assert [c.port for c in plan.inference] == [8000, 8001]
@@ -100,6 +101,11 @@ def test_cross_filling_on_cpu(tmp_path: Path) -> None:
     assert trainer[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
     assert trainer[6:] == ["tandem.trainer.rl.cli", "@", str(run / "configs" / "trainer.toml")]
     assert all(s.env["CUDA_VISIBLE_DEVICES"] == "" for s in specs.values())
+    # 9 cores over 2 servers + 2 trainer ranks; the orchestrator keeps the default
+    assert [s.env.get("OMP_NUM_THREADS") for s in specs.values()] == ["2", "2", "2", None]
+    assert plan_run(config(tmp_path, **{"deployment.cpu_threads": 3}), [], cores=9).cpu_threads == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert plan_run(cfg, [], cores=9).cpu_threads is None  # the user's own setting is inherited
     assert specs["inference_1"].health_url == "http://127.0.0.1:8001/health"
     assert specs["inference_0"].role == "service" and specs["trainer"].role == "job"
 

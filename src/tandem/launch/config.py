@@ -40,6 +40,12 @@ class DeploymentConfig(Section):
         description="When a server shares a GPU with the trainer: the server's gpu_memory_utilization "
         "(native engine and vLLM), unless the inference section sets it.",
     )
+    cpu_threads: int | None = Field(
+        None,
+        gt=0,
+        description="CPU runs: OMP_NUM_THREADS of each server and trainer rank; default: the cores "
+        "split evenly between them (unless OMP_NUM_THREADS is set already).",
+    )
     startup_timeout_s: float = Field(
         600, gt=0, description="How long each server may take to answer /health."
     )

@@ -6,6 +6,7 @@ left them unset; fields that must agree between processes are checked here, so a
 clear line at start rather than a hang later.
 """
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ class RunPlan:
     inference: list[InferenceConfig]
     orchestrator: OrchestratorConfig
     trainer: RLTrainerConfig
+    cpu_threads: int | None = None  # OMP_NUM_THREADS of each server and trainer rank (CPU runs)
 
     @property
     def config_dir(self) -> Path:
@@ -76,7 +78,7 @@ class RunPlan:
                 ProcessSpec(
                     f"inference_{i}" if len(self.inference) > 1 else "inference",
                     [python, "-m", INFERENCE_MODULE, "@", str(self.config_dir / f"inference_{i}.toml")],
-                    env={"CUDA_VISIBLE_DEVICES": ",".join(gpus)},
+                    env={"CUDA_VISIBLE_DEVICES": ",".join(gpus)} | self._threads(),
                     role="service",
                     health_url=f"{server_url(cfg)}/health",
                 )
@@ -88,7 +90,7 @@ class RunPlan:
             ProcessSpec(
                 "trainer",
                 [*trainer_argv, "@", str(self.config_dir / "trainer.toml")],
-                env={"CUDA_VISIBLE_DEVICES": ",".join(self.devices.trainer)},
+                env={"CUDA_VISIBLE_DEVICES": ",".join(self.devices.trainer)} | self._threads(),
             )
         )
         specs.append(
@@ -100,14 +102,38 @@ class RunPlan:
         )
         return specs
 
+    def _threads(self) -> dict[str, str]:
+        return {} if self.cpu_threads is None else {"OMP_NUM_THREADS": str(self.cpu_threads)}
+
+
+def cpu_threads(config: RLConfig, devices: DeviceAssignment, cores: int) -> int | None:
+    """On CPU runs, split the cores between the servers and the trainer ranks, as torchrun does
+    between its ranks: several processes each using every core oversubscribe the CPU."""
+    if devices.on_gpu:
+        return None
+    if config.deployment.cpu_threads is not None:
+        return config.deployment.cpu_threads
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    return max(1, cores // (len(devices.inference) + devices.trainer_nproc))
+
+
+def usable_cores() -> int:
+    if hasattr(os, "sched_getaffinity"):  # Linux: respects taskset and cpusets
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
 
 def server_url(cfg: InferenceConfig) -> str:
     host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
     return f"http://{host}:{cfg.port}"
 
 
-def plan_run(config: RLConfig, visible_gpus: list[str]) -> RunPlan:
-    """Resolve `config` against the visible GPUs; ConfigError (one line) on any inconsistency."""
+def plan_run(config: RLConfig, visible_gpus: list[str], cores: int | None = None) -> RunPlan:
+    """Resolve `config` against the visible GPUs and CPU cores (default: this process's).
+
+    Raises ConfigError (one line) on any inconsistency.
+    """
     dep = config.deployment
     devices = assign_devices(
         visible_gpus, dep.inference_gpus, dep.trainer_gpus, dep.inference_servers, dep.trainer_nproc
@@ -144,7 +170,8 @@ def plan_run(config: RLConfig, visible_gpus: list[str]) -> RunPlan:
     _check_agreement(inference, orchestrator, trainer)
 
     resolved = _update("", config, {"inference": inference, "orchestrator": orchestrator, "trainer": trainer})
-    return RunPlan(resolved, devices, per_server, orchestrator, trainer)
+    threads = cpu_threads(config, devices, cores or usable_cores())
+    return RunPlan(resolved, devices, per_server, orchestrator, trainer, threads)
 
 
 def _fill(section: M, name: str, shared: dict[str, Any], owned: dict[str, Any]) -> M:
