@@ -64,8 +64,10 @@ def check_prompt_lengths(env: Environment, cfg: OrchestratorConfig) -> None:
     tasks = list(env.dataset("train"))[:PROMPT_CHECK_LIMIT] + list(env.dataset("eval"))[: cfg.eval.num_tasks]
     longest, task_id = 0, ""
     for task in tasks:
-        ids = tokenizer.apply_chat_template(env.prompt(task), add_generation_prompt=True, tokenize=True)
-        n = len(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        encoded = tokenizer.apply_chat_template(
+            env.prompt(task), add_generation_prompt=True, return_dict=True
+        )
+        n = len(encoded["input_ids"])
         if n > longest:
             longest, task_id = n, task.task_id
     if longest + cfg.sampling.max_tokens > cfg.seq_len:
