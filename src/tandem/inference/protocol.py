@@ -24,7 +24,6 @@ class APIModel(BaseModel):
 
 class StreamOptions(APIModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class SamplingFields(APIModel):
