@@ -33,3 +33,50 @@ def test_decode_kernel_matches_gather_path_in_interpreter() -> None:
         [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+MODEL_SCRIPT = """
+import sys
+import torch
+from transformers import AutoModelForCausalLM
+from tandem.inference.config import InferenceConfig
+from tandem.inference.engine.api import SamplingParams
+from tandem.inference.engine.core import EngineCore
+
+path = sys.argv[1]
+core = EngineCore(InferenceConfig.model_validate({"model": {"name": path}}))
+core.model.use_kernels = True  # force the fused Triton kernels (interpreted on CPU)
+for module in core.model.modules():
+    if hasattr(module, "use_kernels"):
+        module.use_kernels = True
+prompts = [[5, 6, 7], list(range(10, 30)), [9]]
+params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+for i, ids in enumerate(prompts):
+    core.add_request(str(i), ids, params, 2 if i == 1 else 1)
+got = {}
+while core.has_work():
+    for rid, updates in core.step():
+        for u in updates:
+            got.setdefault((rid, u.index), []).extend(t.token_id for t in u.tokens)
+hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+for i, ids in enumerate(prompts):
+    ref = hf.generate(torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6, do_sample=False, eos_token_id=None)
+    ref = ref[0, len(ids):].tolist()
+    for (rid, index), tokens in got.items():
+        if rid == str(i):
+            assert tokens == ref, (i, index, tokens, ref)
+print("ok")
+"""
+
+
+def test_fused_kernels_give_transformers_greedy_outputs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tandem.models.tiny import build_tiny_model
+
+    path = build_tiny_model(
+        out=tmp_path / "m", num_layers=2, hidden_size=64, head_dim=16, intermediate_size=128
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", MODEL_SCRIPT, str(path)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

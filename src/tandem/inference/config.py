@@ -27,6 +27,7 @@ class EngineConfig(Section):
         "report both versions; wait: an update waits until in-flight requests finish.",
     )
     cuda_graphs: bool = Field(True, description="Capture decode steps in CUDA graphs (CUDA only).")
+    triton_kernels: bool = Field(True, description="Fused Triton kernels for the forward pass (CUDA only).")
 
 
 class InferenceConfig(Section):

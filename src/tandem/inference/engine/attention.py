@@ -2,7 +2,7 @@
 
 The cache of one layer is `[num_blocks, block_size, num_kv_heads, head_dim]` for keys and the
 same for values; token `p` of a sequence lives in slot `block_table[p // block_size] * block_size
-+ p % block_size`. A step's new tokens are written to their slots first; then each sequence
++ p % block_size`. A step's new keys and values are written to their slots first; then each sequence
 attends by the cheapest path that fits it:
 
 - decodes (one new token): one batched call. On CUDA a Triton kernel reads keys and values
@@ -61,6 +61,13 @@ class AttentionMetadata:
     chunks: Chunks | None = None
 
 
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -70,9 +77,8 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [T, heads, dim], k and v: [T, kv_heads, dim] for the step's new tokens."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
+    """q: [T, heads, dim], k and v: [T, kv_heads, dim] for the step's new tokens, whose keys and
+    values are already in the cache (`write_kv`)."""
     d = meta.decodes
     if d is not None and d.rows is None:
         return decode_attention(q, k_cache, v_cache, d.block_tables, d.context_lens, scale)

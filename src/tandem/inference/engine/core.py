@@ -34,7 +34,7 @@ class EngineCore:
         hf_model = load_model(config.model, self.device)
         model_max = getattr(hf_model.config, "max_position_embeddings", None) or 4096
         self.max_model_len = min(cfg.max_model_len or model_max, model_max)
-        self.model = build_model(hf_model, self.max_model_len)
+        self.model = build_model(hf_model, self.max_model_len, cfg.triton_kernels)
         self.vocab_size = hf_model.config.vocab_size
         self.eos_token_ids = _eos_ids(hf_model, self.tokenizer)
         del hf_model

@@ -2,8 +2,8 @@
 
 Calls from the event loop become commands that the engine thread runs between two steps
 (adding and aborting requests, pausing, loading weights), so the core is only ever touched by
-one thread. Token updates travel back with `loop.call_soon_threadsafe` into one asyncio queue
-per request. If the engine thread dies, every open stream gets the error instead of hanging.
+one thread. A step's token updates travel back with one `loop.call_soon_threadsafe` into one
+asyncio queue per request. If the engine thread dies, every open stream gets the error instead of hanging.
 """
 
 import asyncio
@@ -160,8 +160,7 @@ class AsyncEngine:
                 self._apply_pending_update()
                 if self.paused or self._stopping or not self.core.has_work():
                     continue
-                for request_id, updates in self.core.step():
-                    self._deliver(request_id, updates)
+                self._deliver(self.core.step())
         except BaseException as e:  # noqa: BLE001 — reported to every waiting caller
             self._error = e
             self._fail_streams(EngineDeadError(f"the engine thread died: {e!r}"))
@@ -196,14 +195,23 @@ class AsyncEngine:
         if self._pending_update is not None:
             self._pending_update[2].set_exception(error)
 
-    def _deliver(self, request_id: str, updates: list[SampleUpdate]) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            loop, updates_queue = stream
+    def _deliver(self, outputs: list[tuple[str, list[SampleUpdate]]]) -> None:
+        """Hand a step's updates to the event loops: one wake-up per loop, not per request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, list[SampleUpdate]]]] = {}
+        for request_id, updates in outputs:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                by_loop.setdefault(stream[0], []).append((stream[1], updates))
+        for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):  # the loop closed
-                loop.call_soon_threadsafe(updates_queue.put_nowait, updates)
+                loop.call_soon_threadsafe(_put_all, items)
 
     def _fail_streams(self, error: BaseException) -> None:
         for loop, updates_queue in list(self._streams.values()):
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(updates_queue.put_nowait, error)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, list[SampleUpdate]]]) -> None:
+    for updates_queue, updates in items:
+        updates_queue.put_nowait(updates)

@@ -8,7 +8,7 @@ from tandem.inference.engine.models.qwen3 import Qwen3ForCausalLM
 ARCHITECTURES: dict[str, type[torch.nn.Module]] = {"Qwen3ForCausalLM": Qwen3ForCausalLM}
 
 
-def build_model(hf_model: PreTrainedModel, max_positions: int) -> torch.nn.Module:
+def build_model(hf_model: PreTrainedModel, max_positions: int, use_kernels: bool = True) -> torch.nn.Module:
     """The engine's implementation of `hf_model`'s architecture, holding the same weights."""
     config = hf_model.config
     names = config.architectures or []
@@ -22,5 +22,5 @@ def build_model(hf_model: PreTrainedModel, max_positions: int) -> torch.nn.Modul
     with torch.device("meta"):
         model = cls(config, max_positions)
     model.load_state_dict(hf_model.state_dict(), strict=True, assign=True)  # shares HF's tensors
-    model.to_device(device)
+    model.prepare(device, use_kernels)
     return model.eval().requires_grad_(False)
