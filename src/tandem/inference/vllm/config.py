@@ -1,5 +1,7 @@
 """Settings of the vLLM backend."""
 
+from typing import Literal
+
 from pydantic import Field
 
 from tandem.config.base import Section
@@ -17,6 +19,11 @@ class VLLMConfig(Section):
     max_model_len: int | None = Field(None, gt=0, description="Context length; default: the model's.")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     enforce_eager: bool = Field(False, description="Skip torch.compile and CUDA graphs (faster start-up).")
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
+        "processed_logprobs",
+        description="processed: log_softmax(logits / temperature) after top-k/top-p, the distribution "
+        "the token was sampled from (as the native engine reports it); raw: log_softmax(logits).",
+    )
     request_timeout_s: float = Field(
         3600, gt=0, description="Longest a forwarded request may take (a paused server holds requests)."
     )

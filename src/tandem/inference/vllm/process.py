@@ -40,6 +40,7 @@ def vllm_command(config: InferenceConfig, python: str, port: int, api_key: str) 
         "--seed", str(config.seed),
         "--worker-extension-cls", WORKER_EXTENSION,
         "--gpu-memory-utilization", str(config.vllm.gpu_memory_utilization),
+        "--logprobs-mode", config.vllm.logprobs_mode,
     ]  # fmt: skip
     if config.vllm.max_model_len is not None:
         command += ["--max-model-len", str(config.vllm.max_model_len)]
