@@ -48,6 +48,9 @@ def preflight(plan: RunPlan) -> None:
             )
     for cfg in plan.inference:
         with socket.socket() as probe:
+            probe.setsockopt(
+                socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+            )  # as the server will: TIME_WAIT is free
             try:
                 probe.bind((cfg.host, cfg.port))
             except OSError as e:
