@@ -123,3 +123,9 @@ def test_config_errors_name_the_key() -> None:
         ConfigError, match=r"'loss.masked_is.high': Input should be greater than or equal to 1"
     ):
         build_config(RLTrainerConfig, overrides=[("loss.low", 0.9), ("loss.high", 0.95)])
+
+
+def test_defaults_survive_the_loader() -> None:
+    cfg = build_config(RLTrainerConfig, overrides=[("model.name", "m")])
+    assert cfg.loss.type == "masked_is" and cfg.loss.bounds() == (0.5, 2.0)
+    assert (cfg.optim.lr, cfg.optim.schedule) == (3e-6, "constant")

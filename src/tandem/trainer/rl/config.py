@@ -85,6 +85,15 @@ class WeightsConfig(Section):
     )
 
 
+class RLOptimConfig(OptimConfig):
+    """AdamW for RL: a small constant learning rate unless told otherwise."""
+
+    lr: float = Field(3e-6, gt=0, description="Peak learning rate, reached after warmup.")
+    schedule: Literal["cosine", "linear", "constant"] = Field(
+        "constant", description="Decay after warmup, down to min_lr_ratio × lr at max_steps."
+    )
+
+
 class RLTrainerConfig(Section):
     """The RL trainer: consumes rollouts/step_N, publishes weights/step_{N+1}."""
 
@@ -94,7 +103,7 @@ class RLTrainerConfig(Section):
     )
     max_steps: int = Field(20, gt=0, description="Optimizer steps; step N consumes rollouts/step_N.")
     seed: int = 0
-    optim: OptimConfig = OptimConfig(lr=1e-5, schedule="constant")
+    optim: RLOptimConfig = RLOptimConfig()
     loss: LossConfig = MaskedISLoss()
     ckpt: CheckpointConfig = CheckpointConfig()
     weights: WeightsConfig = WeightsConfig()
