@@ -26,7 +26,7 @@ class EvalConfig(Section):
     env: Literal["reverse_text"] = Field("reverse_text", description="Environment to evaluate on.")
     num_tasks: int = Field(200, gt=0, description="Held-out tasks to decode.")
     batch_size: int = Field(64, gt=0, description="Prompts decoded together.")
-    max_new_tokens: int = Field(32, gt=0)
+    max_new_tokens: int = Field(32, gt=0, description="Longest completion decoded per task.")
     seed: int = Field(0, description="Seed of the held-out task generator.")
     out: Path | None = Field(None, description="Write results as JSON here.")
 

@@ -1,6 +1,5 @@
 """Base class for every tandem config section: strict, typed, and written once."""
 
-from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -20,11 +19,11 @@ class ModelConfig(Section):
         "auto", description="Weight dtype; auto = bfloat16 on GPU, float32 on CPU."
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available.")
-    attn_implementation: Literal["sdpa", "eager", "flex_attention"] = "sdpa"
-    trust_remote_code: bool = False
+    attn_implementation: Literal["sdpa", "eager", "flex_attention"] = Field(
+        "sdpa", description="Attention implementation transformers uses for this model."
+    )
+    trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint's repository.")
 
 
 SHARED_FIELDS = ("model", "seq_len", "max_steps", "run_dir", "seed")
 """Fields written once at the top of a config file that flow into every sub-section declaring them."""
-
-RunDir = Path

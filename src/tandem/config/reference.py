@@ -8,7 +8,7 @@ A test regenerates this text and compares it with the committed file.
 import importlib
 import json
 from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
@@ -27,6 +27,8 @@ DOCUMENTED = [
 
 def type_name(annotation: Any) -> str:
     origin = get_origin(annotation)
+    if origin is Annotated:
+        return type_name(get_args(annotation)[0])
     if origin is Literal:
         return " \\| ".join(json.dumps(a) for a in get_args(annotation))
     if origin in (Union, UnionType):
@@ -73,7 +75,13 @@ def render_reference() -> str:
             cls = getattr(importlib.import_module(module_name), class_name)
         except (ImportError, AttributeError):
             continue
-        parts += ["", f"## {title} (`{command}`)", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        parts += [
+            "",
+            f"## {title} (`{command}`)",
+            "",
+            "| key | type | default | meaning |",
+            "|---|---|---|---|",
+        ]
         parts += section_rows(cls)
     return "\n".join(parts) + "\n"
 

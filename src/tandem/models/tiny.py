@@ -20,16 +20,18 @@ from tandem.models.tokenizer import train_tokenizer
 
 class TinyModelConfig(Section):
     out: Path = Field(Path("models/tiny-qwen3"), description="Directory to write the model to.")
-    hidden_size: int = Field(256, gt=0)
-    num_layers: int = Field(6, gt=0)
-    num_heads: int = Field(4, gt=0)
-    num_kv_heads: int = Field(2, gt=0)
-    head_dim: int = Field(64, gt=0)
-    intermediate_size: int = Field(768, gt=0)
+    hidden_size: int = Field(256, gt=0, description="Width of the residual stream.")
+    num_layers: int = Field(6, gt=0, description="Decoder layers.")
+    num_heads: int = Field(4, gt=0, description="Query heads.")
+    num_kv_heads: int = Field(2, gt=0, description="Key/value heads (grouped-query attention).")
+    head_dim: int = Field(64, gt=0, description="Width of one attention head.")
+    intermediate_size: int = Field(768, gt=0, description="Width of the SwiGLU MLP.")
     vocab_size: int = Field(512, gt=0, description="Embedding rows; at least the tokenizer's size.")
-    max_position_embeddings: int = Field(2048, gt=0)
-    tie_word_embeddings: bool = True
-    seed: int = 0
+    max_position_embeddings: int = Field(
+        2048, gt=0, description="Longest context the model is configured for."
+    )
+    tie_word_embeddings: bool = Field(True, description="Share the input embedding with the output head.")
+    seed: int = Field(0, description="Seed of the random initialisation.")
 
 
 def tiny_qwen3_config(cfg: TinyModelConfig, tokenizer_size: int, eos_id: int, pad_id: int) -> Qwen3Config:
