@@ -72,15 +72,18 @@ class Engine(Protocol):
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int = 1
     ) -> AsyncIterator[SampleUpdate]:
         """Stream updates for the n samples of one prompt until all have finished. Closing the
-        iterator early (client gone) aborts the request and frees its KV blocks."""
+        iterator early (client gone) aborts the request and frees its KV blocks. A request the
+        engine cannot serve (empty or too long prompt, n out of range, ids outside the
+        vocabulary) raises ValueError at the first iteration."""
         ...
 
     async def finish_sample(self, request_id: str, index: int, reason: FinishReason = "stop") -> None:
         """End one sample now (the server matched a stop string); frees its blocks."""
         ...
 
-    async def update_weights(self, path: Path) -> int:
-        """Load a Hugging Face safetensors directory between engine steps; returns the new version.
+    async def update_weights(self, path: Path, version: int | None = None) -> int:
+        """Load a Hugging Face safetensors directory between engine steps; returns the new version
+        (`version`, else N of a `step_N` directory, else the old version + 1).
         Raises WeightLoadError and keeps the old weights on any problem."""
         ...
 
