@@ -16,7 +16,7 @@ def run(cfg: OrchestratorConfig) -> None:
         format="%(asctime)s %(levelname)s orchestrator: %(message)s",
         datefmt="%H:%M:%S",
     )
-    for noisy in ("httpx", "openai"):
+    for noisy in ("httpx", "httpx2", "openai"):  # one line per request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
     asyncio.run(Orchestrator(cfg).run())
 
