@@ -32,6 +32,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from tokenizers import AddedToken
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3ForCausalLM
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
@@ -77,10 +78,13 @@ def find_qwen_vocab() -> Path | None:
     return None
 
 
-def qwen_tokenizer(vocab_file: Path) -> PreTrainedTokenizerFast:
-    converted = TiktokenFile(
-        str(vocab_file), pattern=QWEN_PATTERN, extra_special_tokens=QWEN_SPECIALS
-    ).converted()
+def qwen_tokenizer(vocab_file: Path) -> PreTrainedTokenizerFast | None:
+    """Qwen's tokenizer from its tiktoken ranks, or None when this transformers cannot convert it
+    without the `tiktoken` package (older versions read the file only through tiktoken)."""
+    if not hasattr(TikTokenConverter, "load_tiktoken_bpe") and importlib.util.find_spec("tiktoken") is None:
+        return None
+    converted = TiktokenFile(str(vocab_file), pattern=QWEN_PATTERN).converted()
+    converted.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIALS])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=converted, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
     )
@@ -90,9 +94,9 @@ def qwen_tokenizer(vocab_file: Path) -> PreTrainedTokenizerFast:
 
 def build_qwen3_06b_shaped(out: Path, device: torch.device, vocab_file: Path | None) -> tuple[Path, str]:
     """A random-init model of Qwen3-0.6B's shape in bf16; returns (path, tokenizer description)."""
-    if vocab_file is not None:
-        tokenizer, described = qwen_tokenizer(vocab_file), f"Qwen vocabulary from {vocab_file.name}"
-    else:
+    tokenizer = qwen_tokenizer(vocab_file) if vocab_file is not None else None
+    described = f"Qwen vocabulary from {vocab_file}" if tokenizer is not None else ""
+    if tokenizer is None:
         tokenizer, described = train_tokenizer(), "tiny tokenizer (323 tokens) with 151,936 embedding rows"
     if not (out / "config.json").exists():
         cfg = TinyModelConfig(out=out, **QWEN3_06B)
@@ -286,6 +290,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (CPU 64, CUDA 128)")
     parser.add_argument("--output-len", type=int, default=None, help="output tokens (CPU 64, CUDA 256)")
+    parser.add_argument("--shape", choices=["tiny", "qwen3-0.6b"], help="model to build (default: by device)")
     parser.add_argument("--n", type=int, default=1, help="samples per request")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
@@ -311,7 +316,7 @@ def main() -> None:
     args.work_dir.mkdir(parents=True, exist_ok=True)
     if args.model is not None:
         model, described = args.model, "given"
-    elif cuda:
+    elif (args.shape or ("qwen3-0.6b" if cuda else "tiny")) == "qwen3-0.6b":
         model, described = build_qwen3_06b_shaped(
             args.work_dir / "qwen3-0.6b-shape", device, args.qwen_vocab or find_qwen_vocab()
         )
