@@ -15,6 +15,7 @@ from tandem.inference.config import InferenceConfig
 from tandem.inference.engine import AsyncEngine
 from tandem.inference.engine.api import SampleUpdate, SamplingParams, WeightLoadError
 from tandem.inference.engine.core import EngineCore
+from tandem.inference.engine.model_runner import kv_bytes_per_block
 from tandem.models.tiny import build_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -200,3 +201,20 @@ def test_weight_update_wait_mode_lets_running_requests_finish(tiny_model: Path, 
             await engine.shutdown()
 
     asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_context_is_capped_by_the_cache_so_a_lone_sequence_always_fits(tiny_model: Path) -> None:
+    per_block = kv_bytes_per_block(AutoModelForCausalLM.from_pretrained(tiny_model).config, 16, torch.float32)
+    core = EngineCore(config(tiny_model, kv_cache_memory_gb=16 * per_block / 2**30))
+    assert core.max_model_len == 16 * 16
+    core.add_request(
+        "r", list(range(3, 13)), SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True), 1
+    )
+    tokens, reason = 0, None
+    for _ in range(400):
+        for _, updates in core.step():
+            tokens += sum(len(u.tokens) for u in updates)
+            reason = updates[-1].finish_reason or reason
+        if not core.has_work():
+            break
+    assert (tokens, reason) == (256 - 10, "length")

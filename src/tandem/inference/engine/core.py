@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from tandem.cli import UserError
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine.api import FinishReason, SampleUpdate, SamplingParams, TokenOutput
 from tandem.inference.engine.block_manager import BlockManager
@@ -44,6 +45,8 @@ class EngineCore:
             self.model, num_blocks, cfg.block_size, self.device, self.dtype, cfg.cuda_graphs, cfg.max_num_seqs
         )
         self.blocks = BlockManager(num_blocks, cfg.block_size)
+        # one sequence must always fit in the whole cache, or preemption could not make room for it
+        self.max_model_len = min(self.max_model_len, self.blocks.num_usable * cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.max_n = cfg.max_n
         self.requests: dict[str, Request] = {}
@@ -71,7 +74,10 @@ class EngineCore:
             budget = min(CPU_DEFAULT_KV_GB * GiB, needed)
         num_blocks = int(budget // per_block) + 1  # + the scratch block
         if num_blocks < 2 or (num_blocks - 1) * cfg.block_size < min(self.max_model_len, 256):
-            raise ValueError(f"KV-cache budget of {budget / GiB:.3f} GiB holds too few tokens for this model")
+            raise UserError(
+                f"the KV-cache budget ({budget / GiB:.3f} GiB) holds too few tokens for this model: "
+                "raise engine.kv_cache_memory_gb or engine.gpu_memory_utilization"
+            )
         return num_blocks
 
     # ---- requests ----------------------------------------------------------------------------
