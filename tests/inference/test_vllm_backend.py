@@ -164,10 +164,16 @@ def vllm_test(fn: Callable) -> Callable:
 
 
 @vllm_test
-def test_health_models_and_api_key(server: Any, admin: httpx.Client) -> None:
+def test_health_models_and_api_key(server: Any, admin: httpx.Client, checkpoints: dict[str, Path]) -> None:
     health = admin.get("/health").json()
     assert health == {"status": "ok", "weight_version": 0, "paused": False, "backend": "vllm"}
-    assert [m["id"] for m in admin.get("/v1/models").json()["data"]] == ["tiny"]
+    by_path = admin.post(
+        "/v1/completions", json={"model": str(checkpoints["a"]), "prompt": "ab", "max_tokens": 1}
+    )
+    assert by_path.status_code == 200 and by_path.json()["model"] == "tiny"
+    cards = admin.get("/v1/models").json()["data"]
+    assert [m["id"] for m in cards] == ["tiny", str(checkpoints["a"])]
+    assert all(card["weight_version"] == 0 for card in cards)
     assert httpx.get(server.url + "/v1/models").status_code == 401
     wrong = httpx.post(
         server.url + "/v1/completions", headers={"Authorization": "Bearer nope"}, json={"prompt": "a"}

@@ -32,7 +32,7 @@ def vllm_command(config: InferenceConfig, python: str, port: int, api_key: str) 
     command = [
         python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model.name,
-        "--served-model-name", config.served_model_name or model.name,
+        "--served-model-name", *served_names(config),
         "--host", "127.0.0.1",
         "--port", str(port),
         "--api-key", api_key,
@@ -49,6 +49,13 @@ def vllm_command(config: InferenceConfig, python: str, port: int, api_key: str) 
     if model.trust_remote_code:
         command.append("--trust-remote-code")
     return command + config.vllm.extra_args
+
+
+def served_names(config: InferenceConfig) -> list[str]:
+    """Requests may name the model by its served name or by `model.name`, as on the native server;
+    vLLM answers with the first."""
+    names = [config.served_model_name or config.model.name, config.model.name]
+    return list(dict.fromkeys(names))
 
 
 def vllm_env() -> dict[str, str]:

@@ -313,7 +313,12 @@ def build_front(config: InferenceConfig, upstream: str, upstream_key: str) -> Fa
     @app.get("/v1/models")
     async def models() -> Response:
         response = await front.call("GET", "/v1/models")
-        return Response(response.content, response.status_code, media_type="application/json")
+        if response.status_code != 200:
+            return Response(response.content, response.status_code, media_type="application/json")
+        body = response.json()
+        for card in body.get("data") or ():
+            card["weight_version"] = front.versions.current
+        return JSONResponse(body)
 
     for path in GENERATION_PATHS:
         app.add_api_route(path, front.generate, methods=["POST"])
