@@ -194,11 +194,30 @@ def test_n_samples_and_seeds(client: openai.OpenAI) -> None:
 def test_list_of_prompts(client: openai.OpenAI) -> None:
     name = model_name(client)
     prompts = ["one", "two words", "three"]
-    together = client.completions.create(model=name, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    together = client.completions.create(
+        model=name, prompt=prompts, max_tokens=6, temperature=0, n=2, extra_body={"return_token_ids": True}
+    )
     assert [c.index for c in together.choices] == list(range(6))
     for i, prompt in enumerate(prompts):
         alone = client.completions.create(model=name, prompt=prompt, max_tokens=6, temperature=0)
         assert together.choices[2 * i].text == alone.choices[0].text == together.choices[2 * i + 1].text
+    streamed: dict[int, list[int]] = {}
+    chunks = client.completions.create(
+        model=name,
+        prompt=prompts,
+        max_tokens=6,
+        temperature=0,
+        n=2,
+        stream=True,
+        extra_body={"return_token_ids": True},
+    )
+    for chunk in chunks:
+        for c in chunk.choices:
+            streamed.setdefault(c.index, []).extend(c.token_ids)
+    assert sorted(streamed) == list(range(6))
+    for i in range(6):
+        assert streamed[i] == together.choices[i].token_ids
+        assert streamed[i] == streamed[i - i % 2]  # greedy: both samples of a prompt agree
 
 
 def sampled_text(client: openai.OpenAI, **extra) -> openai.types.Completion:
