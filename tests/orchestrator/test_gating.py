@@ -13,8 +13,9 @@ from orchestrator_helpers import publish_weights, serve_base_model, served_versi
 from tandem.orchestrator.client import ServerPool
 from tandem.orchestrator.config import ClientConfig, OrchestratorConfig, SamplingConfig, WeightsConfig
 from tandem.orchestrator.loop import Orchestrator
-from tandem.orchestrator.weights import PolicySync, WeightsTimeout, latest_stable
+from tandem.orchestrator.weights import PolicySync, WeightsTimeout
 from tandem.transport.rollouts import read_rank, step_dir
+from tandem.transport.weights import latest_version
 
 
 def test_wait_for_loads_weights_only_once_stable(server: str, tiny_model: Path, tmp_path: Path) -> None:
@@ -68,7 +69,7 @@ def test_wait_for_loads_weights_only_once_stable(server: str, tiny_model: Path, 
     assert out["returned_at"] >= out["stable_at"]
     assert out["waited"] >= 0.9
     assert out["version_after"] == 1 and out["policy_version"] == 1
-    assert latest_stable(tmp_path) == 3
+    assert latest_version(tmp_path) == 3
     assert out["watched_version"] == 3
     assert out["choice_versions"] == [[3], [3]]
 

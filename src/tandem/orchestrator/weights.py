@@ -7,34 +7,15 @@ generated once the servers serve a version >= N - max_async_level (docs/async.md
 
 import asyncio
 import logging
-import re
 import time
 from pathlib import Path
 
 from tandem.cli import UserError
 from tandem.orchestrator.client import RequestRejected, ServerPool
 from tandem.orchestrator.config import WeightsConfig
+from tandem.transport.weights import STABLE, latest_version, weights_dir
 
 log = logging.getLogger(__name__)
-STABLE = "STABLE"
-STEP_DIR = re.compile(r"step_(\d+)")
-
-
-def weights_dir(run_dir: Path, version: int) -> Path:
-    return run_dir / "weights" / f"step_{version}"
-
-
-def latest_stable(run_dir: Path) -> int | None:
-    """The highest N with weights/step_N/STABLE, or None when nothing is published yet."""
-    root = run_dir / "weights"
-    if not root.is_dir():
-        return None
-    versions = [
-        int(m.group(1))
-        for p in root.iterdir()
-        if (m := STEP_DIR.fullmatch(p.name)) and (p / STABLE).is_file()
-    ]
-    return max(versions, default=None)
 
 
 class WeightsTimeout(UserError):
@@ -54,7 +35,7 @@ class PolicySync:
     async def sync(self) -> int:
         """Load the newest STABLE weights onto every server if they are newer; returns the version."""
         async with self.lock:
-            latest = latest_stable(self.run_dir)
+            latest = latest_version(self.run_dir)
             if latest is None or latest <= self.version:
                 return self.version
             path = weights_dir(self.run_dir, latest)
