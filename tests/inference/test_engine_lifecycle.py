@@ -192,6 +192,12 @@ def test_weight_update_wait_mode_lets_running_requests_finish(tiny_model: Path, 
             update = asyncio.create_task(engine.update_weights(other_model, version=3))
             await asyncio.sleep(0.05)
             later = asyncio.create_task(collect(engine, "new", ids, GREEDY))
+            stopped = engine.generate("held", ids, GREEDY)  # held back, then finished before it starts
+            held_task = asyncio.create_task(anext(stopped))
+            await wait_until(lambda: engine.stats().waiting == 2)
+            await engine.finish_sample("held", 0, "stop")
+            assert (await asyncio.wait_for(held_task, 30)).finish_reason == "stop"
+            await stopped.aclose()
             old_updates = await asyncio.wait_for(running, 60)
             assert await asyncio.wait_for(update, 60) == 3
             assert {t.weight_version for u in old_updates[0] for t in u.tokens} == {0}

@@ -121,7 +121,8 @@ class EngineCore:
     def release_held(self) -> None:
         self.hold_new = False
         for request in self.held:
-            self.scheduler.add(request.sequences[0])
+            if request.request_id in self.requests and 0 in request.sequences:  # not finished meanwhile
+                self.scheduler.add(request.sequences[0])
         self.held.clear()
 
     def abort(self, request_id: str) -> None:
@@ -266,6 +267,8 @@ class EngineCore:
             out.append((request_id, updates))
             if request.done:
                 del self.requests[request_id]
+                if request in self.held:  # finished by finish_sample before it started
+                    self.held.remove(request)
         return out
 
     def apply_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:

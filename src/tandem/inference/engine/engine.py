@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from tandem.inference.config import InferenceConfig
-from tandem.inference.engine.api import EngineStats, FinishReason, SampleUpdate, SamplingParams
+from tandem.inference.engine.api import (
+    EngineStats,
+    FinishReason,
+    SampleUpdate,
+    SamplingParams,
+    WeightLoadError,
+)
 from tandem.inference.engine.core import EngineCore
 from tandem.inference.engine.weights import read_checkpoint, version_from_path
 
@@ -131,7 +137,8 @@ class AsyncEngine:
 
     def _queue_update(self, tensors: dict, version: int, done: Future) -> None:
         if self._pending_update is not None:  # a newer checkpoint replaces one not yet applied
-            self._pending_update[2].cancel()
+            replaced = WeightLoadError(f"replaced by version {version} before it was applied")
+            self._pending_update[2].set_exception(replaced)
         self._pending_update = (tensors, version, done)
         if self.weight_update_mode == "wait":
             self.core.hold_new = True

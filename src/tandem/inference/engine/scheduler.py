@@ -96,7 +96,7 @@ class Scheduler:
         """Take a finished or aborted sequence out and free its blocks."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
-        elif seq.status is Status.WAITING:
+        elif seq in self.waiting:  # (a sequence held back by the engine is in neither list)
             self.waiting.remove(seq)
         self.blocks.free(seq)
         seq.status = Status.FINISHED
