@@ -15,12 +15,13 @@ import re
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from torch import nn
-from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+if TYPE_CHECKING:  # the readers (orchestrator, servers) need not import torch for these
+    from torch import nn
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from tandem.trainer.checkpoint import write_hf_model
-from tandem.trainer.parallel import World
+    from tandem.trainer.parallel import World
 
 STABLE = "STABLE"
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -58,17 +59,19 @@ def wait_for_version(run_dir: Path, version: int, timeout_s: float, poll_s: floa
 
 
 def publish_weights(
-    model: nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
+    model: "nn.Module",
+    tokenizer: "PreTrainedTokenizerBase",
     run_dir: Path,
     version: int,
-    world: World,
+    world: "World",
     keep: int = 0,
 ) -> Path:
     """Gather the full weights and publish them as `weights/step_{version}` (collective).
 
     `keep` > 0 deletes all but the newest `keep` published versions afterwards.
     """
+    from tandem.trainer.checkpoint import write_hf_model
+
     out = weights_dir(run_dir, version)
     if world.is_main and (out / STABLE).exists():
         (out / STABLE).unlink()  # republishing after a resume: never show STABLE on a directory in flux
