@@ -163,3 +163,19 @@ def test_console_script_prints_one_line_and_exits_2(args: list[str], message: st
     assert proc.returncode == 2
     assert message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_section_default_instances_keep_their_values(tmp_path: Path) -> None:
+    class Custom(Section):
+        model: ModelConfig = ModelConfig()
+        optim: Optim = Optim(lr=5e-6)
+
+    class Top(Section):
+        model: ModelConfig = ModelConfig()
+        custom: Custom = Custom()
+
+    assert parse_config(Top, []).custom.optim.lr == 5e-6
+    assert parse_config(Top, ["--model.name", "m"]).custom.optim.lr == 5e-6
+    a = write(tmp_path / "a.toml", "[custom.optim]\nbetas = [0.5, 0.6]\n")
+    cfg = parse_config(Top, ["@", str(a)])
+    assert (cfg.custom.optim.lr, cfg.custom.optim.betas) == (5e-6, [0.5, 0.6])

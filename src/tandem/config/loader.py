@@ -122,10 +122,14 @@ def spread_shared_fields(cls: type[BaseModel], data: dict) -> dict:
         sub_cls = field.annotation
         if not (isinstance(sub_cls, type) and issubclass(sub_cls, BaseModel)):
             continue
+        default = field.get_default(call_default_factory=True)
+        # A section default written as an instance (`optim: Optim = Optim(lr=1e-5)`) keeps the
+        # values it sets; the file's keys are merged over them.
+        base = default.model_dump(exclude_unset=True) if isinstance(default, BaseModel) else {}
         section = data.get(name, {})
         if not isinstance(section, dict):
             continue
-        section = dict(section)
+        section = deep_merge(base, section)
         for shared in SHARED_FIELDS:
             if shared not in data or shared not in sub_cls.model_fields:
                 continue
