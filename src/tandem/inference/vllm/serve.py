@@ -44,6 +44,7 @@ def check_port_free(host: str, port: int) -> None:
     if port == 0:
         return
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
         try:
             s.bind((host, port))
         except OSError as e:
