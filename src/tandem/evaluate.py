@@ -93,3 +93,7 @@ def main() -> None:
         )
 
     run_cli(run, "eval")
+
+
+if __name__ == "__main__":
+    main()

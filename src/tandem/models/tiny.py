@@ -75,3 +75,7 @@ def main() -> None:
         print(f"wrote a {n / 1e6:.2f}M-parameter tiny Qwen3 to {out}")
 
     run_cli(run, "tiny-model")
+
+
+if __name__ == "__main__":
+    main()
