@@ -83,7 +83,10 @@ async def run_prompt(engine: Engine, tokenizer: Tokenizer, job: PromptJob) -> As
     stop_ids = set(job.params.stop_token_ids)
     unfinished = job.n
     started = False
-    async with aclosing(engine.generate(job.request_id, job.prompt_ids, job.params, job.n)) as updates:
+    # without streaming or stop strings nothing needs the tokens before the request ends
+    stream = job.incremental or bool(job.stop)
+    generating = engine.generate(job.request_id, job.prompt_ids, job.params, job.n, stream=stream)
+    async with aclosing(generating) as updates:
         while True:
             try:
                 update = await anext(updates)

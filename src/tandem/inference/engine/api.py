@@ -69,9 +69,15 @@ class Engine(Protocol):
     weight_version: int
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int = 1
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        n: int = 1,
+        stream: bool = True,
     ) -> AsyncIterator[SampleUpdate]:
-        """Stream updates for the n samples of one prompt until all have finished. Closing the
+        """Stream updates for the n samples of one prompt until all have finished (with
+        `stream=False`, one update per sample when the whole request has finished). Closing the
         iterator early (client gone) aborts the request and frees its KV blocks. A request the
         engine cannot serve (empty or too long prompt, n out of range, ids outside the
         vocabulary) raises ValueError at the first iteration."""

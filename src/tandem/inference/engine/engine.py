@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ class AsyncEngine:
         self.weight_update_mode = config.engine.weight_update_mode
         self.paused = False
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._pending_update: tuple[dict, int, Future] | None = None
         self._stopping = False
         self._error: BaseException | None = None
@@ -58,13 +59,18 @@ class AsyncEngine:
     # ---- public API (event loop side) -------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int = 1
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        n: int = 1,
+        stream: bool = True,
     ) -> AsyncIterator[SampleUpdate]:
         self.core.validate(prompt_token_ids, params, n)
         if request_id in self._streams:
             raise ValueError(f"request id '{request_id}' is already running")
         updates: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), updates)
+        self._streams[request_id] = _Stream(asyncio.get_running_loop(), updates, None if stream else {})
         remaining = n
         try:
             await self._call(lambda: self.core.add_request(request_id, prompt_token_ids, params, n))
@@ -203,20 +209,41 @@ class AsyncEngine:
             self._pending_update[2].set_exception(error)
 
     def _deliver(self, outputs: list[tuple[str, list[SampleUpdate]]]) -> None:
-        """Hand a step's updates to the event loops: one wake-up per loop, not per request."""
+        """Hand a step's updates to the event loops: one wake-up per loop, not per request.
+        Whole-response requests collect their tokens here until the engine has finished them."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, list[SampleUpdate]]]] = {}
+        requests = self.core.requests
         for request_id, updates in outputs:
             stream = self._streams.get(request_id)
-            if stream is not None:
-                by_loop.setdefault(stream[0], []).append((stream[1], updates))
+            if stream is None:
+                continue
+            if stream.held is not None:
+                for update in updates:
+                    held = stream.held.get(update.index)
+                    if held is None:
+                        stream.held[update.index] = update
+                    else:
+                        held.tokens.extend(update.tokens)
+                        held.finish_reason = update.finish_reason
+                if request_id in requests:
+                    continue
+                updates = [stream.held[i] for i in sorted(stream.held)]
+            by_loop.setdefault(stream.loop, []).append((stream.updates, updates))
         for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):  # the loop closed
                 loop.call_soon_threadsafe(_put_all, items)
 
     def _fail_streams(self, error: BaseException) -> None:
-        for loop, updates_queue in list(self._streams.values()):
+        for stream in list(self._streams.values()):
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(updates_queue.put_nowait, error)
+                stream.loop.call_soon_threadsafe(stream.updates.put_nowait, error)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    updates: asyncio.Queue
+    held: dict[int, SampleUpdate] | None  # whole-response requests: each sample's tokens so far
 
 
 def _put_all(items: list[tuple[asyncio.Queue, list[SampleUpdate]]]) -> None:

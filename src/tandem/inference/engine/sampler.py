@@ -71,7 +71,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     scaled = logits / torch.where(greedy, 1.0, temps)[:, None]
     logprobs = torch.log_softmax(scaled, dim=-1)
     tokens = logprobs.argmax(dim=-1)
-    if not bool(greedy.all()):
+    if any(t > 0 for t in batch.temperatures):  # decided on the host: no device sync
         probs = _filtered_probs(logprobs.exp(), batch, device)
         noise = torch.empty_like(probs).exponential_(generator=batch.generator)
         seeded = [i for i, key in enumerate(batch.keys) if key is not None]
@@ -83,7 +83,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
         drawn = (probs / noise).argmax(dim=-1)
         tokens = torch.where(greedy, tokens, drawn)
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-    result = SampleResult(tokens.tolist(), chosen.tolist())
+    # one device→host copy for both (float64 holds every token id exactly)
+    token_ids, chosen_logprobs = torch.stack([tokens.double(), chosen.double()]).tolist()
+    result = SampleResult([int(t) for t in token_ids], chosen_logprobs)
     if batch.num_top_logprobs > 0:
         values, ids = logprobs.topk(min(batch.num_top_logprobs, vocab), dim=-1)
         result.top_ids, result.top_logprobs = ids.tolist(), values.tolist()
