@@ -224,3 +224,32 @@ def test_context_is_capped_by_the_cache_so_a_lone_sequence_always_fits(tiny_mode
         if not core.has_work():
             break
     assert (tokens, reason) == (256 - 10, "length")
+
+
+def test_whole_response_requests_arrive_once_with_the_same_tokens(tiny_model: Path) -> None:
+    """stream=False holds a request's tokens on the engine thread and delivers one update per
+    sample when the whole request has finished; the tokens equal the streamed ones."""
+    seeded = SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True, seed=7)
+    short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+
+    async def main() -> None:
+        engine = AsyncEngine(config(tiny_model, max_n=4))
+        try:
+            streamed = await collect(engine, "s", [5, 6, 7], seeded, 3)
+            whole: dict[int, list[SampleUpdate]] = {}
+            other = asyncio.create_task(collect(engine, "short", [9, 10], short))
+            async for u in engine.generate("w", [5, 6, 7], seeded, 3, stream=False):
+                whole.setdefault(u.index, []).append(u)
+            assert (await other)[0][-1].finish_reason == "length"
+        finally:
+            await engine.shutdown()
+        assert all(len(updates) > 1 for updates in streamed.values())
+        assert sorted(whole) == [0, 1, 2]
+        for index, updates in whole.items():
+            assert len(updates) == 1 and updates[0].finish_reason == "length"
+            assert token_ids(updates) == token_ids(streamed[index])
+            streamed_logprobs = [t.logprob for u in streamed[index] for t in u.tokens]
+            # (another batch composition: equal up to float32 rounding)
+            assert [t.logprob for t in updates[0].tokens] == pytest.approx(streamed_logprobs, abs=1e-5)
+
+    asyncio.run(main())
