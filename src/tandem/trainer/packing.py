@@ -87,18 +87,20 @@ def row_tensors(row: list[Sample], seq_len: int, pad_id: int) -> tuple[torch.Ten
 def make_micro_batches(
     rows: list[list[Sample]], seq_len: int, pad_id: int, micro_batch_size: int, num_micro_batches: int
 ) -> list[MicroBatch]:
-    """Stack rows into `num_micro_batches` micro-batches of `micro_batch_size` rows each.
+    """Spread rows evenly over `num_micro_batches` micro-batches of at most `micro_batch_size` rows.
 
-    Missing rows are pure padding (no loss tokens): under FSDP every rank must run the same
-    number of forward/backward passes, so ranks with fewer rows run empty ones.
+    Under FSDP every rank must run the same number of forward/backward passes, so a rank with
+    too few rows runs micro-batches of a single padding row (no loss tokens). Partly filled
+    micro-batches are not padded with whole rows: that would only burn compute.
     """
     if len(rows) > micro_batch_size * num_micro_batches:
         raise ValueError(f"{len(rows)} rows do not fit {num_micro_batches} × {micro_batch_size}")
     tensors = [row_tensors(row, seq_len, pad_id) for row in rows]
-    tensors += [row_tensors([], seq_len, pad_id)] * (micro_batch_size * num_micro_batches - len(rows))
-    batches = []
-    for start in range(0, len(tensors), micro_batch_size):
-        chunk = tensors[start : start + micro_batch_size]
+    base, extra = divmod(len(tensors), num_micro_batches)
+    batches, start = [], 0
+    for i in range(num_micro_batches):
+        chunk = tensors[start : start + base + (i < extra)] or [row_tensors([], seq_len, pad_id)]
+        start += base + (i < extra)
         batches.append(MicroBatch(*(torch.stack(parts) for parts in zip(*chunk, strict=True))))
     return batches
 
