@@ -253,3 +253,24 @@ def test_whole_response_requests_arrive_once_with_the_same_tokens(tiny_model: Pa
             assert [t.logprob for t in updates[0].tokens] == pytest.approx(streamed_logprobs, abs=1e-5)
 
     asyncio.run(main())
+
+
+def test_a_slow_consumer_gets_the_steps_it_missed_merged(tiny_model: Path) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+    async def main() -> None:
+        engine = AsyncEngine(config(tiny_model))
+        try:
+            expected = token_ids((await collect(engine, "fast", [5, 6, 7], params))[0])
+            sizes, got = [], []
+            async for u in engine.generate("slow", [5, 6, 7], params):
+                sizes.append(len(u.tokens))
+                got += [t.token_id for t in u.tokens]
+                if len(sizes) == 1:
+                    await wait_until(lambda: engine.stats().running == 0)  # all steps queued meanwhile
+        finally:
+            await engine.shutdown()
+        assert got == expected
+        assert len(sizes) <= 2 and sizes[-1] > 1  # (the first update may already hold several steps)
+
+    asyncio.run(main())

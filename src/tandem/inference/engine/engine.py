@@ -3,12 +3,17 @@
 Calls from the event loop become commands that the engine thread runs between two steps
 (adding and aborting requests, pausing, loading weights), so the core is only ever touched by
 one thread. A step's token updates travel back with one `loop.call_soon_threadsafe` into one
-asyncio queue per request. If the engine thread dies, every open stream gets the error instead of hanging.
+asyncio queue per request. A consumer that fell behind takes every step queued for it at once,
+merged into one update per sample, so a busy event loop handles fewer, larger updates. A request
+generated with `stream=False` is held on the engine thread until it has finished and is then
+delivered whole: the event loop does no per-token work for it. If the engine thread dies, every
+open stream gets the error instead of hanging.
 """
 
 import asyncio
 import contextlib
 import queue
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -29,6 +34,10 @@ from tandem.inference.engine.core import EngineCore
 from tandem.inference.engine.weights import read_checkpoint, version_from_path
 
 IDLE_WAIT_S = 0.05
+# How long a thread may hold the GIL while another waits for it (Python's default is 5 ms). The
+# engine thread wants the GIL back as soon as the GPU finishes a step; with the default it could
+# wait up to 5 ms behind the event loop formatting responses — as long as a whole decode step.
+GIL_SWITCH_INTERVAL_S = 0.0005
 SHUTDOWN_WAIT_S = 30.0
 
 
@@ -49,6 +58,7 @@ class AsyncEngine:
         self._pending_update: tuple[dict, int, Future] | None = None
         self._stopping = False
         self._error: BaseException | None = None
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -75,10 +85,16 @@ class AsyncEngine:
         try:
             await self._call(lambda: self.core.add_request(request_id, prompt_token_ids, params, n))
             while remaining:
+                merged: dict[int, SampleUpdate] = {}
                 batch = await updates.get()
-                if isinstance(batch, BaseException):
-                    raise batch
-                for update in batch:
+                while True:  # coalesce steps that piled up while this consumer was busy
+                    if isinstance(batch, BaseException):
+                        raise batch
+                    _merge_into(merged, batch)
+                    if updates.empty():
+                        break
+                    batch = updates.get_nowait()
+                for update in merged.values():
                     if update.finish_reason is not None:
                         remaining -= 1
                     yield update
@@ -218,13 +234,7 @@ class AsyncEngine:
             if stream is None:
                 continue
             if stream.held is not None:
-                for update in updates:
-                    held = stream.held.get(update.index)
-                    if held is None:
-                        stream.held[update.index] = update
-                    else:
-                        held.tokens.extend(update.tokens)
-                        held.finish_reason = update.finish_reason
+                _merge_into(stream.held, updates)
                 if request_id in requests:
                     continue
                 updates = [stream.held[i] for i in sorted(stream.held)]
@@ -244,6 +254,17 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     updates: asyncio.Queue
     held: dict[int, SampleUpdate] | None  # whole-response requests: each sample's tokens so far
+
+
+def _merge_into(merged: dict[int, SampleUpdate], updates: list[SampleUpdate]) -> None:
+    """Append `updates` to the per-sample updates in `merged` (each sample's tokens in order)."""
+    for update in updates:
+        known = merged.get(update.index)
+        if known is None:
+            merged[update.index] = SampleUpdate(update.index, list(update.tokens), update.finish_reason)
+        else:
+            known.tokens.extend(update.tokens)
+            known.finish_reason = update.finish_reason
 
 
 def _put_all(items: list[tuple[asyncio.Queue, list[SampleUpdate]]]) -> None:
