@@ -52,7 +52,12 @@ def serve_native(config: InferenceConfig) -> None:
         config.port,
     )
     uvicorn.run(
-        app, host=config.host, port=config.port, log_level=config.log_level, timeout_graceful_shutdown=5
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        access_log=config.access_log,
+        timeout_graceful_shutdown=5,
     )
 
 

@@ -32,18 +32,19 @@ class EngineConfig(Section):
 
 class InferenceConfig(Section):
     model: ModelConfig = ModelConfig()
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    host: str = Field("127.0.0.1", description="Address to bind; 127.0.0.1 keeps the server local.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
     api_key: str | None = Field(None, description="When set, requests need 'Authorization: Bearer KEY'.")
-    served_model_name: str | None = None
+    served_model_name: str | None = Field(None, description="Model name in the API; default: model.name.")
     backend: Literal["auto", "native", "vllm"] = Field(
         "auto", description="auto = vllm when it is installed and a GPU is present, else native."
     )
     run_dir: Path | None = Field(None, description="Run directory; lets /update_weights take `step: N`.")
-    seed: int = 0
+    seed: int = Field(0, description="Seed of unseeded sampling.")
     pause_timeout_s: float = Field(
         600, gt=0, description="How long a generation request waits while the server is paused before a 503."
     )
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Server log level.")
+    access_log: bool = Field(False, description="Log every HTTP request (uvicorn's access log).")
     engine: EngineConfig = EngineConfig()
     vllm: VLLMConfig = VLLMConfig()

@@ -95,6 +95,7 @@ def serve_vllm(config: InferenceConfig) -> None:
                 host=config.host,
                 port=config.port,
                 log_level=config.log_level,
+                access_log=config.access_log,
                 timeout_graceful_shutdown=5,
             )
         )
