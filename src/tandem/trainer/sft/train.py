@@ -117,6 +117,10 @@ def _train(cfg: SFTConfig, world: World) -> dict[str, Any]:
         if world.is_main:
             print(f"sft: resumed from {resume_from} (step {step})", flush=True)
 
+    def checkpoint(step: int, position: int) -> None:
+        extra = {"data_position": position}
+        save_checkpoint(ckpt_root, step, model, optimizer, scheduler, tokenizer, world, extra, cfg.ckpt.keep)
+
     metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl", "sft", enabled=world.is_main)
     progress = TrainingProgress(cfg.max_steps, step, cfg.log.interval, enabled=world.is_main)
     start, total_tokens, start_step, stats = time.monotonic(), 0, step, {}
@@ -136,29 +140,9 @@ def _train(cfg: SFTConfig, world: World) -> dict[str, Any]:
             metrics.log(step, **stats)
             progress.update(step, {k: stats[k] for k in ("loss", "grad_norm", "tokens_per_s")})
             if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
-                save_checkpoint(
-                    ckpt_root,
-                    step,
-                    model,
-                    optimizer,
-                    scheduler,
-                    tokenizer,
-                    world,
-                    {"data_position": position},
-                    cfg.ckpt.keep,
-                )
+                checkpoint(step, position)
     if cfg.ckpt.final and step > start_step and not (cfg.ckpt.interval and step % cfg.ckpt.interval == 0):
-        save_checkpoint(
-            ckpt_root,
-            step,
-            model,
-            optimizer,
-            scheduler,
-            tokenizer,
-            world,
-            {"data_position": position},
-            cfg.ckpt.keep,
-        )
+        checkpoint(step, position)
     final_dir = cfg.run_dir / "final"
     write_hf_model(model, tokenizer, final_dir, world)
     elapsed = time.monotonic() - start
