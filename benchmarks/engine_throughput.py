@@ -27,22 +27,10 @@ from tandem.inference.engine.api import SamplingParams
 from tandem.inference.engine.core import EngineCore
 from tandem.inference.engine.engine import AsyncEngine
 from tandem.models.loading import save_model
-from tandem.models.tiny import TinyModelConfig, build_tiny_model, tiny_qwen3_config
+from tandem.models.tiny import QWEN3_0_6B_SHAPE, TinyModelConfig, build_tiny_model, tiny_qwen3_config
 from tandem.models.tokenizer import train_tokenizer
 
-SHAPES = {
-    "tiny": {},
-    "qwen3-0.6b": dict(
-        hidden_size=1024,
-        num_layers=28,
-        num_heads=16,
-        num_kv_heads=8,
-        head_dim=128,
-        intermediate_size=3072,
-        vocab_size=151936,
-        max_position_embeddings=4096,
-    ),
-}
+SHAPES = {"tiny": {}, "qwen3-0.6b": QWEN3_0_6B_SHAPE}
 
 
 def build_model(shape: str, out: Path, device: torch.device) -> Path:

@@ -39,20 +39,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
 from tandem.models.loading import save_model
-from tandem.models.tiny import TinyModelConfig, build_tiny_model, tiny_qwen3_config
+from tandem.models.tiny import QWEN3_0_6B_SHAPE, TinyModelConfig, build_tiny_model, tiny_qwen3_config
 from tandem.models.tokenizer import CHAT_TEMPLATE, train_tokenizer
 
-QWEN3_06B = dict(
-    hidden_size=1024,
-    num_layers=28,
-    num_heads=16,
-    num_kv_heads=8,
-    head_dim=128,
-    intermediate_size=3072,
-    vocab_size=151936,
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
-)
 QWEN_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 151643-151645
 
@@ -101,7 +90,7 @@ def build_qwen3_06b_shaped(out: Path, device: torch.device, vocab_file: Path | N
     if tokenizer is None:
         tokenizer, described = train_tokenizer(), "tiny tokenizer (323 tokens) with 151,936 embedding rows"
     if not (out / "config.json").exists():
-        cfg = TinyModelConfig(out=out, **QWEN3_06B)
+        cfg = TinyModelConfig(out=out, **QWEN3_0_6B_SHAPE)
         config = tiny_qwen3_config(cfg, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
         torch.manual_seed(0)
         with torch.device(device):

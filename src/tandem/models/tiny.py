@@ -17,6 +17,18 @@ from tandem.config.loader import parse_config
 from tandem.models.loading import save_model
 from tandem.models.tokenizer import train_tokenizer
 
+QWEN3_0_6B_SHAPE = {
+    "hidden_size": 1024,
+    "num_layers": 28,
+    "num_heads": 16,
+    "num_kv_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 3072,
+    "vocab_size": 151936,
+    "max_position_embeddings": 4096,
+}
+"""Qwen3-0.6B's shape, for benchmarks of realistic size (random init): `TinyModelConfig(**QWEN3_0_6B_SHAPE)`."""
+
 
 class TinyModelConfig(Section):
     out: Path = Field(Path("models/tiny-qwen3"), description="Directory to write the model to.")
