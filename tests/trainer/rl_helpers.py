@@ -1,15 +1,12 @@
 """Rollouts for RL trainer tests: reverse-text samples drawn from a tiny model with transformers."""
 
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import torch
+from server_process import start_server
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
@@ -88,40 +85,11 @@ def write_rollouts(
     write_step(run_dir, step, per_rank)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def inference_server(args: list[str], log_path: Path, timeout_s: float = 180) -> Iterator[str]:
-    """`inference ARGS --port P` as a real process until /health answers; yields its URL."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with log_path.open("w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "tandem.inference.cli", *args, "--port", str(port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert process.poll() is None, f"server exited:\n{log_path.read_text()[-3000:]}"
-            with suppress(httpx.TransportError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, f"no /health in {timeout_s}s:\n{log_path.read_text()[-3000:]}"
-            time.sleep(0.2)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=15)
+    """`inference ARGS` as a real process until /health answers; yields its URL."""
+    with start_server(args, log_path, timeout_s) as running:
+        yield running.url
 
 
 def sample_from_server(

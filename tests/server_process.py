@@ -1,0 +1,78 @@
+"""Start a real inference server (`python -m tandem.inference.cli`) on a free 127.0.0.1 port.
+
+Shared by the inference, orchestrator and trainer tests (`pythonpath = ["tests"]` in pyproject).
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RunningServer:
+    url: str  # http://127.0.0.1:PORT
+    process: subprocess.Popen
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@contextmanager
+def start_server(
+    args: list[str], log_path: Path, timeout_s: float = 120.0, threads: str | None = None
+) -> Iterator[RunningServer]:
+    """Run `inference ARGS --port P` in a subprocess until /health answers; stop it afterwards.
+
+    `threads` sets the server's OMP_NUM_THREADS (default: the caller's, else 2)."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": threads or os.environ.get("OMP_NUM_THREADS", "2")}
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tandem.inference.cli", *args, "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    server = RunningServer(f"http://127.0.0.1:{port}", process, log_path)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited with {process.returncode}:\n{server.log()[-3000:]}")
+            try:
+                if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the server did not answer /health within {timeout_s:g} s:\n{server.log()[-3000:]}"
+                )
+            time.sleep(0.2)
+        yield server
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=15)
