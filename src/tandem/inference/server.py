@@ -122,6 +122,21 @@ def model_vocab_size(name: str) -> int | None:
         return None
 
 
+async def wait_for_resume(resumed: asyncio.Event, counters: ServerCounters, timeout_s: float) -> None:
+    """Hold a generation request while the server is paused; 503 after `timeout_s`."""
+    if resumed.is_set():
+        return
+    counters.waiting_for_resume += 1
+    try:
+        await asyncio.wait_for(resumed.wait(), timeout_s)
+    except TimeoutError:
+        raise APIError(
+            503, f"the server is paused (weights are being updated) and did not resume within {timeout_s:g} s"
+        ) from None
+    finally:
+        counters.waiting_for_resume -= 1
+
+
 class Server:
     """State shared by the routes: the engine, the tokenizer, pause gate, counters."""
 
@@ -200,18 +215,7 @@ class Server:
     # --- pause gate -----------------------------------------------------------------------------
 
     async def wait_until_resumed(self) -> None:
-        if self.resumed.is_set():
-            return
-        self.counters.waiting_for_resume += 1
-        try:
-            await asyncio.wait_for(self.resumed.wait(), self.config.pause_timeout_s)
-        except TimeoutError:
-            raise APIError(
-                503,
-                f"the server is paused (weights are being updated) and did not resume within {self.config.pause_timeout_s:g} s",
-            ) from None
-        finally:
-            self.counters.waiting_for_resume -= 1
+        await wait_for_resume(self.resumed, self.counters, self.config.pause_timeout_s)
 
     # --- generation -------------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from tandem.inference.config import InferenceConfig
 from tandem.inference.errors import APIError, install_error_handlers
 from tandem.inference.metrics import ServerCounters, metric
 from tandem.inference.protocol import UpdateWeightsRequest
-from tandem.inference.server import GENERATION_PATHS, Gatekeeper, Server, SSEResponse
+from tandem.inference.server import GENERATION_PATHS, Gatekeeper, Server, SSEResponse, wait_for_resume
 
 log = logging.getLogger("tandem.inference.vllm")
 LOAD_METHOD = "tandem_load_weights"
@@ -112,19 +112,7 @@ class VLLMFront:
     # --- generation ----------------------------------------------------------------------------
 
     async def wait_until_resumed(self) -> None:
-        if self.resumed.is_set():
-            return
-        self.counters.waiting_for_resume += 1
-        try:
-            await asyncio.wait_for(self.resumed.wait(), self.config.pause_timeout_s)
-        except TimeoutError:
-            raise APIError(
-                503,
-                "the server is paused (weights are being updated) and did not resume within "
-                f"{self.config.pause_timeout_s:g} s",
-            ) from None
-        finally:
-            self.counters.waiting_for_resume -= 1
+        await wait_for_resume(self.resumed, self.counters, self.config.pause_timeout_s)
 
     def salted(self, body: bytes) -> tuple[bytes, bool]:
         """The request body with the weight version in its cache salt, and whether it streams.
