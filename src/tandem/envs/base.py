@@ -148,12 +148,22 @@ class Environment(ABC):
     """Tasks, a rollout procedure and reward functions. Subclasses declare their `Args`."""
 
     name: str = ""
+    tokenizer: Any = None
+    """The policy's tokenizer, once `setup` ran (multi-turn environments render turns with it)."""
+    seq_len: int | None = None
+    """The longest sample (prompt + all turns) the orchestrator accepts, once `setup` ran."""
 
     class Args(Section):
         """The environment's own settings (`[env.args]` in the orchestrator's config)."""
 
     def __init__(self, args: Section | None = None) -> None:
         self.args = args if args is not None else self.Args()
+
+    def setup(self, tokenizer: Any, seq_len: int) -> None:
+        """Called by the orchestrator once, before any rollout, with the policy's tokenizer and its
+        `seq_len`. Override to prepare more (call super)."""
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
 
     @property
     @abstractmethod

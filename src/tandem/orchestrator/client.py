@@ -91,6 +91,27 @@ def parse_choice(choice: Any) -> Generation:
     )
 
 
+def parse_completion_choice(choice: Any) -> Generation:
+    """A /v1/completions choice (text and `token_logprobs`) as a Generation."""
+    extra = choice.model_extra or {}
+    token_ids = extra.get("token_ids")
+    if token_ids is None:
+        raise RequestRejected("the server returned no 'token_ids' (it must support return_token_ids)")
+    logprobs = choice.logprobs.token_logprobs if choice.logprobs is not None else None
+    if logprobs is None or len(logprobs) != len(token_ids):
+        raise RequestRejected("the server's logprobs do not match its token_ids one to one")
+    versions = extra.get("weight_versions")
+    if versions is None:
+        versions = [extra["weight_version"]] if "weight_version" in extra else []
+    return Generation(
+        text=choice.text or "",
+        token_ids=list(token_ids),
+        logprobs=[float(lp) for lp in logprobs],
+        weight_versions=sorted(set(versions)),
+        finish_reason=choice.finish_reason or "stop",
+    )
+
+
 class InferenceClient:
     """One server: chat completions with token ids, plus the admin endpoints."""
 
@@ -171,6 +192,33 @@ class InferenceClient:
             raise RequestRejected(f"{self.base_url} returned no 'prompt_token_ids' (return_token_ids)")
         choices = sorted(response.choices, key=lambda c: c.index)
         return ChatResult(prompt_token_ids=list(prompt_ids), choices=[parse_choice(c) for c in choices])
+
+    async def complete(
+        self, prompt_ids: list[int], sampling: SamplingConfig, n: int = 1, **extra: Any
+    ) -> ChatResult:
+        """`n` completions of a prompt given as token ids (/v1/completions): how multi-turn
+        environments continue a conversation without re-rendering or re-tokenising it."""
+
+        async def call() -> Any:
+            return await self.openai.completions.create(
+                model=self.model,
+                prompt=prompt_ids,
+                n=n,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_tokens=sampling.max_tokens,
+                logprobs=0,
+                extra_body={"return_token_ids": True, **extra},
+            )
+
+        response = await self.with_retries("a completion", call)
+        choices = sorted(response.choices, key=lambda c: c.index)
+        echoed = (choices[0].model_extra or {}).get("prompt_token_ids") if choices else None
+        if echoed is not None and list(echoed) != list(prompt_ids):
+            raise RequestRejected(f"{self.base_url} echoed different prompt_token_ids than it was sent")
+        return ChatResult(
+            prompt_token_ids=list(prompt_ids), choices=[parse_completion_choice(c) for c in choices]
+        )
 
     async def update_weights(self, path: Path) -> int:
         """Have the server load a weights directory; returns the version it now serves."""

@@ -142,6 +142,7 @@ class Orchestrator:
             if start >= self.cfg.max_steps:
                 log.info("all %d steps are already written; nothing to do", self.cfg.max_steps)
                 return
+            self.env.setup(load_tokenizer(self.cfg.model.name), self.cfg.seq_len)
             check_prompt_lengths(self.env, self.cfg)
             served = await self.pool.connect()
             log.info(
