@@ -10,6 +10,7 @@ from tandem.envs.base import Environment
 
 BUILT_IN = {
     "reverse_text": "tandem.envs.reverse_text_env:ReverseTextEnv",
+    "math": "tandem.envs.math_env:MathEnv",
 }
 
 
