@@ -192,8 +192,8 @@ def test_bad_settings_fail_at_start_with_one_line(tmp_path: Path) -> None:
         build_config(OrchestratorConfig, overrides=[("batch_size", 10), ("group_size", 4)])
     with pytest.raises(ConfigError, match="'env.args.max_lenn': Extra inputs are not permitted"):
         load_environment("reverse_text", {"max_lenn": 3})
-    with pytest.raises(ConfigError, match="unknown environment 'wordle"):
-        load_environment("wordle")
+    with pytest.raises(ConfigError, match="unknown environment 'wordel"):
+        load_environment("wordel")
     model = build_tiny_model(
         out=tmp_path / "m", num_layers=1, hidden_size=32, head_dim=8, intermediate_size=64
     )

@@ -10,6 +10,8 @@ from tandem.envs.base import Environment
 
 BUILT_IN = {
     "reverse_text": "tandem.envs.reverse_text_env:ReverseTextEnv",
+    "wordle": "tandem.envs.wordle:WordleEnv",
+    "alphabet_sort": "tandem.envs.alphabet_sort:AlphabetSortEnv",
     "math": "tandem.envs.math_env:MathEnv",
 }
 
