@@ -48,7 +48,7 @@ from tandem.envs.base import Environment, Message, Trajectory, Turn, stitch
 from tandem.orchestrator.client import Generation, InferenceClient
 from tandem.orchestrator.config import SamplingConfig
 
-PLACEHOLDER = "TANDEMPLACEHOLDER7Q"
+PLACEHOLDER = "TandemPlaceholder7q"
 """Stands for the model's last answer when the chat template renders the glue around new messages."""
 
 
