@@ -124,7 +124,7 @@ def test_a_crashing_rollout_is_logged_with_its_task_and_the_step_goes_on(
 def test_samples_carry_advantages_versions_and_pack_into_rank_files(tmp_path: Path) -> None:
     cfg = config(tmp_path, num_ranks=2)
     batch = collect(ScriptedEnv(["varied"] * 3), cfg)
-    samples = batch.samples("scripted")
+    samples = batch.samples()
     assert len(samples) == 8
     for s in samples:
         assert s.prompt_ids == [1, 2, 3] and s.completion_mask == [True, True]

@@ -22,9 +22,20 @@ class EnvConfig(Section):
 
     name: str = Field(
         "reverse_text",
-        description="A registered name (see tandem.envs.registry) or an import path 'module:Class'.",
+        description="A registered name (see tandem.envs.registry), an import path 'module:Class', or "
+        "'verifiers:<env id>' for an environment written for verifiers.",
     )
     args: dict[str, Any] = Field({}, description="Keyword arguments of the environment (its Args section).")
+    weight: float = Field(
+        1.0,
+        gt=0,
+        description="With several [[envs]]: its share of each step's groups (weights are normalised).",
+    )
+    label: str | None = Field(
+        None,
+        description="Name in metrics and samples; default: the environment's own name "
+        "(needed when one environment is mixed in twice).",
+    )
 
 
 class AdvantageConfig(Section):
@@ -111,6 +122,16 @@ class OrchestratorConfig(Section):
         description="Base URLs of the inference servers (without /v1); groups go to the least loaded.",
     )
     env: EnvConfig = EnvConfig()
+    envs: list[EnvConfig] = Field(
+        [],
+        description="Several environments mixed by weight ([[envs]] tables); when given, replaces [env].",
+    )
+    rollout_timeout: float = Field(
+        900.0,
+        gt=0,
+        description="Seconds one group's rollouts may take; a group that takes longer fails (logged with "
+        "its task id) and is replaced.",
+    )
     advantage: AdvantageConfig = AdvantageConfig()
     eval: EvalConfig = EvalConfig()
     client: ClientConfig = ClientConfig()
@@ -139,7 +160,14 @@ class OrchestratorConfig(Section):
             raise PydanticCustomError(
                 "shape", "servers is empty: give at least one inference server base URL"
             )
+        if self.envs and self.env != EnvConfig():
+            raise PydanticCustomError("shape", "give either [env] or [[envs]], not both")
         return self
+
+    @property
+    def environments(self) -> list[EnvConfig]:
+        """The environments of the run: [[envs]] when given, else the single [env]."""
+        return list(self.envs) or [self.env]
 
     @property
     def groups_per_step(self) -> int:

@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from tandem.cli import UserError
 from tandem.envs.base import Environment, SingleTurnEnv
-from tandem.envs.registry import load_environment
+from tandem.envs.mixture import load_mixture
 from tandem.models.loading import load_tokenizer
 from tandem.monitor.metrics import MetricsWriter
 from tandem.monitor.progress import TrainingProgress
@@ -24,7 +24,7 @@ from tandem.orchestrator.client import ServerPool
 from tandem.orchestrator.config import OrchestratorConfig
 from tandem.orchestrator.evaluation import evaluate
 from tandem.orchestrator.rollouts import RolloutCollector, StepBatch
-from tandem.orchestrator.stats import mean, staleness_stats, trajectory_stats
+from tandem.orchestrator.stats import mean, per_env_stats, staleness_stats, trajectory_stats
 from tandem.orchestrator.weights import PolicySync
 from tandem.transport.rollouts import pack_samples, step_dir, write_step
 
@@ -81,8 +81,11 @@ def step_metrics(batch: StepBatch, waited: float, seconds: float) -> dict[str, f
     trajectories = batch.trajectories
     generated = sum(sum(t.completion_mask) for t in trajectories)
     advantages = [a for g in batch.groups for a in g.advantages]
+    failed = {f"env/{name}/groups_failed": float(count) for name, count in batch.failed_by_env.items()}
     return {
         **trajectory_stats(trajectories),
+        **per_env_stats(batch.by_env()),
+        **failed,
         **staleness_stats(trajectories, batch.step),
         "advantage_abs_mean": mean([abs(a) for a in advantages]),
         "groups_filtered": float(batch.filtered_groups),
@@ -128,11 +131,10 @@ class Launched:
 class Orchestrator:
     def __init__(self, cfg: OrchestratorConfig) -> None:
         self.cfg = cfg
-        self.env = load_environment(cfg.env.name, cfg.env.args)
-        self.env.name = self.env.name or cfg.env.name
+        self.members = load_mixture(cfg.environments)
         self.pool = ServerPool(cfg.servers, cfg.client)
         self.policy = PolicySync(cfg.run_dir, self.pool, cfg.weights)
-        self.collector = RolloutCollector(self.env, self.pool, cfg)
+        self.collector = RolloutCollector(self.members, self.pool, cfg)
         self.metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl", source="orchestrator")
 
     async def run(self) -> None:
@@ -142,8 +144,10 @@ class Orchestrator:
             if start >= self.cfg.max_steps:
                 log.info("all %d steps are already written; nothing to do", self.cfg.max_steps)
                 return
-            self.env.setup(load_tokenizer(self.cfg.model.name), self.cfg.seq_len)
-            check_prompt_lengths(self.env, self.cfg)
+            tokenizer = load_tokenizer(self.cfg.model.name)
+            for member in self.members:
+                member.env.setup(tokenizer, self.cfg.seq_len)
+                check_prompt_lengths(member.env, self.cfg)
             served = await self.pool.connect()
             log.info(
                 "%d server(s) serving %s: %s", len(self.cfg.servers), served, ", ".join(self.cfg.servers)
@@ -157,15 +161,18 @@ class Orchestrator:
             self.metrics.close()
 
     async def evaluate(self, step: int) -> None:
-        stats = await evaluate(self.env, self.pool, self.cfg)
+        stats = await evaluate(self.members, self.pool, self.cfg)
         stats["eval/policy_version"] = float(self.policy.version)
         self.metrics.log(step, **stats)
+        metrics = {k[9:]: v for k, v in stats.items() if k.startswith("eval/env/") and "/" not in k[9:]}
+        if len(self.members) > 1:
+            metrics |= {f"{m.name} reward": stats[f"eval/env/{m.name}/reward_mean"] for m in self.members}
         log.info(
             "eval at step %d (policy %d): reward %.4f%s",
             step,
             self.policy.version,
             stats["eval/reward_mean"],
-            "".join(f", {k[9:]} {v:.4f}" for k, v in stats.items() if k.startswith("eval/env/")),
+            "".join(f", {k} {v:.4f}" for k, v in metrics.items()),
         )
 
     async def final_eval(self) -> None:
@@ -220,7 +227,7 @@ class Orchestrator:
         if stale:
             log.warning("step %d: %d samples older than policy %d", step, len(stale), oldest_allowed)
         per_rank = pack_samples(
-            batch.samples(self.env.name),
+            batch.samples(),
             cfg.seq_len,
             cfg.num_ranks,
             cfg.micro_batch_tokens,

@@ -1,22 +1,28 @@
 """Collect one step's batch: groups of rollouts, scored, with group-relative advantages.
 
-A step needs `batch_size / group_size` groups. All of them are requested at once, each from the
-least-loaded server; a group whose rollout fails (the environment crashed, the server refused the
-request) is logged with its task id and replaced by the next task, and so is a zero-advantage
-group when filtering is on. The tasks of step N come from `step_task_order(seed, N)`.
+A step needs `batch_size / group_size` groups, split between the run's environments by weight
+(`mixture.allocate`). All of them are requested at once, each from the least-loaded server. A
+group fails when its environment raises, takes longer than `rollout_timeout`, or returns a
+malformed trajectory (`check_trajectory`); it is logged with its environment, task id and reason
+and replaced by the next task of the same environment, and so is a zero-advantage group when
+filtering is on. The tasks of step N come from `step_task_order(seed, N)`, one stream per
+environment.
 """
 
 import asyncio
 import logging
+import math
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.cli import UserError
 from tandem.envs.base import Environment, Trajectory
+from tandem.envs.mixture import Member, allocate
 from tandem.orchestrator.advantages import group_advantages, is_zero_advantage
-from tandem.orchestrator.client import ServerPool, ServerUnavailable
-from tandem.orchestrator.config import OrchestratorConfig
+from tandem.orchestrator.client import InferenceClient, ServerPool, ServerUnavailable
+from tandem.orchestrator.config import OrchestratorConfig, SamplingConfig
 from tandem.orchestrator.tasks import step_task_order
 from tandem.transport.rollouts import Sample
 
@@ -27,10 +33,68 @@ class RolloutsFailing(UserError):
     """Too many rollouts of one step failed (an environment bug, or requests the server refuses)."""
 
 
+class MalformedTrajectory(ValueError):
+    """An environment returned a trajectory the trainer cannot use."""
+
+
+class RolloutTimeout(TimeoutError):
+    """A group's rollouts did not finish within `rollout_timeout`."""
+
+
+def check_trajectory(t: Trajectory, task_id: str, seq_len: int) -> None:
+    """Raise MalformedTrajectory naming the first problem of `t`."""
+    n = len(t.completion_ids)
+    if t.task_id != task_id:
+        raise MalformedTrajectory(f"trajectory of task {t.task_id!r} returned for task {task_id!r}")
+    if not t.prompt_ids:
+        raise MalformedTrajectory("empty prompt_ids")
+    if len(t.completion_mask) != n or len(t.completion_logprobs) != n:
+        raise MalformedTrajectory(
+            f"{n} completion_ids but {len(t.completion_mask)} mask values and "
+            f"{len(t.completion_logprobs)} logprobs"
+        )
+    ids = [*t.prompt_ids, *t.completion_ids]
+    if not all(isinstance(i, int) and i >= 0 for i in ids):
+        raise MalformedTrajectory("token ids must be non-negative integers")
+    if any(m not in (0, 1) for m in t.completion_mask) or sum(t.completion_mask) < 1:
+        raise MalformedTrajectory("completion_mask must be 0/1 with at least one sampled token")
+    if not all(isinstance(x, int | float) and math.isfinite(x) for x in t.completion_logprobs):
+        raise MalformedTrajectory("completion_logprobs must be finite numbers")
+    if not isinstance(t.reward, int | float) or not math.isfinite(t.reward):
+        raise MalformedTrajectory(f"reward {t.reward!r} is not a finite number")
+    bad = [k for k, v in t.metrics.items() if not isinstance(v, int | float) or not math.isfinite(v)]
+    if bad:
+        raise MalformedTrajectory(f"metric {bad[0]!r} = {t.metrics[bad[0]]!r} is not a finite number")
+    if t.num_tokens > seq_len:
+        raise MalformedTrajectory(f"{t.num_tokens} tokens, more than seq_len {seq_len}")
+
+
+async def play_group(
+    env: Environment,
+    task: Any,
+    client: InferenceClient,
+    sampling: SamplingConfig,
+    n: int,
+    timeout: float,
+    seq_len: int,
+) -> list[Trajectory]:
+    """`n` checked trajectories of one task; raises RolloutTimeout or MalformedTrajectory."""
+    try:
+        trajectories = await asyncio.wait_for(env.rollout_group(task, client, sampling, n), timeout)
+    except TimeoutError:
+        raise RolloutTimeout(f"no result within rollout_timeout ({timeout:g}s)") from None
+    if len(trajectories) != n:
+        raise MalformedTrajectory(f"returned {len(trajectories)} trajectories, expected {n}")
+    for t in trajectories:
+        check_trajectory(t, task.task_id, seq_len)
+    return trajectories
+
+
 @dataclass
 class Group:
-    order: int
-    """Position in the step's task stream (keeps the batch layout independent of timing)."""
+    env: str
+    order: tuple[int, int]
+    """(environment index, position in its task stream): keeps the batch layout independent of timing."""
     task_id: str
     trajectories: list[Trajectory]
     advantages: list[float]
@@ -45,13 +109,21 @@ class StepBatch:
     zero_advantage_kept: int = 0
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
+    failed_by_env: dict[str, int] = field(default_factory=dict)
 
     @property
     def trajectories(self) -> list[Trajectory]:
         return [t for g in self.groups for t in g.trajectories]
 
-    def samples(self, env_name: str) -> list[Sample]:
-        """The transport's samples, with advantages and policy versions."""
+    def by_env(self) -> dict[str, list[Trajectory]]:
+        """Trajectories per environment name, in batch order."""
+        out: dict[str, list[Trajectory]] = {}
+        for g in self.groups:
+            out.setdefault(g.env, []).extend(g.trajectories)
+        return out
+
+    def samples(self) -> list[Sample]:
+        """The transport's samples, with advantages, policy versions and environment names."""
         return [
             Sample(
                 prompt_ids=t.prompt_ids,
@@ -62,7 +134,7 @@ class StepBatch:
                 advantage=a,
                 policy_version=t.policy_version,
                 task_id=t.task_id,
-                env=env_name,
+                env=g.env,
                 metrics=t.metrics,
                 policy_versions=t.weight_versions,
             )
@@ -71,64 +143,71 @@ class StepBatch:
         ]
 
 
+def as_members(envs: Environment | Sequence[Member]) -> list[Member]:
+    if isinstance(envs, Environment):
+        return [Member(envs.name or "env", envs)]
+    return list(envs)
+
+
 class RolloutCollector:
-    def __init__(self, env: Environment, pool: ServerPool, cfg: OrchestratorConfig) -> None:
-        self.env = env
+    def __init__(
+        self, envs: Environment | Sequence[Member], pool: ServerPool, cfg: OrchestratorConfig
+    ) -> None:
+        self.members = as_members(envs)
         self.pool = pool
         self.cfg = cfg
-        self.tasks = env.dataset("train")
+        self.tasks = [m.env.dataset("train") for m in self.members]
 
-    async def run_group(self, order: int, task: Any) -> Group:
+    async def run_group(self, order: tuple[int, int], member: Member, task: Any) -> Group:
+        cfg = self.cfg
         async with self.pool.lease() as client:
-            trajectories = await self.env.rollout_group(task, client, self.cfg.sampling, self.cfg.group_size)
-        if len(trajectories) != self.cfg.group_size:
-            raise ValueError(f"returned {len(trajectories)} trajectories, expected {self.cfg.group_size}")
-        for t in trajectories:
-            if t.num_tokens > self.cfg.seq_len:
-                raise ValueError(
-                    f"a trajectory has {t.num_tokens} tokens, more than seq_len {self.cfg.seq_len}"
-                )
-        advantages = group_advantages([t.reward for t in trajectories], self.cfg.advantage.std_normalize)
-        return Group(order, task.task_id, trajectories, advantages)
+            trajectories = await play_group(
+                member.env, task, client, cfg.sampling, cfg.group_size, cfg.rollout_timeout, cfg.seq_len
+            )
+        advantages = group_advantages([t.reward for t in trajectories], cfg.advantage.std_normalize)
+        return Group(member.name, order, task.task_id, trajectories, advantages)
+
+    def streams(self, step: int) -> list[Iterator[tuple[int, int]]]:
+        """Per environment, (position, dataset index) of its tasks for `step`. A single environment
+        keeps the unsalted order, so its runs draw the same tasks as before mixing existed."""
+        salt = len(self.members) > 1
+        return [
+            enumerate(step_task_order(len(tasks), self.cfg.seed, step, m.name if salt else ""))
+            for m, tasks in zip(self.members, self.tasks, strict=True)
+        ]
 
     async def collect(self, step: int) -> StepBatch:
-        """Rollouts for `step` until `groups_per_step` groups are kept."""
+        """Rollouts for `step` until every environment has its share of `groups_per_step` groups."""
         cfg = self.cfg
-        need = cfg.groups_per_step
         batch = StepBatch(step=step, groups=[])
-        order = enumerate(step_task_order(len(self.tasks), cfg.seed, step))
-        pending: dict[asyncio.Task, str] = {}
-        max_failures = 2 * need + 8
+        counts = allocate([m.weight for m in self.members], cfg.groups_per_step, cfg.seed, step)
+        streams = self.streams(step)
+        pending: dict[asyncio.Task, tuple[int, str]] = {}
+        max_failures = 2 * cfg.groups_per_step + 8
 
-        def launch() -> None:
-            position, index = next(order)
-            task = self.tasks[index]
-            pending[asyncio.ensure_future(self.run_group(position, task))] = task.task_id
+        def launch(e: int) -> None:
+            position, index = next(streams[e])
+            task = self.tasks[e][index]
+            future = asyncio.ensure_future(self.run_group((e, position), self.members[e], task))
+            pending[future] = (e, task.task_id)
 
         start = time.perf_counter()
-        for _ in range(need):
-            launch()
+        for e, count in enumerate(counts):
+            for _ in range(count):
+                launch(e)
         try:
-            while len(batch.groups) < need:
+            while pending:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for future in done:
-                    task_id = pending.pop(future)
+                    e, task_id = pending.pop(future)
+                    name = self.members[e].name
                     try:
                         group = future.result()
                     except ServerUnavailable:
                         raise
-                    except Exception as e:
-                        batch.failed_groups += 1
-                        batch.errors.append(f"task {task_id}: {type(e).__name__}: {e}")
-                        log.error(
-                            "step %d: rollout of task %s failed: %s: %s", step, task_id, type(e).__name__, e
-                        )
-                        log.debug("traceback of task %s", task_id, exc_info=e)
-                        if batch.failed_groups > max_failures:
-                            raise RolloutsFailing(
-                                f"step {step}: {batch.failed_groups} rollout groups failed; last: {batch.errors[-1]}"
-                            ) from None
-                        launch()
+                    except Exception as error:
+                        self.record_failure(batch, name, task_id, error, max_failures)
+                        launch(e)
                         continue
                     if is_zero_advantage(group.advantages):
                         if (
@@ -136,7 +215,7 @@ class RolloutCollector:
                             and batch.filtered_groups < cfg.max_filtered_groups
                         ):
                             batch.filtered_groups += 1
-                            launch()
+                            launch(e)
                             continue
                         batch.zero_advantage_kept += 1
                     batch.groups.append(group)
@@ -146,3 +225,19 @@ class RolloutCollector:
         batch.groups.sort(key=lambda g: g.order)
         batch.seconds = time.perf_counter() - start
         return batch
+
+    def record_failure(
+        self, batch: StepBatch, env: str, task_id: str, error: Exception, max_failures: int
+    ) -> None:
+        """Log a failed group with its environment, task and reason; give up after too many."""
+        batch.failed_groups += 1
+        batch.failed_by_env[env] = batch.failed_by_env.get(env, 0) + 1
+        reason = f"{type(error).__name__}: {error}"
+        where = f"task {task_id}" if len(self.members) == 1 else f"env {env} task {task_id}"
+        batch.errors.append(f"{where}: {reason}")
+        log.error("step %d: rollout of %s failed: %s", batch.step, where, reason)
+        log.debug("traceback of %s", where, exc_info=error)
+        if batch.failed_groups > max_failures:
+            raise RolloutsFailing(
+                f"step {batch.step}: {batch.failed_groups} rollout groups failed; last: {batch.errors[-1]}"
+            )

@@ -15,8 +15,11 @@ def std(values: Sequence[float]) -> float:
     return math.sqrt(mean([(v - m) ** 2 for v in values]))
 
 
-def trajectory_stats(trajectories: Sequence[Trajectory], prefix: str = "") -> dict[str, float]:
-    """Reward, lengths, truncation and every environment metric's mean."""
+def trajectory_stats(
+    trajectories: Sequence[Trajectory], prefix: str = "", metric_prefix: str = "env/"
+) -> dict[str, float]:
+    """Reward, lengths, truncation and the mean of every environment metric (over the
+    trajectories that report it), as `{prefix}{metric_prefix}<metric>`."""
     rewards = [t.reward for t in trajectories]
     completion = [sum(t.completion_mask) for t in trajectories]
     stats = {
@@ -29,7 +32,19 @@ def trajectory_stats(trajectories: Sequence[Trajectory], prefix: str = "") -> di
     }
     names = sorted({k for t in trajectories for k in t.metrics})
     for name in names:
-        stats[f"{prefix}env/{name}"] = mean([t.metrics.get(name, 0.0) for t in trajectories])
+        stats[f"{prefix}{metric_prefix}{name}"] = mean(
+            [t.metrics[name] for t in trajectories if name in t.metrics]
+        )
+    return stats
+
+
+def per_env_stats(by_env: dict[str, Sequence[Trajectory]], prefix: str = "") -> dict[str, float]:
+    """`trajectory_stats` of each environment as `{prefix}env/<name>/<stat or metric>`, plus its
+    sample count."""
+    stats: dict[str, float] = {}
+    for name, trajectories in by_env.items():
+        stats.update(trajectory_stats(trajectories, prefix=f"{prefix}env/{name}/", metric_prefix=""))
+        stats[f"{prefix}env/{name}/num_samples"] = float(len(trajectories))
     return stats
 
 

@@ -1,0 +1,65 @@
+"""Several environments in one run, each step's groups split between them by weight.
+
+The split of step N depends on (seed, N) only, so a resumed run draws the same mix as an
+uninterrupted one. Every environment gets the whole part of its share; the groups left over go
+to environments drawn with probability equal to the fractional part of their share (systematic
+sampling). Over many steps each environment's share of groups therefore matches its weight in
+expectation, and rounding never favours one environment.
+"""
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tandem.config.loader import ConfigError
+from tandem.envs.base import Environment
+from tandem.envs.registry import load_environment
+from tandem.orchestrator.config import EnvConfig
+
+
+@dataclass
+class Member:
+    """One environment of the mixture, under the name its samples and metrics carry."""
+
+    name: str
+    env: Environment
+    weight: float = 1.0
+
+
+def load_mixture(configs: Sequence[EnvConfig]) -> list[Member]:
+    """Build every environment; names (label, else the environment's own name) must be distinct."""
+    members: list[Member] = []
+    for config in configs:
+        env = load_environment(config.name, config.args)
+        name = config.label or env.name or config.name
+        if any(m.name == name for m in members):
+            raise ConfigError(f"envs: two environments are named '{name}'; give one a `label`")
+        env.name = name
+        members.append(Member(name, env, config.weight))
+    if not members:
+        raise ConfigError("envs: no environment given")
+    return members
+
+
+def allocate(weights: Sequence[float], total: int, seed: int, step: int) -> list[int]:
+    """How many of `total` groups each environment gets at `step` (sums to `total`)."""
+    if not weights or min(weights) <= 0:
+        raise ValueError(f"weights must be positive, got {list(weights)}")
+    shares = [total * w / sum(weights) for w in weights]
+    counts = [math.floor(s) for s in shares]
+    fractions = [s - c for s, c in zip(shares, counts, strict=True)]
+    left = total - sum(counts)
+    point = random.Random(f"tandem/env-mix/{seed}/{step}").random()
+    cumulative = 0.0
+    for i, fraction in enumerate(fractions):
+        cumulative += fraction
+        if left and point < cumulative:
+            counts[i] += 1
+            fractions[i] = 0.0
+            point += 1.0
+            left -= 1
+    # floating-point rounding can leave the last point just past the cumulative sum
+    for i in sorted(range(len(fractions)), key=lambda i: -fractions[i])[:left]:
+        counts[i] += 1
+    return counts
