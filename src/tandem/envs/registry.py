@@ -13,6 +13,7 @@ BUILT_IN = {
     "wordle": "tandem.envs.wordle:WordleEnv",
     "alphabet_sort": "tandem.envs.alphabet_sort:AlphabetSortEnv",
     "math": "tandem.envs.math_env:MathEnv",
+    "code": "tandem.envs.code_env:CodeEnv",
 }
 
 

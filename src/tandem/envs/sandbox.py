@@ -110,7 +110,8 @@ class Sandbox:
         """`audit_hook=False` leaves only the kernel layers (tests use it to check them alone)."""
         self.limits = limits
         self.audit_hook = audit_hook
-        self.slots = asyncio.Semaphore(max_concurrent)
+        self.max_concurrent = max_concurrent
+        self._slots: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
         self.isolate = False
         if isolation != "off":
             available, reason = isolation_status()
@@ -118,9 +119,16 @@ class Sandbox:
                 raise SandboxError(f"sandbox isolation is required but unavailable: {reason}")
             self.isolate = available
 
+    def slots(self) -> asyncio.Semaphore:
+        """The concurrency limit of the running event loop (a semaphore belongs to one loop)."""
+        loop = asyncio.get_running_loop()
+        if self._slots is None or self._slots[0] is not loop:
+            self._slots = (loop, asyncio.Semaphore(self.max_concurrent))
+        return self._slots[1]
+
     async def run(self, source: str, files: Mapping[str, str] | None = None) -> SandboxResult:
         """Run `source` as main.py in a fresh directory holding `files` (name → text)."""
-        async with self.slots:
+        async with self.slots():
             workdir = tempfile.mkdtemp(prefix="tandem-sandbox-")
             try:
                 for name, text in {**(files or {}), "main.py": source}.items():

@@ -1,0 +1,179 @@
+"""The code environment: problems are sound, answers are extracted and scored in the real sandbox,
+reward hacks and hostile programs score 0, and rollouts against a real server carry the metrics."""
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from server_process import start_server
+
+from tandem.config.loader import ConfigError
+from tandem.envs.code_env import CodeEnv, CodeTask, extract_code, run_tests, same
+from tandem.envs.registry import load_environment
+from tandem.models.loading import load_tokenizer
+from tandem.models.tiny import build_tiny_model
+from tandem.orchestrator.client import InferenceClient
+from tandem.orchestrator.config import ClientConfig, SamplingConfig
+
+
+@pytest.fixture(scope="module")
+def env() -> CodeEnv:
+    return CodeEnv(CodeEnv.Args(timeout_s=3.0))
+
+
+def answer(code: str) -> list[dict[str, str]]:
+    return [{"role": "assistant", "content": f"Here it is:\n```python\n{code}\n```\nDone."}]
+
+
+def score(env: CodeEnv, task: CodeTask, code: str | None, text: str | None = None):
+    messages = [{"role": "assistant", "content": text}] if text is not None else answer(code or "")
+    return asyncio.run(env.score_code(task, messages))
+
+
+def task_named(env: CodeEnv, name: str) -> CodeTask:
+    return next(t for split in ("train", "eval") for t in env.dataset(split) if t.task_id == name)
+
+
+def test_every_reference_solution_passes_all_its_tests(env: CodeEnv) -> None:
+    tasks = [*env.dataset("train"), *env.dataset("eval")]
+    assert len(tasks) == 40 and len(env.dataset("eval")) == 8
+    assert len({t.task_id for t in tasks}) == 40
+
+    async def run_all():
+        return await asyncio.gather(*(run_tests(env.sandbox, t, t.solution) for t in tasks))
+
+    reports = asyncio.run(run_all())
+    failing = [
+        (t.task_id, r.passed, r.total, r.stderr[-300:])
+        for t, r in zip(tasks, reports, strict=True)
+        if r.passed != r.total
+    ]
+    assert failing == []
+    assert all(r.total >= 4 for r in reports)
+
+
+def test_prompt_shows_signature_and_first_example(env: CodeEnv) -> None:
+    task = task_named(env, "add_digits")
+    [message] = env.prompt(task)
+    assert "`add_digits(n: int) -> int`" in message["content"]
+    assert "`add_digits(123)` returns `6`" in message["content"] and "```python" in message["content"]
+
+
+def test_partial_credit_is_the_fraction_of_tests_passed(env: CodeEnv) -> None:
+    task = task_named(env, "add_digits")  # tests: 123, 0, 9, 99999, 1000001, 4567
+    assert score(env, task, "def add_digits(n):\n    return sum(map(int, str(n)))") == (
+        1.0,
+        {"has_code": 1.0, "passed_all": 1.0, "timeout": 0.0},
+    )
+    reward, metrics = score(env, task, "def add_digits(n):\n    return n % 10")  # right for 0 and 9
+    assert reward == pytest.approx(2 / 6) and metrics["passed_all"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("code", "why"),
+    [
+        ("def add_digits(n):\n    return 'six'", "wrong type"),
+        ("def add_digits(n)\n    return 6", "syntax error"),
+        ("def other(n):\n    return 6", "wrong name"),
+        ("raise SystemExit(0)", "exits before the tests"),
+        (
+            "class Any:\n    def __eq__(self, other):\n        return True\n"
+            "def add_digits(n):\n    return Any()",
+            "an object equal to everything cannot leave the sandbox",
+        ),
+        ("def add_digits(n):\n    return n > 0", "True is not 1"),
+        ("import os\nos.system('rm -rf /')\ndef add_digits(n):\n    return 6", "hostile"),
+        ("import socket\nsocket.create_connection(('127.0.0.1', 80))", "network"),
+        ("x = bytearray(10 * 1024**3)", "memory"),
+    ],
+)
+def test_broken_and_hostile_answers_score_zero(env: CodeEnv, code: str, why: str) -> None:
+    task = task_named(env, "add_digits")
+    reward, metrics = score(env, task, code)
+    assert reward == 0.0, why
+    assert metrics["has_code"] == 1.0 and metrics["passed_all"] == 0.0
+
+
+def test_a_timeout_keeps_the_tests_passed_before_it(env: CodeEnv) -> None:
+    task = task_named(env, "add_digits")
+    code = "def add_digits(n):\n    while n == 99999:\n        pass\n    return sum(map(int, str(n)))"
+    reward, metrics = score(env, task, code)
+    assert reward == pytest.approx(3 / 6)  # 123, 0, 9 before the loop
+    assert metrics["timeout"] == 1.0 and metrics["passed_all"] == 0.0
+
+
+def test_answers_without_a_code_block_score_zero_without_running(env: CodeEnv) -> None:
+    task = task_named(env, "add_digits")
+    no_block = "def add_digits(n):\n    return sum(map(int, str(n)))"
+    assert score(env, task, None, text=no_block) == (
+        0.0,
+        {"has_code": 0.0, "passed_all": 0.0, "timeout": 0.0},
+    )
+    assert env.score(task, [{"role": "assistant", "content": no_block}]) == (0.0, {"has_code": 0.0})
+
+
+def test_extract_code_takes_the_last_block() -> None:
+    assert extract_code("```python\nA\n```\ntext\n```\nB\n```") == "B\n"
+    assert extract_code("```py\nx = 1\n```") == "x = 1\n"
+    assert extract_code("```python\nunterminated") is None
+    assert extract_code("no code") is None
+
+
+def test_same_is_strict_about_types() -> None:
+    assert same([1, [2.0000001, "a"]], [1, [2.0, "a"]])
+    assert same({"a": 1}, {"a": 1}) and not same({"a": 1}, {"a": 1, "b": 2})
+    assert not same(True, 1) and not same(1, True) and not same(0, None) and not same("1", 1)
+    assert same(3, 3.0) and not same([1, 2], [1, 2, 3])
+
+
+def test_problem_files_and_args_are_checked(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "x"}) + "\n")
+    with pytest.raises(ConfigError, match="bad.jsonl:1: not a code problem"):
+        load_environment("code", {"problems_file": str(bad)})
+    with pytest.raises(ConfigError, match="env.args.timeout_s"):
+        load_environment("code", {"timeout_s": 0})
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    model = build_tiny_model(
+        out=tmp_path_factory.mktemp("model") / "tiny",
+        num_layers=2,
+        hidden_size=64,
+        head_dim=16,
+        intermediate_size=128,
+    )
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with start_server(
+        ["--model.name", str(model), "--engine.max-model-len", "512"], log, 180.0, threads="1"
+    ) as s:
+        yield s.url, model
+
+
+def test_rollouts_against_a_real_server(env: CodeEnv, server: tuple[str, Path]) -> None:
+    """A random tiny model writes no code block: reward 0 with every metric present, tokens intact."""
+    url, model = server
+    task = env.dataset("eval")[0]
+
+    async def play():
+        client = InferenceClient(url, ClientConfig(request_timeout=60))
+        await client.connect()
+        try:
+            return await env.rollout_group(task, client, SamplingConfig(max_tokens=24), 3)
+        finally:
+            await client.close()
+
+    trajectories = asyncio.run(play())
+    tokenizer = load_tokenizer(str(model))
+    expected_prompt = tokenizer.apply_chat_template(
+        env.prompt(task), add_generation_prompt=True, tokenize=False
+    )
+    for t in trajectories:
+        assert t.prompt_ids == tokenizer.encode(expected_prompt, add_special_tokens=False)
+        assert 0 < len(t.completion_ids) <= 24 and t.completion_mask == [1] * len(t.completion_ids)
+        assert set(t.metrics) == {"has_code", "passed_all", "timeout"}
+        has_code = extract_code(t.messages[-1]["content"]) is not None
+        assert t.metrics["has_code"] == float(has_code) and (has_code or t.reward == 0.0)
