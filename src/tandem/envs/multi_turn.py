@@ -111,6 +111,11 @@ class MultiTurnEnv(Environment):
         """Tool schemas the chat template renders into the prompt (None: no tools)."""
         return None
 
+    def request_extra(self, task: Any) -> dict[str, Any]:
+        """Extra fields of every generation request of an episode (e.g. tool environments ask for
+        `skip_special_tokens: False` so tool-call tags survive in the text); default none."""
+        return {}
+
     def turn_info(self, task: Any, messages: list[Message]) -> dict[str, Any]:
         """Extra metadata of the model turn that `messages` ends with (stored in Trajectory.turns)."""
         return {}
@@ -142,7 +147,7 @@ class MultiTurnEnv(Environment):
         first_limit = min(sampling.max_tokens, self.token_budget - prompt_len)
         if first_limit < 1:
             raise ValueError(f"task {task.task_id}: the prompt ({prompt_len} tokens) leaves no token budget")
-        extra = {"tools": tools} if tools else {}
+        extra = {**self.request_extra(task), **({"tools": tools} if tools else {})}
         first = await client.chat(
             prompt, sampling.model_copy(update={"max_tokens": first_limit}), n=n, **extra
         )
@@ -195,7 +200,9 @@ class MultiTurnEnv(Environment):
             if max_tokens < 1:
                 out_of_budget = True
                 break
-            result = await client.complete(prompt_ids, sampling.model_copy(update={"max_tokens": max_tokens}))
+            result = await client.complete(
+                prompt_ids, sampling.model_copy(update={"max_tokens": max_tokens}), **self.request_extra(task)
+            )
             generation = result.choices[0]
         reward, metrics = self.score(task, messages)
         metrics["turns"] = float(len(turns))
