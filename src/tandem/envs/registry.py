@@ -33,7 +33,14 @@ def resolve(name: str) -> type[Environment]:
 
 
 def load_environment(name: str, args: dict[str, Any] | None = None) -> Environment:
-    """Build the environment with validated args; mistakes raise ConfigError naming `env.args.KEY`."""
+    """Build the environment with validated args; mistakes raise ConfigError naming `env.args.KEY`.
+
+    `verifiers:<env id>` loads an environment written for verifiers (its args go to the
+    environment's own load_environment) through tandem.envs.verifiers_adapter."""
+    if name.startswith("verifiers:"):
+        from tandem.envs.verifiers_adapter import VerifiersEnv
+
+        return VerifiersEnv.load(name.removeprefix("verifiers:"), args)
     cls = resolve(name)
     try:
         parsed = cls.Args.model_validate(args or {})
