@@ -14,6 +14,7 @@ BUILT_IN = {
     "alphabet_sort": "tandem.envs.alphabet_sort:AlphabetSortEnv",
     "math": "tandem.envs.math_env:MathEnv",
     "code": "tandem.envs.code_env:CodeEnv",
+    "calculator": "tandem.envs.calculator_env:CalculatorEnv",
 }
 
 
