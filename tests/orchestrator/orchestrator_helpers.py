@@ -1,4 +1,4 @@
-"""Helpers shared by the orchestrator tests: the stand-in trainer's weight publishing and polling."""
+"""Helpers shared by the orchestrator tests: the stand-in trainer (weight publishing, a whole run) and polling."""
 
 import asyncio
 import shutil
@@ -6,6 +6,10 @@ import time
 from pathlib import Path
 
 import httpx
+
+from tandem.orchestrator.config import OrchestratorConfig
+from tandem.orchestrator.loop import Orchestrator
+from tandem.transport.rollouts import step_dir
 
 
 def served_version(url: str) -> int:
@@ -39,3 +43,25 @@ def serve_base_model(url: str, model: Path, scratch: Path) -> None:
     path = publish_weights(model, scratch, 0)
     response = httpx.post(url + "/update_weights", json={"path": str(path)}, timeout=60)
     assert response.json()["weight_version"] == 0, response.text
+
+
+def run_with_trainer(cfg: OrchestratorConfig, model: Path, first: int) -> list[str]:
+    """Run the orchestrator; after rollouts/step_N appears the stand-in trainer checks that step N+1
+    has not been started early, then publishes weights/step_N+1 (STABLE last)."""
+    problems: list[str] = []
+
+    async def trainer() -> None:
+        for step in range(first, cfg.max_steps):
+            await wait_for_file(step_dir(cfg.run_dir, step) / "READY")
+            await asyncio.sleep(0.3)  # training: the orchestrator must be waiting now
+            if step_dir(cfg.run_dir, step + 1).exists():
+                problems.append(f"step {step + 1} was started before weights/step_{step + 1} existed")
+            publish_weights(model, cfg.run_dir, step + 1)
+
+    async def scenario() -> None:
+        stand_in = asyncio.ensure_future(trainer())
+        await Orchestrator(cfg).run()
+        await stand_in
+
+    asyncio.run(scenario())
+    return problems

@@ -2,18 +2,16 @@
 playing the trainer: rollouts/step_0..2 on disk, every sample from the current policy, metrics and
 evaluations logged; then `--resume` continues with step 3 and the same task order."""
 
-import asyncio
 import itertools
 import json
 import time
 from pathlib import Path
 
-from orchestrator_helpers import publish_weights, serve_base_model, served_version, wait_for_file
+from orchestrator_helpers import run_with_trainer, serve_base_model, served_version
 
 from tandem.envs.registry import load_environment
 from tandem.monitor.metrics import read_metrics
 from tandem.orchestrator.config import OrchestratorConfig
-from tandem.orchestrator.loop import Orchestrator
 from tandem.orchestrator.tasks import step_task_order
 from tandem.transport.rollouts import read_rank, step_dir
 
@@ -40,28 +38,6 @@ def config(model: Path, run_dir: Path, server: str, **overrides: object) -> Orch
             **overrides,
         }
     )
-
-
-def run_with_trainer(cfg: OrchestratorConfig, model: Path, first: int) -> list[str]:
-    """Run the orchestrator; after rollouts/step_N appears the stand-in trainer checks that step N+1
-    has not been started early, then publishes weights/step_N+1 (STABLE last)."""
-    problems: list[str] = []
-
-    async def trainer() -> None:
-        for step in range(first, cfg.max_steps):
-            await wait_for_file(step_dir(cfg.run_dir, step) / "READY")
-            await asyncio.sleep(0.3)  # training: the orchestrator must be waiting now
-            if step_dir(cfg.run_dir, step + 1).exists():
-                problems.append(f"step {step + 1} was started before weights/step_{step + 1} existed")
-            publish_weights(model, cfg.run_dir, step + 1)
-
-    async def scenario() -> None:
-        stand_in = asyncio.ensure_future(trainer())
-        await Orchestrator(cfg).run()
-        await stand_in
-
-    asyncio.run(scenario())
-    return problems
 
 
 def expected_task_ids(cfg: OrchestratorConfig, step: int) -> list[str]:

@@ -38,6 +38,13 @@ class EnvConfig(Section):
     )
 
 
+def chosen_environments(env: EnvConfig, envs: list[EnvConfig]) -> list[EnvConfig]:
+    """[[envs]] when given, else the single [env]; both given is an error (raised in validators)."""
+    if envs and env != EnvConfig():
+        raise PydanticCustomError("shape", "give either [env] or [[envs]], not both")
+    return list(envs) or [env]
+
+
 class AdvantageConfig(Section):
     """Group-relative advantages: reward minus the mean reward of the prompt's group."""
 
@@ -45,7 +52,7 @@ class AdvantageConfig(Section):
 
 
 class EvalConfig(Section):
-    """Periodic greedy evaluation on the environment's held-out split."""
+    """Periodic greedy evaluation on each environment's held-out split."""
 
     interval: int = Field(
         0, ge=0, description="Evaluate before every `interval`-th step and after the last; 0 = never."
@@ -160,14 +167,13 @@ class OrchestratorConfig(Section):
             raise PydanticCustomError(
                 "shape", "servers is empty: give at least one inference server base URL"
             )
-        if self.envs and self.env != EnvConfig():
-            raise PydanticCustomError("shape", "give either [env] or [[envs]], not both")
+        chosen_environments(self.env, self.envs)
         return self
 
     @property
     def environments(self) -> list[EnvConfig]:
         """The environments of the run: [[envs]] when given, else the single [env]."""
-        return list(self.envs) or [self.env]
+        return chosen_environments(self.env, self.envs)
 
     @property
     def groups_per_step(self) -> int:

@@ -1,0 +1,137 @@
+"""Bad input from environments, against a real inference server: a rollout that raises, hangs past
+`rollout_timeout`, or returns a malformed trajectory fails its group with a logged reason and task
+id; the step (and an evaluation) goes on with other tasks."""
+
+import asyncio
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from orchestrator_helpers import serve_base_model
+
+from tandem.envs.mixture import Member
+from tandem.envs.reverse_text_env import ReverseTextEnv
+from tandem.orchestrator.client import InferenceClient, ServerPool
+from tandem.orchestrator.config import OrchestratorConfig, SamplingConfig
+from tandem.orchestrator.evaluation import eval_stats, run_eval
+from tandem.orchestrator.rollouts import RolloutCollector
+from tandem.orchestrator.tasks import step_task_order
+
+FAULTS = {
+    "raise": "RuntimeError: broken environment",
+    "hang": "RolloutTimeout: no result within rollout_timeout (8s)",
+    "mask": "MalformedTrajectory: 3 completion_ids but 2 mask values and 3 logprobs",
+    "nan": "MalformedTrajectory: reward nan is not a finite number",
+    "no_sampled": "MalformedTrajectory: completion_mask must be 0/1 with at least one sampled token",
+    "too_long": "MalformedTrajectory: 400 tokens, more than seq_len 96",
+    "wrong_task": "MalformedTrajectory: trajectory of task 'someone-else' returned for task",
+    "bad_metric": "MalformedTrajectory: metric 'similarity' = inf is not a finite number",
+    "count": "MalformedTrajectory: returned 1 trajectories, expected 2",
+}
+
+
+class FaultyEnv(ReverseTextEnv):
+    """Real reverse-text rollouts, broken on purpose for the tasks listed in `faults`."""
+
+    name = "faulty"
+
+    def __init__(self, faults: dict[str, str]) -> None:
+        super().__init__(self.Args(num_train_tasks=40, num_eval_tasks=6, max_len=6))
+        self.faults = faults
+
+    async def rollout_group(
+        self, task: Any, client: InferenceClient, sampling: SamplingConfig, n: int
+    ) -> list:
+        fault = self.faults.get(task.task_id)
+        if fault == "raise":
+            raise RuntimeError("broken environment")
+        if fault == "hang":
+            await asyncio.sleep(3600)
+        trajectories = await super().rollout_group(task, client, sampling, n)
+        t = trajectories[-1]
+        t.completion_ids, t.completion_logprobs, t.completion_mask = [5, 6, 7], [-1.0] * 3, [1] * 3
+        if fault == "mask":
+            t.completion_mask = [1, 1]
+        elif fault == "nan":
+            t.reward = math.nan
+        elif fault == "no_sampled":
+            t.completion_mask = [0, 0, 0]
+        elif fault == "too_long":
+            t.prompt_ids = [1] * 397
+        elif fault == "wrong_task":
+            t.task_id = "someone-else"
+        elif fault == "bad_metric":
+            t.metrics["similarity"] = math.inf
+        elif fault == "count":
+            return trajectories[:1]
+        return trajectories
+
+
+def config(server: str, tmp_path: Path) -> OrchestratorConfig:
+    return OrchestratorConfig.model_validate(
+        {
+            "batch_size": 4,
+            "group_size": 2,
+            "seq_len": 96,
+            "micro_batch_tokens": 96,
+            "run_dir": tmp_path,
+            "servers": [server],
+            "sampling": {"max_tokens": 8},
+            "rollout_timeout": 8.0,
+        }
+    )
+
+
+def test_broken_rollouts_fail_their_group_with_task_and_reason_and_the_step_goes_on(
+    server: str, tiny_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    serve_base_model(server, tiny_model, tmp_path / "base")
+    cfg = config(server, tmp_path)
+    order = step_task_order(40, cfg.seed, 0)
+    drawn = [f"train-0-{next(order)}" for _ in range(len(FAULTS) + 2)]
+    faults = dict(zip(drawn, FAULTS, strict=False))  # the first tasks step 0 draws are broken
+    env = FaultyEnv(faults)
+    assert all(t in {task.task_id for task in env.dataset("train")} for t in drawn)
+
+    async def collect() -> Any:
+        pool = ServerPool(cfg.servers, cfg.client)
+        try:
+            await pool.connect()
+            return await RolloutCollector(env, pool, cfg).collect(0)
+        finally:
+            await pool.close()
+
+    with caplog.at_level(logging.ERROR):
+        batch = asyncio.run(collect())
+    assert batch.failed_groups == len(FAULTS) and len(batch.errors) == len(FAULTS)
+    assert sorted(g.task_id for g in batch.groups) == sorted(drawn[-2:])  # the next two tasks
+    logged = "\n".join(r.message for r in caplog.records)
+    for task_id, fault in faults.items():
+        assert f"step 0: rollout of task {task_id} failed: {FAULTS[fault]}" in logged, fault
+    assert batch.seconds < 30
+
+
+def test_an_evaluation_counts_broken_tasks_as_failed_and_scores_the_rest(server: str, tmp_path: Path) -> None:
+    cfg = config(server, tmp_path)
+    env = FaultyEnv({"eval-0-1": "raise", "eval-0-4": "nan"})
+    members = [Member("faulty", env)]
+
+    async def evaluate() -> list:
+        pool = ServerPool(cfg.servers, cfg.client)
+        try:
+            await pool.connect()
+            return await run_eval(members, pool, 6, SamplingConfig(temperature=0.0, max_tokens=8), 1, 5.0, 96)
+        finally:
+            await pool.close()
+
+    results = asyncio.run(evaluate())
+    failed = {r.task_id: r.error for r in results if r.error}
+    assert failed == {
+        "eval-0-1": "RuntimeError: broken environment",
+        "eval-0-4": "MalformedTrajectory: reward nan is not a finite number",
+    }
+    stats = eval_stats(members, results, n=1)
+    assert stats["eval/num_tasks"] == 6 and stats["eval/failed"] == 2
+    assert stats["eval/env/faulty/num_samples"] == 4
