@@ -5,8 +5,8 @@ stop strings itself (asking the engine to finish a sample when one matches). The
 scheduling, the KV cache, the model and sampling.
 """
 
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -28,7 +28,7 @@ class SamplingParams:
     top_logprobs: int = 0  # alternatives per token; the sampled token's logprob is always returned
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenOutput:
     """One generated token. `logprob` is log_softmax(logits / T) at the sampled id (T = 1 if greedy),
     from the same logits the token was sampled from."""
@@ -36,7 +36,7 @@ class TokenOutput:
     token_id: int
     logprob: float
     weight_version: int
-    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    top_logprobs: Sequence[tuple[int, float]] = ()
 
 
 @dataclass

@@ -39,8 +39,9 @@ class Prompts:
     """Whole prompts, as a padded batch of row indices into the step's tokens."""
 
     index: torch.Tensor  # [B, L]; padding repeats a valid row
-    valid: torch.Tensor  # [B, L] bool
     mask: torch.Tensor | None  # [B, 1, L, L] causal and key padding; None when no row is padded
+    rows: torch.Tensor  # the step's token rows of the valid entries, in order
+    picks: torch.Tensor  # their positions in the flattened [B * L] batch
 
 
 @dataclass
@@ -127,7 +128,7 @@ def _prompt_attention(
         group = qp.shape[1] // kp.shape[1]
         kp, vp = kp.repeat_interleave(group, dim=1), vp.repeat_interleave(group, dim=1)
         o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale)
-    out[p.index[p.valid]] = o.transpose(1, 2)[p.valid]
+    out[p.rows] = o.transpose(1, 2).flatten(0, 1)[p.picks]  # (indices from the host: no sync)
 
 
 def _chunk_attention(

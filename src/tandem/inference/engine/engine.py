@@ -5,9 +5,10 @@ Calls from the event loop become commands that the engine thread runs between tw
 one thread. A step's token updates travel back with one `loop.call_soon_threadsafe` into one
 asyncio queue per request. A consumer that fell behind takes every step queued for it at once,
 merged into one update per sample, so a busy event loop handles fewer, larger updates. A request
-generated with `stream=False` is held on the engine thread until it has finished and is then
-delivered whole: the event loop does no per-token work for it. If the engine thread dies, every
-open stream gets the error instead of hanging.
+generated with `stream=False` is held by the engine core until it has finished and is then
+delivered whole: the event loop does no per-token work for it. The core keeps one step queued on
+the device while the engine thread finishes the previous one (`EngineCore.step`); pausing drains
+it. If the engine thread dies, every open stream gets the error instead of hanging.
 """
 
 import asyncio
@@ -80,10 +81,10 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request id '{request_id}' is already running")
         updates: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = _Stream(asyncio.get_running_loop(), updates, None if stream else {})
+        self._streams[request_id] = _Stream(asyncio.get_running_loop(), updates)
         remaining = n
         try:
-            await self._call(lambda: self.core.add_request(request_id, prompt_token_ids, params, n))
+            await self._call(lambda: self.core.add_request(request_id, prompt_token_ids, params, n, stream))
             while remaining:
                 merged: dict[int, SampleUpdate] = {}
                 batch = await updates.get()
@@ -120,7 +121,7 @@ class AsyncEngine:
 
     async def pause(self) -> None:
         """Stop stepping after the current step; requests stay in place."""
-        await self._call(lambda: setattr(self, "paused", True))
+        await self._call(self._pause)
 
     async def resume(self) -> None:
         await self._call(lambda: setattr(self, "paused", False))
@@ -181,6 +182,10 @@ class AsyncEngine:
             done.set_result(version)
         self.core.release_held()
 
+    def _pause(self) -> None:
+        self.paused = True
+        self._deliver(self.core.drain())  # the step queued on the device finishes now
+
     def _run(self) -> None:
         try:
             while not self._stopping:
@@ -225,20 +230,12 @@ class AsyncEngine:
             self._pending_update[2].set_exception(error)
 
     def _deliver(self, outputs: list[tuple[str, list[SampleUpdate]]]) -> None:
-        """Hand a step's updates to the event loops: one wake-up per loop, not per request.
-        Whole-response requests collect their tokens here until the engine has finished them."""
+        """Hand a step's updates to the event loops: one wake-up per loop, not per request."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, list[SampleUpdate]]]] = {}
-        requests = self.core.requests
         for request_id, updates in outputs:
             stream = self._streams.get(request_id)
-            if stream is None:
-                continue
-            if stream.held is not None:
-                _merge_into(stream.held, updates)
-                if request_id in requests:
-                    continue
-                updates = [stream.held[i] for i in sorted(stream.held)]
-            by_loop.setdefault(stream.loop, []).append((stream.updates, updates))
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.updates, updates))
         for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):  # the loop closed
                 loop.call_soon_threadsafe(_put_all, items)
@@ -253,7 +250,6 @@ class AsyncEngine:
 class _Stream:
     loop: asyncio.AbstractEventLoop
     updates: asyncio.Queue
-    held: dict[int, SampleUpdate] | None  # whole-response requests: each sample's tokens so far
 
 
 def _merge_into(merged: dict[int, SampleUpdate], updates: list[SampleUpdate]) -> None:

@@ -8,11 +8,14 @@ rows write into block 0 (never handed out) and attend to one slot of it.
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tandem.inference.engine.attention import AttentionMetadata, Chunks, Decodes, Prompts
 from tandem.inference.engine.block_manager import BlockManager
 from tandem.inference.engine.scheduler import ScheduledBatch
+from tandem.inference.engine.sequence import PLACEHOLDER, Sequence
+from tandem.inference.engine.transfer import copy_to, host_to_device, to_device
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -21,6 +24,28 @@ def kv_bytes_per_block(config: object, block_size: int, dtype: torch.dtype) -> i
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
     return per_token * block_size * torch.finfo(dtype).bits // 8
+
+
+@dataclass
+class Feed:
+    """Input tokens still on the device: the previous step's samples, for sequences whose last
+    token is a PLACEHOLDER because the step that sampled it has not reached the host yet."""
+
+    token_ids: torch.Tensor  # [rows] the previous step's sampled ids
+    rows: dict[int, int]  # seq_id → its row in token_ids
+
+
+def _feed(ids: torch.Tensor, positions: list[int], seqs: list[Sequence], feed: Feed | None) -> None:
+    """Write the fed tokens of `seqs` into `ids` at `positions` (device-side, no host sync)."""
+    if feed is None:
+        raise RuntimeError("a placeholder input token without the step that samples it")
+    src = [feed.rows[s.seq_id] for s in seqs]
+    n = len(src)
+    if positions == src == list(range(n)) and n == len(feed.token_ids):
+        ids[:n].copy_(feed.token_ids)
+        return
+    index = to_device([positions, src], torch.int64, ids.device)
+    ids.index_copy_(0, index[0], feed.token_ids.index_select(0, index[1]))
 
 
 @dataclass
@@ -59,15 +84,15 @@ class ModelRunner:
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
-            src = torch.tensor([p[0] for p in pairs], device=self.device)
-            dst = torch.tensor([p[1] for p in pairs], device=self.device)
+            src, dst = self._tensor([[p[0] for p in pairs], [p[1] for p in pairs]])
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, blocks: BlockManager) -> torch.Tensor:
-        """Logits (float32) of the last token of every sequence whose uncached tokens all ran."""
+    def run(self, batch: ScheduledBatch, blocks: BlockManager, feed: Feed | None = None) -> torch.Tensor:
+        """Logits (float32) of the last token of every sequence whose uncached tokens all ran.
+        A decode whose input token is still a placeholder takes it from `feed`."""
         if batch.is_decode:
-            return self.model.logits(self._decode(batch, blocks))
+            return self.model.logits(self._decode(batch, blocks, feed))
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -76,10 +101,15 @@ class ModelRunner:
         prompts: list[int] = []
         chunks: list[int] = []
         starts: list[int] = []
+        fed: list[tuple[int, Sequence]] = []  # (row, sequence) of placeholder input tokens
         for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             start, end = seq.num_cached, seq.num_cached + count
             starts.append(len(ids))
-            ids += seq.token_ids[start:end]
+            if count == 1 and seq.token_ids[start] == PLACEHOLDER:
+                fed.append((len(ids), seq))
+                ids.append(0)
+            else:
+                ids += seq.token_ids[start:end]
             positions += range(start, end)
             slots += [blocks.slot(seq, p) for p in range(start, end)]
             if end == seq.num_tokens:
@@ -106,7 +136,13 @@ class ModelRunner:
             valid = torch.arange(longest, device=self.device)[None, :] < self._tensor(lens)[:, None]
             causal = torch.ones(longest, longest, dtype=torch.bool, device=self.device).tril()
             mask = None if min(lens) == longest else (causal[None] & valid[:, None, :])[:, None]
-            meta.prompts = Prompts(index, valid, mask)
+            rows, picks = self._tensor(
+                [
+                    [starts[i] + j for i, n in zip(prompts, lens, strict=True) for j in range(n)],
+                    [b * longest + j for b, n in enumerate(lens) for j in range(n)],
+                ]
+            )
+            meta.prompts = Prompts(index, mask, rows, picks)
         if chunks:
             meta.chunks = Chunks(
                 starts=[starts[i] for i in chunks],
@@ -114,43 +150,55 @@ class ModelRunner:
                 context_lens=[batch.seqs[i].num_cached + batch.num_new_tokens[i] for i in chunks],
                 block_tables=[self._tensor(batch.seqs[i].block_table) for i in chunks],
             )
-        hidden = self.model(self._tensor(ids), self._tensor(positions), self.kv_caches, meta)
+        input_ids = self._tensor(ids)
+        if fed:
+            _feed(input_ids, [row for row, _ in fed], [seq for _, seq in fed], feed)
+        hidden = self.model(input_ids, self._tensor(positions), self.kv_caches, meta)
         return self.model.logits(hidden[self._tensor(last_rows)])
 
     def _tensor(self, values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+        return to_device(values, torch.int64, self.device)
 
-    def _decode(self, batch: ScheduledBatch, blocks: BlockManager) -> torch.Tensor:
+    def _decode(self, batch: ScheduledBatch, blocks: BlockManager, feed: Feed | None) -> torch.Tensor:
+        """Inputs built with numpy from the block manager's table array (no per-sequence lists)."""
         seqs = batch.seqs
         real = len(seqs)
-        width = max(len(s.block_table) for s in seqs)
+        lens = np.fromiter((len(s.token_ids) for s in seqs), np.int64, real)
+        table_rows = np.fromiter((s.table_row for s in seqs), np.int64, real)
+        width = -(-int(lens.max()) // self.block_size)
         graphed = self.use_graphs and real <= self.max_graph_batch
         size = next(b for b in BATCH_BUCKETS if b >= real) if graphed else real
         if graphed:
             width = 8 * -(-width // 8) if width <= 64 else 1 << math.ceil(math.log2(width))
-        pad = size - real
-        positions = [s.num_tokens - 1 for s in seqs]
-        host = torch.tensor(
-            [
-                [s.token_ids[-1] for s in seqs] + [0] * pad,
-                positions + [0] * pad,
-                [blocks.slot(s, p) for s, p in zip(seqs, positions, strict=True)] + [0] * pad,
-                [s.num_tokens for s in seqs] + [1] * pad,
-            ],
-            dtype=torch.int64,
+        host = np.zeros((4, size), dtype=np.int64)  # token ids, positions, cache slots, context lengths
+        host[3, real:] = 1
+        positions = lens - 1
+        host[0, :real] = [s.token_ids[-1] for s in seqs]
+        host[1, :real] = positions
+        host[2, :real] = (
+            blocks.tables[table_rows, positions // self.block_size] * self.block_size
+            + positions % self.block_size
         )
-        tables = torch.tensor(
-            [s.block_table + [0] * (width - len(s.block_table)) for s in seqs] + [[0] * width] * pad,
-            dtype=torch.int64,
-        )
+        host[3, :real] = lens
+        fed = host[0, :real] == PLACEHOLDER
+        host[0, :real][fed] = 0
+        tables = np.zeros((size, width), dtype=np.int64)
+        cols = min(width, blocks.tables.shape[1])
+        tables[:real, :cols] = blocks.tables[table_rows, :cols]
         if graphed:
             graph = self.graphs.get((size, width)) or self._capture(size, width)
-            graph.inputs.copy_(host, non_blocking=True)
-            graph.tables.copy_(tables, non_blocking=True)
+            copy_to(graph.inputs, torch.from_numpy(host))
+            copy_to(graph.tables, torch.from_numpy(tables))
+            if fed.any():
+                rows = np.flatnonzero(fed).tolist()
+                _feed(graph.inputs[0], rows, [seqs[i] for i in rows], feed)
             graph.graph.replay()
             return graph.hidden[:real]
-        inputs = host.to(self.device, non_blocking=True)
-        return self._decode_forward(inputs, tables.to(self.device, non_blocking=True))[:real]
+        inputs = host_to_device(torch.from_numpy(host), self.device)
+        if fed.any():
+            rows = np.flatnonzero(fed).tolist()
+            _feed(inputs[0], rows, [seqs[i] for i in rows], feed)
+        return self._decode_forward(inputs, host_to_device(torch.from_numpy(tables), self.device))[:real]
 
     def _decode_forward(self, inputs: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """inputs rows: token ids, positions, cache slots, context lengths."""

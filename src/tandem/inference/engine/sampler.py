@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.inference.engine.transfer import HostCopy, to_device
+
 MASK32 = 0xFFFFFFFF
 
 
@@ -63,10 +65,36 @@ class SampleResult:
     top_logprobs: list[list[float]] | None = None
 
 
+class PendingSample:
+    """Tokens drawn on the device, on their way to the host. `token_ids` (on the device) can feed
+    the next step before `result()` has waited for them."""
+
+    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor, top: tuple | None) -> None:
+        self.token_ids = token_ids
+        # one device→host copy for ids and logprobs (float64 holds every token id exactly)
+        tensors = [torch.stack([token_ids.double(), logprobs.double()])]
+        if top is not None:
+            tensors += [top[1], top[0]]  # ids, values
+        self._copy = HostCopy(*tensors)
+
+    def result(self) -> SampleResult:
+        host = self._copy.get()
+        token_ids, logprobs = host[0].tolist()
+        result = SampleResult(list(map(int, token_ids)), logprobs)
+        if len(host) > 1:
+            result.top_ids, result.top_logprobs = host[1].tolist(), host[2].tolist()
+        return result
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
-    """logits: [rows, vocab] float32."""
+    """logits: [rows, vocab] float32. Waits for the result."""
+    return launch_sample(logits, batch).result()
+
+
+def launch_sample(logits: torch.Tensor, batch: SamplingBatch) -> PendingSample:
+    """Queue the sampling of `logits` ([rows, vocab] float32) without waiting for the device."""
     device, vocab = logits.device, logits.shape[-1]
-    temps = torch.tensor(batch.temperatures, device=device, dtype=torch.float32)
+    temps = to_device(batch.temperatures, torch.float32, device)
     greedy = temps <= 0
     scaled = logits / torch.where(greedy, 1.0, temps)[:, None]
     logprobs = torch.log_softmax(scaled, dim=-1)
@@ -76,37 +104,38 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
         noise = torch.empty_like(probs).exponential_(generator=batch.generator)
         seeded = [i for i, key in enumerate(batch.keys) if key is not None]
         if seeded:
-            keys = torch.tensor([batch.keys[i] for i in seeded], device=device, dtype=torch.int64)
-            positions = torch.tensor([batch.positions[i] for i in seeded], device=device, dtype=torch.int64)
-            rows = torch.tensor(seeded, device=device)
+            keys, positions, rows = to_device(
+                [[batch.keys[i] for i in seeded], [batch.positions[i] for i in seeded], seeded],
+                torch.int64,
+                device,
+            )
             noise[rows] = -torch.log(uniform_noise(keys, positions, vocab))
         drawn = (probs / noise).argmax(dim=-1)
         tokens = torch.where(greedy, tokens, drawn)
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-    # one device→host copy for both (float64 holds every token id exactly)
-    token_ids, chosen_logprobs = torch.stack([tokens.double(), chosen.double()]).tolist()
-    result = SampleResult([int(t) for t in token_ids], chosen_logprobs)
+    top = None
     if batch.num_top_logprobs > 0:
-        values, ids = logprobs.topk(min(batch.num_top_logprobs, vocab), dim=-1)
-        result.top_ids, result.top_logprobs = ids.tolist(), values.tolist()
-    return result
+        top = logprobs.topk(min(batch.num_top_logprobs, vocab), dim=-1)
+    return PendingSample(tokens, chosen, top)
 
 
 def _filtered_probs(probs: torch.Tensor, batch: SamplingBatch, device: torch.device) -> torch.Tensor:
     """Zero the tokens that min-p, top-k and top-p exclude (the most likely token always stays)."""
     vocab = probs.shape[-1]
     if any(p > 0 for p in batch.min_ps):
-        min_p = torch.tensor(batch.min_ps, device=device)
+        min_p = to_device(batch.min_ps, torch.float32, device)
         probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
     ks = [k if 0 < k < vocab else 0 for k in batch.top_ks]
     if any(ks):
         top = probs.topk(max(ks), dim=-1).values
-        k_index = torch.tensor([max(k, 1) - 1 for k in ks], device=device)
+        k_index, k_on = to_device(
+            [[max(k, 1) - 1 for k in ks], [int(k > 0) for k in ks]], torch.int64, device
+        )
         threshold = top.gather(1, k_index[:, None])
-        threshold = torch.where(torch.tensor(ks, device=device)[:, None] > 0, threshold, 0.0)
+        threshold = torch.where(k_on[:, None] > 0, threshold, 0.0)
         probs = probs.masked_fill(probs < threshold, 0.0)
     if any(p < 1.0 for p in batch.top_ps):
-        top_p = torch.tensor(batch.top_ps, device=device)
+        top_p = to_device(batch.top_ps, torch.float32, device)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         drop_sorted = mass_before >= top_p[:, None] * sorted_probs.sum(dim=-1, keepdim=True)

@@ -46,15 +46,23 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, admit_new: bool = True) -> ScheduledBatch:
+    def schedule(self, admit_new: bool = True, preempt: bool = True) -> ScheduledBatch | None:
+        """The next batch. With `preempt=False`, None instead of preempting (the caller tries
+        again later with preemption allowed)."""
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [])
         preempted_before = self.num_preemptions
+        capacity = self.blocks.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            count = min(seq.num_uncached, budget)
-            while not self.blocks.allocate(seq, seq.num_cached + count):
+            count = min(len(seq.token_ids) - seq.num_cached, budget)
+            # (the common case, a decode within its last block, needs no allocation)
+            while len(seq.block_table) * capacity < seq.num_cached + count and not self.blocks.allocate(
+                seq, seq.num_cached + count
+            ):
+                if not preempt:
+                    return None
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:

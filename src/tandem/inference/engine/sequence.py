@@ -7,6 +7,7 @@ from enum import Enum
 from tandem.inference.engine.api import FinishReason, SamplingParams, TokenOutput
 
 _ids = itertools.count()
+PLACEHOLDER = -1  # a sampled token that is still on its way from the device (core.py)
 
 
 class Status(Enum):
@@ -30,6 +31,7 @@ class Sequence:
     num_prompt_tokens: int
     fan_out: int = 1  # samples drawn when this sequence's prompt finishes (n for the prompt sequence)
     block_table: list[int] = field(default_factory=list)
+    table_row: int = -1  # its row in BlockManager.tables while it holds blocks
     num_cached: int = 0
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
@@ -62,6 +64,7 @@ class Request:
     n: int
     keys: list[int | None]  # per sample, the sampler key derived from the seed (None: unseeded)
     arrival: int
+    stream: bool = True  # False: updates are held until every sample has finished
     sequences: dict[int, Sequence] = field(default_factory=dict)  # live sequences by sample index
     finished: dict[int, FinishReason] = field(default_factory=dict)
     cancelled: dict[int, FinishReason] = field(default_factory=dict)  # finish once forked

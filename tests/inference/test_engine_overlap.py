@@ -1,0 +1,130 @@
+"""The overlapped step loop (the next batch launched before this one's tokens are read back)
+returns exactly what the plain loop returns: same tokens and logprobs with seeds, stops at
+max_tokens, stop tokens and the context length, frees every block, and survives aborts and
+finish_sample while a step is in flight."""
+
+from pathlib import Path
+
+import pytest
+
+from tandem.inference.config import InferenceConfig
+from tandem.inference.engine.api import SamplingParams, TokenOutput
+from tandem.inference.engine.core import EngineCore
+from tandem.inference.engine.sequence import PLACEHOLDER
+
+Requests = dict[str, tuple[list[int], SamplingParams, int]]
+
+
+def make_core(model: Path, **engine: object) -> EngineCore:
+    return EngineCore(InferenceConfig.model_validate({"model": {"name": str(model)}, "engine": engine}))
+
+
+def run(core: EngineCore, requests: Requests, lookahead: bool) -> tuple[dict, dict, int]:
+    """Step until done; (tokens by (request, index), finish reasons, steps taken)."""
+    for rid, (ids, params, n) in requests.items():
+        core.add_request(rid, ids, params, n)
+    tokens: dict[tuple[str, int], list[TokenOutput]] = {}
+    reasons: dict[tuple[str, int], str] = {}
+    steps = 0
+    while core.has_work():
+        steps += 1
+        assert steps < 2_000
+        for rid, updates in core.step(lookahead=lookahead):
+            for u in updates:
+                assert (rid, u.index) not in reasons, "an update after the sample finished"
+                tokens.setdefault((rid, u.index), []).extend(u.tokens)
+                if u.finish_reason:
+                    reasons[(rid, u.index)] = u.finish_reason
+    assert core.blocks.num_free == core.blocks.num_usable, "blocks leaked"
+    assert not core.scheduler.running and not core.scheduler.waiting and not core.requests
+    return tokens, reasons, steps
+
+
+def ids_of(tokens: list[TokenOutput]) -> list[int]:
+    return [t.token_id for t in tokens]
+
+
+@pytest.fixture(scope="module")
+def stop_token(tiny_model: Path) -> tuple[int, list[int]]:
+    """A token that a seeded sample draws at its 6th position (and the sample's first tokens)."""
+    core = make_core(tiny_model)
+    params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=3)
+    tokens, _, _ = run(core, {"probe": ([5, 6, 7, 8], params, 1)}, lookahead=False)
+    drawn = ids_of(tokens[("probe", 0)])
+    return drawn[5], drawn[: drawn.index(drawn[5]) + 1]
+
+
+def test_overlapped_steps_return_the_same_tokens_as_plain_steps(tiny_model: Path, stop_token) -> None:
+    stop_id, until_stop = stop_token
+    requests: Requests = {
+        "one": ([5, 6, 7], SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True, seed=1), 1),
+        "short": ([9, 10, 11, 12], SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, seed=2), 3),
+        "long": (
+            list(range(3, 43)),
+            SamplingParams(temperature=0.7, max_tokens=37, ignore_eos=True, seed=4),
+            2,
+        ),
+        "greedy": ([20, 21], SamplingParams(temperature=0.0, max_tokens=19, ignore_eos=True), 1),
+        "stops": (
+            [5, 6, 7, 8],
+            SamplingParams(
+                temperature=1.0, max_tokens=24, ignore_eos=True, seed=3, stop_token_ids=(stop_id,)
+            ),
+            1,
+        ),
+        "fan1": ([30, 31, 32], SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True, seed=5), 4),
+    }
+    core = make_core(tiny_model, max_num_batched_tokens=32)  # prompts in chunks, steps mixed
+    plain, plain_reasons, plain_steps = run(core, requests, lookahead=False)
+    overlapped, reasons, steps = run(core, requests, lookahead=True)
+    assert reasons == plain_reasons
+    assert {key: ids_of(v) for key, v in overlapped.items()} == {key: ids_of(v) for key, v in plain.items()}
+    for key, tokens in overlapped.items():
+        assert [t.logprob for t in tokens] == pytest.approx([t.logprob for t in plain[key]], abs=1e-5)
+        assert PLACEHOLDER not in ids_of(tokens)
+    for (rid, _), tokens in overlapped.items():
+        params = requests[rid][1]
+        if rid != "stops":
+            assert len(tokens) == params.max_tokens and reasons[(rid, _)] == "length"
+    assert ids_of(overlapped[("stops", 0)]) == until_stop and reasons[("stops", 0)] == "stop"
+    assert steps <= plain_steps + 1
+
+
+def test_context_length_ends_a_sample_on_time_while_overlapped(tiny_model: Path) -> None:
+    core = make_core(tiny_model, max_model_len=40)
+    params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
+    tokens, reasons, _ = run(core, {"r": (list(range(3, 33)), params, 2)}, lookahead=True)
+    assert {k: len(v) for k, v in tokens.items()} == {("r", 0): 10, ("r", 1): 10}
+    assert set(reasons.values()) == {"length"}
+
+
+def test_abort_and_finish_sample_while_a_step_is_in_flight(tiny_model: Path) -> None:
+    core = make_core(tiny_model)
+    params = SamplingParams(temperature=1.0, max_tokens=50, ignore_eos=True, seed=9)
+    core.add_request("gone", [5, 6, 7], params, 2)
+    core.add_request("cut", [8, 9], params, 2)
+    core.add_request("kept", [10, 11, 12], params, 1)
+    got: dict[tuple[str, int], list[int]] = {}
+    reasons: dict[tuple[str, int], str] = {}
+
+    def step() -> None:
+        for rid, updates in core.step():
+            assert rid != "gone" or not aborted, "updates of an aborted request"
+            for u in updates:
+                got.setdefault((rid, u.index), []).extend(t.token_id for t in u.tokens)
+                if u.finish_reason:
+                    reasons[(rid, u.index)] = u.finish_reason
+
+    aborted = False
+    for _ in range(4):
+        step()
+    assert core._in_flight is not None  # the next step is on its way
+    core.abort("gone")
+    aborted = True
+    core.finish_sample("cut", 1, "stop")
+    cut_at = len(got[("cut", 1)])
+    while core.has_work():
+        step()
+    assert core.blocks.num_free == core.blocks.num_usable
+    assert reasons == {("cut", 0): "length", ("cut", 1): "stop", ("kept", 0): "length"}
+    assert len(got[("cut", 1)]) == cut_at and len(got[("kept", 0)]) == 50
