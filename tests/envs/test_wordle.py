@@ -2,14 +2,19 @@
 replies, and real games against an inference server serving a tiny random model."""
 
 import asyncio
+import json
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from server_process import start_server
 
+from tandem.cli import UserError
 from tandem.envs.base import Message
+from tandem.envs.multi_turn import environment_ids, render_ids
 from tandem.envs.registry import load_environment
 from tandem.envs.wordle import (
     WordleEnv,
@@ -23,8 +28,10 @@ from tandem.envs.wordle import (
 )
 from tandem.models.loading import load_tokenizer
 from tandem.models.tiny import build_tiny_model
+from tandem.models.tokenizer import train_tokenizer
 from tandem.orchestrator.client import InferenceClient
 from tandem.orchestrator.config import ClientConfig, SamplingConfig
+from tandem.trainer.sft.data import read_chats, transcript_sample
 
 TASK = WordleTask("t", "cigar")
 
@@ -171,3 +178,77 @@ def test_real_games_against_a_server(server: str, model: Path) -> None:
         assert all(info["env_tokens"] > 0 for info in t.turns[1:])
         assert t.task_id.startswith("wordle-")
     assert {t.task_id for t in held_out} == {t.task_id for t in env.dataset("eval")[:2]}
+
+
+def test_synthetic_games_train_on_the_tokens_that_rl_samples(tmp_path: Path) -> None:
+    """The SFT transcripts (chat_jsonl) of solver games: the loss covers exactly the guesses and
+    their <|im_end|>, and the ids equal the trajectory MultiTurnEnv stitches for the same game."""
+    out = tmp_path / "games.jsonl"
+    script = Path(__file__).parents[2] / "examples" / "wordle" / "synthetic_games.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--out", str(out), "--games", "40", "--seed", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert re.fullmatch(r"wrote \d+ games to .* \(solver win rate [01]\.\d+\)\n", done.stdout)
+    chats = [json.loads(line)["messages"] for line in out.read_text().splitlines()]
+    assert len(chats) >= 35
+    train_secrets = {t.secret for t in WordleEnv().dataset("train")}
+    tokenizer = train_tokenizer()
+    for chat in chats[:10]:
+        assert chat[0] == WordleEnv().prompt(TASK)[0] and chat[-1]["content"] in train_secrets
+        sample = transcript_sample(tokenizer, chat)
+        guesses = [m["content"] for m in chat if m["role"] == "assistant"]
+        trained = [i for i, m in zip(sample.input_ids, sample.loss_mask, strict=True) if m]
+        eos = [tokenizer.eos_token_id]
+        assert trained == [t for g in guesses for t in tokenizer.encode(g, add_special_tokens=False) + eos]
+        # what MultiTurnEnv would stitch for this game (model ids = canonical ids of each guess + eos)
+        prompt_ids = render_ids(tokenizer, chat[:1])
+        ids, last = list(prompt_ids), []
+        for message in chat[1:]:
+            if message["role"] == "assistant":
+                last = tokenizer.encode(message["content"], add_special_tokens=False) + eos
+                ids += last
+            else:
+                ids += environment_ids(tokenizer, last, [message])
+        assert sample.input_ids[: len(ids)] == ids and len(sample.input_ids) == len(ids) + 1  # + "\n"
+    with pytest.raises(UserError, match="line 2 of"):
+        (tmp_path / "bad.jsonl").write_text(out.read_text().splitlines()[0] + "\n{oops\n")
+        read_chats(tmp_path / "bad.jsonl", 0)
+
+
+def test_sft_on_synthetic_games_runs(tmp_path: Path) -> None:
+    """Three SFT steps on chat_jsonl data with the sft command (tiny model, CPU)."""
+    games = tmp_path / "games.jsonl"
+    script = Path(__file__).parents[2] / "examples" / "wordle" / "synthetic_games.py"
+    subprocess.run(
+        [sys.executable, str(script), "--out", str(games), "--games", "30"], check=True, timeout=120
+    )
+    model = build_tiny_model(
+        out=tmp_path / "m", num_layers=1, hidden_size=32, head_dim=8, intermediate_size=64
+    )
+    args = [
+        "--model.name",
+        str(model),
+        "--run-dir",
+        str(tmp_path / "sft"),
+        "--max-steps",
+        "3",
+        "--seq-len",
+        "512",
+    ]
+    args += ["--data.task", "chat_jsonl", "--data.path", str(games), "--data.num-examples", "0"]
+    args += ["--data.batch-size", "8", "--data.micro-batch-size", "4", "--model.device", "cpu"]
+    done = subprocess.run(
+        [sys.executable, "-m", "tandem.trainer.sft.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    metrics = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    assert len(losses) == 3 and all(0 < loss < 10 for loss in losses)
+    assert (tmp_path / "sft" / "final" / "config.json").is_file()

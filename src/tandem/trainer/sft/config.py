@@ -13,8 +13,18 @@ from tandem.trainer.optim import OptimConfig
 class DataConfig(Section):
     """Which chats to train on and how they are batched."""
 
-    task: Literal["reverse_text"] = Field("reverse_text", description="Task whose train split is the data.")
-    num_examples: int = Field(10_000, ge=0, description="Distinct training examples; epochs repeat them.")
+    task: Literal["reverse_text", "chat_jsonl"] = Field(
+        "reverse_text",
+        description="Task whose train split is the data, or 'chat_jsonl': whole chats read from `path`.",
+    )
+    path: Path | None = Field(
+        None,
+        description='chat_jsonl: a JSONL file with one {"messages": [...]} chat per line; the loss '
+        "covers every assistant turn.",
+    )
+    num_examples: int = Field(
+        10_000, ge=0, description="Distinct training examples (chat_jsonl: the first N chats; 0 = all)."
+    )
     min_len: int = Field(MIN_LEN, ge=MIN_LEN, le=MAX_LEN, description="Shortest text of the task.")
     max_len: int = Field(MAX_LEN, ge=MIN_LEN, le=MAX_LEN, description="Longest text of the task.")
     batch_size: int = Field(64, gt=0, description="Examples per optimizer step, over all ranks together.")

@@ -4,10 +4,16 @@ An example is the user prompt followed by the assistant answer. Its loss mask co
 answer tokens and the closing end-of-turn token: the tokens after the templated prompt with
 `add_generation_prompt=True`, up to and including the first eos. Anything the template adds
 after the eos (ChatML's trailing newline) stays in the sequence without loss.
+
+`data.task = "chat_jsonl"` reads whole chats (multi-turn transcripts) from a JSONL file instead;
+every assistant turn gets the loss in the same way.
 """
 
+import json
 import random
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
@@ -35,6 +41,48 @@ def chat_sample(tokenizer: PreTrainedTokenizerBase, prompt: list[dict[str, str]]
         raise UserError(f"the chat template does not close the assistant turn with eos {eos}") from None
     mask = [False] * len(prompt_ids) + [True] * (end - len(prompt_ids)) + [False] * (len(full_ids) - end)
     return Sample(full_ids, mask)
+
+
+def transcript_sample(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> Sample:
+    """Token ids of a whole chat, with the loss on every assistant turn and its end-of-turn token."""
+    full_ids = chat_ids(tokenizer, messages, prompt=False)
+    mask = [False] * len(full_ids)
+    for k, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        before = chat_ids(tokenizer, messages[:k], prompt=True)
+        through = chat_ids(tokenizer, messages[: k + 1], prompt=False)
+        if full_ids[: len(before)] != before or full_ids[: len(through)] != through:
+            raise UserError("the chat template renders earlier turns differently once later turns follow")
+        try:
+            end = through.index(tokenizer.eos_token_id, len(before)) + 1
+        except ValueError:
+            raise UserError("the chat template does not close an assistant turn with eos") from None
+        mask[len(before) : end] = [True] * (end - len(before))
+    if not any(mask):
+        raise UserError("a chat in data.path has no assistant message")
+    return Sample(full_ids, mask)
+
+
+def read_chats(path: Path, limit: int) -> list[list[dict[str, Any]]]:
+    """The first `limit` chats of a JSONL file of `{"messages": [...]}` lines (0 = all)."""
+    if not path.is_file():
+        raise UserError(f"data.path: no such file {path}")
+    chats = []
+    with path.open() as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                messages = json.loads(line)["messages"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise UserError(
+                    f"data.path: line {number} of {path} is not a JSON object with 'messages'"
+                ) from None
+            chats.append(messages)
+            if len(chats) == limit:
+                break
+    return chats
 
 
 class SFTDataset:
@@ -75,8 +123,34 @@ class SFTDataset:
         return [self.sample(self.tasks[self.index(p)]) for p in range(start, start + size)]
 
 
+class ChatDataset(SFTDataset):
+    """Whole chats (e.g. multi-turn transcripts) as examples, loss on every assistant turn."""
+
+    def sample(self, task: Any) -> Sample:
+        return transcript_sample(self.tokenizer, task)
+
+
+def build_chat_dataset(
+    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int, seq_len: int
+) -> SFTDataset:
+    if cfg.path is None:
+        raise UserError("data.path is required with data.task = 'chat_jsonl'")
+    dataset = ChatDataset(read_chats(cfg.path, cfg.num_examples), tokenizer, seed, cfg.shuffle)
+    longest = max(
+        dataset.tasks, key=lambda chat: sum(len(str(m.get("content") or "")) for m in chat), default=None
+    )
+    length = len(dataset.sample(longest).input_ids) if longest is not None else 0
+    if length > seq_len:
+        raise UserError(
+            f"seq_len {seq_len} is too small: the longest chat of {cfg.path} takes {length} tokens"
+        )
+    return dataset
+
+
 def build_dataset(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int, seq_len: int) -> SFTDataset:
     """The task's train split; fails early if the longest possible example cannot fit seq_len."""
+    if cfg.task == "chat_jsonl":
+        return build_chat_dataset(cfg, tokenizer, seed, seq_len)
     if cfg.min_len > cfg.max_len:
         raise UserError(f"data.min_len {cfg.min_len} is greater than data.max_len {cfg.max_len}")
     dataset = SFTDataset(
