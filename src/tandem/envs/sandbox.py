@@ -10,31 +10,35 @@ it applies the layers below to itself, then executes `main.py`. What each layer 
 
 1. Process limits (kernel, always on). A new session, SIGKILLed as a whole group at the wall-clock
    timeout; RLIMIT_CPU, RLIMIT_AS (memory: a 10 GB allocation raises MemoryError), RLIMIT_FSIZE,
-   RLIMIT_NOFILE, no core dumps; RLIMIT_NPROC (not enforced by Linux for root, see 3); stdin is
+   RLIMIT_NOFILE, no core dumps, RLIMIT_NPROC (Linux does not apply it to root); stdin is
    /dev/null; the environment is scrubbed to PATH, HOME, TMPDIR and LANG; stdout and stderr are
    kept up to `output_bytes` each (the rest is read and dropped). `-I -S`: no site-packages, no
    user paths, PYTHON* variables ignored; only the standard library and the directory's files.
-2. Namespaces (kernel, when the system allows user namespaces: `isolation_status()` checks once).
-   New user, network, mount and PID namespaces: no network at all (an empty network namespace, so
-   `connect()` fails even to 127.0.0.1); every mount read-only except the working directory (so no
-   writes to /tmp, /dev/shm or the run directory); the program is PID 1 of its own PID namespace
-   with a fresh /proc (it sees and can signal only its own processes, and when its parent runner is
-   killed the kernel kills everything inside). Without user namespaces (some containers, AppArmor
-   policies) `isolation="auto"` falls back to layers 1 and 3 and says so once in the log;
+2. A seccomp filter (kernel, always on for x86_64 and aarch64; needs no privileges): no new
+   processes (fork, vfork, clone without CLONE_THREAD; clone3 answers ENOSYS so libc falls back
+   to clone), no IPv4/IPv6 sockets, no io_uring, ptrace or process_vm_writev. Threads still work.
+   This is what stops a fork bomb for root too, and the network when namespaces are unavailable.
+3. Namespaces (kernel, when the system allows user namespaces: `isolation_status()` checks once).
+   New user, network, mount and PID namespaces: no network at all (an empty network namespace);
+   every mount read-only except the working directory (so no writes to /tmp, /dev/shm or the run
+   directory); the program is PID 1 of its own PID namespace with a fresh /proc (it sees and can
+   signal only its own processes, and when its parent runner is killed the kernel kills
+   everything inside). Without user namespaces (some containers, AppArmor policies)
+   `isolation="auto"` falls back to layers 1, 2 and 4 and says so once in the log;
    `isolation="require"` refuses to run instead.
-3. An audit hook (Python, installed before the program runs; hooks cannot be removed). It refuses
+4. An audit hook (Python, installed before the program runs; hooks cannot be removed). It refuses
    sockets, subprocesses, exec/spawn/fork/kill, importing ctypes/_ctypes/_posixsubprocess, every
    ctypes event, creating code objects by hand, and writes (open for writing, remove, rename,
-   mkdir, chmod, links, truncate) outside the working directory. An audit hook is NOT a security
-   boundary: code that reaches native execution (a crafted code object, an interpreter bug)
-   bypasses it. The runner uses ctypes for the namespace set-up and removes it from sys.modules
-   before the program starts, so `import ctypes` raises an import event the hook refuses, and calls
-   through any leftover ctypes object raise `ctypes.call_function`, also refused. With namespaces
-   the hook is defence in depth; without them it is the only guard against network and stray
-   writes, so treat a sandbox without isolation as protection against accidents and small models,
-   not against a determined adversary. When started as root, the program keeps root's file
-   permissions for reading (it cannot write outside its directory with isolation on), and
-   RLIMIT_NPROC does not apply: forking is then stopped by the audit hook only.
+   mkdir, chmod, links, truncate) outside the working directory, with a clear PermissionError.
+   An audit hook is NOT a security boundary: code that reaches native execution (a crafted code
+   object, an interpreter bug) bypasses it. The runner's own ctypes (for layers 2 and 3) is
+   removed from sys.modules before the program starts, so `import ctypes` is a new import the
+   hook refuses, and calls through any leftover ctypes object raise `ctypes.call_function`, also
+   refused. With namespaces the hook is defence in depth; without them it is the only guard
+   against writes outside the directory and signals to other processes of the same user, so
+   treat a sandbox without isolation as protection against accidents and small models, not
+   against a determined adversary. Started as root, the program keeps root's permission to READ
+   files (e.g. /root); writing is confined as above.
 """
 
 import asyncio
@@ -284,6 +288,65 @@ def enter_namespaces(workdir: str) -> None:
     os.close(ready_r)
     ms_nosuid, ms_nodev, ms_noexec = 2, 4, 8
     libc.mount(b"proc", b"/proc", b"proc", ms_nosuid | ms_nodev | ms_noexec, None)  # best effort
+
+
+# machine → (AUDIT_ARCH, clone, clone3, socket, syscalls refused outright: fork, vfork,
+# io_uring_setup (it can open sockets), ptrace, process_vm_writev)
+SECCOMP_ARCHES = {
+    "x86_64": (0xC000003E, 56, 435, 41, (57, 58, 425, 101, 311)),
+    "aarch64": (0xC00000B7, 220, 435, 198, (425, 117, 271)),
+}
+
+
+def install_seccomp() -> bool:
+    """A kernel syscall filter: new processes (fork, vfork, clone without CLONE_THREAD) and IPv4/IPv6
+    sockets fail with EPERM; clone3 fails with ENOSYS so libc falls back to clone, whose flags a
+    filter can read; threads stay allowed. Returns False (no filter) on other architectures."""
+    import ctypes
+
+    arch = SECCOMP_ARCHES.get(os.uname().machine)
+    if arch is None:
+        return False
+    audit_arch, clone, clone3, socket_nr, refused = arch
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ/JGE/JSET|K, RET|K
+    nr, arch_field, arg0 = 0, 4, 16  # offsets in struct seccomp_data (arg0's low word, little-endian)
+    program = [
+        (ld, 0, 0, arch_field), (jeq, 1, 0, audit_arch), (ret, 0, 0, eperm),  # other ABIs: refused
+        (ld, 0, 0, nr), (jge, 0, 1, 0x40000000), (ret, 0, 0, eperm),  # x32 syscalls: refused
+        *[instruction for number in refused for instruction in ((jeq, 0, 1, number), (ret, 0, 0, eperm))],
+        (jeq, 0, 1, clone3), (ret, 0, 0, enosys),
+        (jeq, 0, 4, clone), (ld, 0, 0, arg0), (jset, 0, 1, 0x00010000), (ret, 0, 0, allow), (ret, 0, 0, eperm),
+        (jeq, 0, 4, socket_nr), (ld, 0, 0, arg0), (jeq, 1, 0, 2), (jeq, 0, 1, 10), (ret, 0, 0, eperm),
+        (ret, 0, 0, allow),
+    ]  # fmt: skip
+
+    class Filter(ctypes.Structure):
+        _fields_ = [
+            ("code", ctypes.c_uint16),
+            ("jt", ctypes.c_uint8),
+            ("jf", ctypes.c_uint8),
+            ("k", ctypes.c_uint32),
+        ]
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
+
+    filters = (Filter * len(program))(*program)
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_no_new_privs, pr_set_seccomp, seccomp_mode_filter = 38, 22, 2
+    for args in [
+        (pr_set_no_new_privs, 1, 0, 0, 0),
+        (pr_set_seccomp, seccomp_mode_filter, ctypes.byref(Program(len(program), filters)), 0, 0),
+    ]:
+        if libc.prctl(*args) != 0:
+            raise OSError(ctypes.get_errno(), f"seccomp: {os.strerror(ctypes.get_errno())}")
+    return True
+
+
+def forget_ctypes() -> None:
+    """Drop the set-up's ctypes modules, so the program's `import ctypes` is a new import that the
+    audit hook refuses."""
     for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
         del sys.modules[name]
 
@@ -318,9 +381,8 @@ def install_audit_hook(workdir: str) -> None:
         busy = True
         try:
             if event.startswith(BLOCKED_EVENTS) or (event == "import" and args[0] in BLOCKED_IMPORTS):
-                raise PermissionError(
-                    f"sandbox: {event} {args[0] if event == 'import' else ''} is not allowed"
-                )
+                what = f"import {args[0]}" if event == "import" else event
+                raise PermissionError(f"sandbox: {what} is not allowed")
             if event == "open":
                 path, mode, flags = args
                 writing = any(c in (mode or "") for c in "wax+") or bool((flags or 0) & WRITE_FLAGS)
@@ -345,6 +407,8 @@ def child_main(config: dict[str, Any]) -> None:
         if config["isolate"]:
             enter_namespaces(workdir)
         resource.setrlimit(resource.RLIMIT_NPROC, (config["limits"]["max_processes"],) * 2)
+        install_seccomp()
+        forget_ctypes()
         if config.get("audit", True):
             install_audit_hook(workdir)
     except Exception as e:
