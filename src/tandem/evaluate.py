@@ -1,96 +1,268 @@
-"""`uv run eval`: greedy-decode held-out tasks with transformers and score them.
+"""`uv run eval`: evaluate a model on environments' held-out splits through an inference server.
 
-    uv run eval --model.name runs/reverse-sft/final --num-tasks 200
+    uv run eval --model.name runs/reverse_text/sft/final              # reverse_text, greedy
+    uv run eval --model.name DIR --env.name wordle --n 8 --sampling.temperature 1.0
+    uv run eval @ eval.toml --server http://127.0.0.1:8000            # a server already running
 
-Prints the mean reward and the exact-match rate, and writes them (with every completion) to
-`out` when given. Decoding uses plain transformers `generate`, batched with left padding; it is
-a reference evaluator independent of tandem's inference engine.
+Without `server`, a native inference server for `model.name` is started on a free 127.0.0.1
+port (settings under [inference]) and stopped at the end. The tasks are played by the rollout
+code the orchestrator uses (`orchestrator.evaluation`), `n` times each. Prints a table per
+environment (mean reward, every metric's mean, pass@k when n > 1 and the environment has a
+binary success metric), then one summary line per environment; `out` gets the numbers and every
+task's completions as JSON.
 """
 
+import asyncio
+import contextlib
 import json
+import socket
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
 
-import torch
-from pydantic import Field
+import httpx
+from pydantic import Field, model_validator
+from pydantic_core import PydanticCustomError
+from rich.console import Console
+from rich.table import Table
 
 from tandem.cli import UserError, run_cli
 from tandem.config import ModelConfig, Section, parse_config
-from tandem.envs import reverse_text
-from tandem.models.loading import load_model, load_tokenizer
+from tandem.config.loader import to_toml
+from tandem.inference.config import InferenceConfig
+from tandem.orchestrator.config import ClientConfig, EnvConfig, SamplingConfig, chosen_environments
+
+SERVER_MODULE = "tandem.inference.cli"
+GENERIC_STATS = (
+    "reward_std",
+    "completion_len_mean",
+    "completion_len_max",
+    "prompt_len_mean",
+    "truncated_frac",
+    "num_samples",
+)
+"""Per-environment numbers that are not the environment's own metrics."""
+
+
+class EvalSamplingConfig(SamplingConfig):
+    """How evaluation rollouts are sampled: greedy by default."""
+
+    temperature: float = Field(0.0, ge=0, description="Sampling temperature; 0 = greedy (then n must be 1).")
+    max_tokens: int = Field(32, gt=0, description="Most tokens one model turn may generate.")
 
 
 class EvalConfig(Section):
-    model: ModelConfig = ModelConfig()
-    env: Literal["reverse_text"] = Field("reverse_text", description="Environment to evaluate on.")
-    num_tasks: int = Field(200, gt=0, description="Held-out tasks to decode.")
-    batch_size: int = Field(64, gt=0, description="Prompts decoded together.")
-    max_new_tokens: int = Field(32, gt=0, description="Longest completion decoded per task.")
-    seed: int = Field(0, description="Seed of the held-out task generator.")
-    out: Path | None = Field(None, description="Write results as JSON here.")
+    model: ModelConfig = Field(
+        ModelConfig(), description="The model to evaluate (served when `server` is not set)."
+    )
+    env: EnvConfig = EnvConfig()
+    envs: list[EnvConfig] = Field([], description="Several environments ([[envs]] tables); replaces [env].")
+    num_tasks: int = Field(
+        200, gt=0, description="Held-out tasks per environment (the first N of its split)."
+    )
+    n: int = Field(1, gt=0, description="Rollouts per task; pass@k is reported for k <= n when n > 1.")
+    sampling: EvalSamplingConfig = EvalSamplingConfig()
+    seq_len: int = Field(
+        2048, gt=0, description="Most tokens of one sample; also the started server's context length."
+    )
+    rollout_timeout: float = Field(900.0, gt=0, description="Seconds one task's rollouts may take.")
+    server: str | None = Field(
+        None, description="Base URL of a running inference server; default: start one."
+    )
+    inference: InferenceConfig = Field(
+        InferenceConfig(),
+        description="The server started when `server` is not set (its port is chosen free).",
+    )
+    startup_timeout_s: float = Field(
+        600.0, gt=0, description="How long the started server may take to start."
+    )
+    client: ClientConfig = ClientConfig()
+    out: Path | None = Field(None, description="Write the results and every completion as JSON here.")
+
+    @model_validator(mode="after")
+    def check(self) -> "EvalConfig":
+        chosen_environments(self.env, self.envs)
+        if self.n > 1 and self.sampling.temperature == 0:
+            raise PydanticCustomError(
+                "shape", "n > 1 needs sampling.temperature > 0 (greedy samples are identical)"
+            )
+        if self.seq_len <= self.sampling.max_tokens:
+            raise PydanticCustomError(
+                "shape",
+                f"seq_len ({self.seq_len}) must exceed sampling.max_tokens ({self.sampling.max_tokens})",
+            )
+        return self
 
 
-@torch.inference_mode()
-def greedy_completions(
-    model, tokenizer, prompts: list[list[dict]], batch_size: int, max_new: int
-) -> list[str]:
-    tokenizer.padding_side = "left"
-    completions: list[str] = []
-    for start in range(0, len(prompts), batch_size):
-        chats = prompts[start : start + batch_size]
-        texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
-        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-        out = model.generate(
-            **batch,
-            max_new_tokens=max_new,
-            do_sample=False,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def inference_server(cfg: EvalConfig, scratch: Path) -> Iterator[str]:
+    """`cfg.server`, or a native server for `cfg.model` started in a subprocess until the block ends."""
+    if cfg.server:
+        yield cfg.server.rstrip("/")
+        return
+    port = free_port()
+    engine = {"max_model_len": cfg.inference.engine.max_model_len or cfg.seq_len}
+    server_cfg = cfg.inference.model_copy(
+        update={
+            "model": cfg.inference.model if cfg.inference.model.name else cfg.model,
+            "host": "127.0.0.1",
+            "port": port,
+            "engine": cfg.inference.engine.model_copy(update=engine),
+        }
+    )
+    (scratch / "inference.toml").write_text(to_toml(server_cfg))
+    log_path = scratch / "inference.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", SERVER_MODULE, "@", str(scratch / "inference.toml")],
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
-        new_tokens = out[:, batch["input_ids"].shape[1] :]
-        completions.extend(tokenizer.batch_decode(new_tokens, skip_special_tokens=True))
-    return completions
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + cfg.startup_timeout_s
+        while not healthy(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                what = (
+                    f"exited with {process.returncode}"
+                    if process.poll() is not None
+                    else "did not start in time"
+                )
+                tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+                raise UserError(f"the inference server for {cfg.model.name} {what}: {tail[0]}")
+            time.sleep(0.25)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=15)
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def evaluate(cfg: EvalConfig) -> dict:
+    """Run the evaluation; returns what `out` gets (summary per environment, stats, tasks)."""
+    from tandem.envs.mixture import load_mixture  # torch and transformers: only once the config is valid
+    from tandem.models.loading import check_model_source, load_tokenizer
+    from tandem.orchestrator.client import ServerPool
+    from tandem.orchestrator.evaluation import eval_stats, run_eval
+
+    members = load_mixture(chosen_environments(cfg.env, cfg.envs))
+    check_model_source(cfg.model.name)
     tokenizer = load_tokenizer(cfg.model.name)
-    model = load_model(cfg.model).eval()
-    tasks = reverse_text.make_tasks("eval", cfg.num_tasks, seed=cfg.seed)
-    start = time.perf_counter()
-    completions = greedy_completions(
-        model, tokenizer, [t.messages for t in tasks], cfg.batch_size, cfg.max_new_tokens
-    )
-    rewards = [reverse_text.reward(c, t) for c, t in zip(completions, tasks, strict=True)]
-    exact = [c.strip() == t.answer for c, t in zip(completions, tasks, strict=True)]
-    result = {
+    for member in members:
+        member.env.setup(tokenizer, cfg.seq_len)
+
+    async def play(url: str) -> tuple[list, float]:
+        pool = ServerPool([url], cfg.client)
+        try:
+            await pool.connect()
+            start = time.perf_counter()
+            results = await run_eval(
+                members, pool, cfg.num_tasks, cfg.sampling, cfg.n, cfg.rollout_timeout, cfg.seq_len
+            )
+            return results, time.perf_counter() - start
+        finally:
+            await pool.close()
+
+    with (
+        tempfile.TemporaryDirectory(prefix="tandem-eval-") as scratch,
+        inference_server(cfg, Path(scratch)) as url,
+    ):
+        results, seconds = asyncio.run(play(url))
+    stats = eval_stats(members, results, cfg.n, prefix="")
+    envs = {}
+    for m in members:
+        key = f"env/{m.name}/"
+        values = {k[len(key) :]: v for k, v in stats.items() if k.startswith(key)}
+        envs[m.name] = {
+            "num_tasks": int(values.pop("num_tasks")),
+            "failed": int(values.pop("failed")),
+            "reward_mean": values.pop("reward_mean", 0.0),
+            "pass_at_k": {k: values.pop(k) for k in list(values) if k.startswith("pass@")},
+            "stats": {k: values.pop(k) for k in GENERIC_STATS if k in values},
+            "metrics": values,
+        }
+    return {
         "model": cfg.model.name,
-        "env": cfg.env,
-        "num_tasks": len(tasks),
-        "mean_reward": sum(rewards) / len(rewards),
-        "exact_match": sum(exact) / len(exact),
-        "seconds": time.perf_counter() - start,
-        "samples": [
-            {"task_id": t.task_id, "text": t.text, "completion": c, "reward": r}
-            for t, c, r in zip(tasks, completions, rewards, strict=True)
+        "server": cfg.server,
+        "n": cfg.n,
+        "sampling": cfg.sampling.model_dump(),
+        "seconds": seconds,
+        "envs": envs,
+        "tasks": [
+            {
+                "env": r.env,
+                "task_id": r.task_id,
+                "error": r.error,
+                "samples": [
+                    {
+                        "reward": t.reward,
+                        "metrics": t.metrics,
+                        "messages": t.messages,
+                        "num_tokens": t.num_tokens,
+                    }
+                    for t in r.trajectories
+                ],
+            }
+            for r in results
         ],
     }
-    if cfg.out:
-        cfg.out.parent.mkdir(parents=True, exist_ok=True)
-        cfg.out.write_text(json.dumps(result, indent=1))
-    return result
+
+
+def print_result(result: dict, console: Console) -> None:
+    """A table of every environment, then one plain summary line each (the last line of output
+    is the last environment's summary, for scripts)."""
+    envs = result["envs"]
+    metrics = sorted({m for e in envs.values() for m in e["metrics"]})
+    ks = sorted({k for e in envs.values() for k in e["pass_at_k"]}, key=lambda k: int(k[5:]))
+    sampling = result["sampling"]
+    table = Table(title=f"{result['model']}: n={result['n']}, temperature {sampling['temperature']:g}")
+    for column in ["env", "tasks", "failed", "reward", *metrics, *ks, "completion len"]:
+        table.add_column(column, justify="left" if column == "env" else "right", no_wrap=column == "env")
+    for name, e in envs.items():
+        cells = [name, str(e["num_tasks"]), str(e["failed"]), f"{e['reward_mean']:.4f}"]
+        cells += [f"{e['metrics'][m]:.4f}" if m in e["metrics"] else "-" for m in metrics]
+        cells += [f"{e['pass_at_k'][k]:.4f}" if k in e["pass_at_k"] else "-" for k in ks]
+        cells.append(f"{e['stats'].get('completion_len_mean', 0.0):.1f}")
+        table.add_row(*cells)
+    console.print(table)
+    for name, e in envs.items():
+        parts = [f"mean reward {e['reward_mean']:.4f}"]
+        parts += [f"{m} {v:.4f}" for m, v in e["metrics"].items()]
+        parts += [f"{k} {v:.4f}" for k, v in e["pass_at_k"].items()]
+        print(
+            f"{name}: {e['num_tasks']} held-out tasks, " + ", ".join(parts) + f" ({result['seconds']:.1f}s)"
+        )
 
 
 def main() -> None:
     def run() -> None:
         cfg = parse_config(EvalConfig, prog="eval")
         if not cfg.model.name:
-            raise UserError("model.name is required, e.g. --model.name runs/reverse-sft/final")
+            raise UserError("model.name is required, e.g. --model.name runs/reverse_text/sft/final")
         result = evaluate(cfg)
-        print(
-            f"{result['env']}: {result['num_tasks']} held-out tasks, mean reward {result['mean_reward']:.4f}, "
-            f"exact match {result['exact_match']:.4f} ({result['seconds']:.1f}s)"
-        )
+        if cfg.out:
+            cfg.out.parent.mkdir(parents=True, exist_ok=True)
+            cfg.out.write_text(json.dumps(result, indent=1))
+        print_result(result, Console())
 
     run_cli(run, "eval")
 

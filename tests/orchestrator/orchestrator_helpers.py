@@ -7,6 +7,8 @@ from pathlib import Path
 
 import httpx
 
+from tandem.config.base import Section
+from tandem.envs.base import RewardFunction, SingleTurnEnv, last_content
 from tandem.orchestrator.config import OrchestratorConfig
 from tandem.orchestrator.loop import Orchestrator
 from tandem.transport.rollouts import step_dir
@@ -65,3 +67,33 @@ def run_with_trainer(cfg: OrchestratorConfig, model: Path, first: int) -> list[s
 
     asyncio.run(scenario())
     return problems
+
+
+class LetterTask:
+    def __init__(self, task_id: str) -> None:
+        self.task_id = task_id
+
+
+def has_a(task: LetterTask, messages: list) -> float:
+    return float("a" in last_content(messages))
+
+
+class LetterEnv(SingleTurnEnv):
+    """Success = the answer contains the letter a: about even odds for a random tiny model
+    sampling at temperature 1, which gives pass@k something to measure."""
+
+    name = "letters"
+    success_metric = "has_a"
+
+    class Args(Section):
+        num_tasks: int = 6
+
+    @property
+    def reward_functions(self) -> list[RewardFunction]:
+        return [RewardFunction("has_a", has_a, 1.0)]
+
+    def dataset(self, split: str) -> list[LetterTask]:
+        return [LetterTask(f"{split}-{i}") for i in range(self.args.num_tasks)]
+
+    def prompt(self, task: LetterTask) -> list[dict]:
+        return [{"role": "user", "content": f"Write some letters ({task.task_id})."}]
