@@ -3,6 +3,7 @@ against a real inference server with two environments (per-environment samples, 
 evaluation)."""
 
 import itertools
+import tomllib
 from collections import Counter
 from pathlib import Path
 
@@ -11,6 +12,8 @@ from orchestrator_helpers import run_with_trainer, serve_base_model
 
 from tandem.config.loader import ConfigError, parse_config
 from tandem.envs.mixture import allocate, load_mixture
+from tandem.launch.config import RLConfig
+from tandem.launch.plan import plan_run
 from tandem.monitor.metrics import read_metrics
 from tandem.orchestrator.config import EnvConfig, OrchestratorConfig
 from tandem.orchestrator.tasks import step_task_order
@@ -56,6 +59,11 @@ def test_envs_tables_parse_and_mistakes_fail_with_one_line(tmp_path: Path) -> No
         parse_config(OrchestratorConfig, ["@", str(toml), "--envs", '[{name = "reverse_text", weight = 0}]'])
     with pytest.raises(ConfigError, match="two environments are named 'reverse_text'; give one a `label`"):
         load_mixture([EnvConfig(), EnvConfig(args={"max_len": 5})])
+    # the rl launcher writes the orchestrator's config file; the mix survives the round trip
+    rl = tmp_path / "rl.toml"
+    rl.write_text('[model]\nname = "m"\n\n' + toml.read_text().replace("[[envs]]", "[[orchestrator.envs]]"))
+    written = plan_run(parse_config(RLConfig, ["@", str(rl)]), visible_gpus=[]).files()["orchestrator"]
+    assert OrchestratorConfig.model_validate(tomllib.loads(written)).environments == cfg.environments
 
 
 def test_a_mixed_run_tags_samples_and_logs_metrics_per_environment(
