@@ -87,6 +87,12 @@ def test_partial_credit_is_the_fraction_of_tests_passed(env: CodeEnv) -> None:
         ("import os\nos.system('rm -rf /')\ndef add_digits(n):\n    return 6", "hostile"),
         ("import socket\nsocket.create_connection(('127.0.0.1', 80))", "network"),
         ("x = bytearray(10 * 1024**3)", "memory"),
+        ("import os\nwhile True:\n    os.fork()", "fork bomb"),
+        (
+            "open('/tmp/tandem-code-escape', 'w').write('x')\ndef add_digits(n):\n    return 6",
+            "write outside",
+        ),
+        ("while True:\n    pass", "loops forever"),
     ],
 )
 def test_broken_and_hostile_answers_score_zero(env: CodeEnv, code: str, why: str) -> None:
@@ -94,6 +100,8 @@ def test_broken_and_hostile_answers_score_zero(env: CodeEnv, code: str, why: str
     reward, metrics = score(env, task, code)
     assert reward == 0.0, why
     assert metrics["has_code"] == 1.0 and metrics["passed_all"] == 0.0
+    assert metrics["timeout"] == float(why == "loops forever")
+    assert not Path("/tmp/tandem-code-escape").exists()
 
 
 def test_a_timeout_keeps_the_tests_passed_before_it(env: CodeEnv) -> None:
