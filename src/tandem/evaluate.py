@@ -15,6 +15,7 @@ task's completions as JSON.
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -256,13 +257,17 @@ def print_result(result: dict, console: Console) -> None:
 def main() -> None:
     def run() -> None:
         cfg = parse_config(EvalConfig, prog="eval")
+        logging.basicConfig(
+            level=logging.WARNING, format="eval: %(levelname)s %(message)s", stream=sys.stderr
+        )
         if not cfg.model.name:
             raise UserError("model.name is required, e.g. --model.name runs/reverse_text/sft/final")
         result = evaluate(cfg)
         if cfg.out:
             cfg.out.parent.mkdir(parents=True, exist_ok=True)
             cfg.out.write_text(json.dumps(result, indent=1))
-        print_result(result, Console())
+        console = Console()
+        print_result(result, console if console.is_terminal else Console(width=200))  # no cut columns in logs
 
     run_cli(run, "eval")
 
