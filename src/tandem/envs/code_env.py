@@ -167,6 +167,7 @@ def has_code(task: CodeTask, messages: list[Message]) -> float:
 
 class CodeEnv(SingleTurnEnv):
     name = "code"
+    success_metric = "passed_all"  # what pass@k counts in `eval`
 
     class Args(Section):
         problems_file: Path | None = Field(
