@@ -51,11 +51,10 @@ def transcript_sample(tokenizer: PreTrainedTokenizerBase, messages: list[dict[st
         if message.get("role") != "assistant":
             continue
         before = chat_ids(tokenizer, messages[:k], prompt=True)
-        through = chat_ids(tokenizer, messages[: k + 1], prompt=False)
-        if full_ids[: len(before)] != before or full_ids[: len(through)] != through:
+        if full_ids[: len(before)] != before:
             raise UserError("the chat template renders earlier turns differently once later turns follow")
         try:
-            end = through.index(tokenizer.eos_token_id, len(before)) + 1
+            end = full_ids.index(tokenizer.eos_token_id, len(before)) + 1
         except ValueError:
             raise UserError("the chat template does not close an assistant turn with eos") from None
         mask[len(before) : end] = [True] * (end - len(before))
