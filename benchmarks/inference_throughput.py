@@ -238,9 +238,19 @@ def client_process(
     return asyncio.run(send_load(port, prompts, args, stream, start_at))
 
 
+def engine_steps(port: int) -> int | None:
+    """The server's engine step counter (from /metrics), None when it has none."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith("tandem_engine_steps_total "):
+            return int(float(line.split()[1]))
+    return None
+
+
 def run_load(port: int, prompts: list[list[int]], args: argparse.Namespace, stream: bool) -> dict:
     """The requests split over `--client-procs` processes, so that parsing 256 streams of SSE
     chunks in Python does not limit the measured throughput."""
+    steps_before = engine_steps(port)
     procs = max(1, min(args.client_procs, len(prompts)))
     shares = [{i: prompts[i] for i in range(k, len(prompts), procs)} for k in range(procs)]
     start = time.perf_counter() + args.client_start_delay
@@ -259,6 +269,10 @@ def run_load(port: int, prompts: list[list[int]], args: argparse.Namespace, stre
     if tokens != expected:
         raise RuntimeError(f"got {tokens} output tokens, expected {expected}")
     result = {"output_tokens": tokens, "seconds": elapsed, "output_tokens_per_s": tokens / elapsed}
+    steps_after = engine_steps(port)
+    if steps_before is not None and steps_after is not None:
+        result["engine_steps"] = steps_after - steps_before  # (the clients' warm-up requests included)
+    result["client_start_spread_s"] = last_sent - first_sent
     if stream:
         ttft = [t.first_token() - t.sent for t in timings]
         itl = [gap for t in timings for gap in t.gaps()]
@@ -324,7 +338,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--seeded", action="store_true", help="send a seed with each request (counter-based noise)"
     )
-    parser.add_argument("--client-procs", type=int, default=None, help="client processes (CPU 1, CUDA 4)")
+    parser.add_argument(
+        "--client-procs", type=int, default=None, help="client processes (CPU 1, CUDA 8 or half the cores)"
+    )
     parser.add_argument(
         "--client-start-delay", type=float, default=20.0, help="seconds for the clients to start and warm up"
     )
@@ -348,7 +364,7 @@ def main() -> None:
     args.prompt_len = args.prompt_len or (128 if cuda else 64)
     args.output_len = args.output_len or (256 if cuda else 64)
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    args.client_procs = args.client_procs or (4 if cuda else 1)
+    args.client_procs = args.client_procs or (min(8, (os.cpu_count() or 2) // 2) if cuda else 1)
     args.work_dir.mkdir(parents=True, exist_ok=True)
     if args.model is not None:
         model, described = args.model, "given"

@@ -16,6 +16,7 @@ Requests = dict[str, tuple[list[int], SamplingParams, int]]
 
 
 def make_core(model: Path, **engine: object) -> EngineCore:
+    engine = {"kv_cache_memory_gb": 0.1, **engine}  # (on CUDA, not most of the device: several cores live)
     return EngineCore(InferenceConfig.model_validate({"model": {"name": str(model)}, "engine": engine}))
 
 

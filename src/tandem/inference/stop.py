@@ -54,6 +54,10 @@ class TextTracker:
         if not self.incremental:
             self.token_ids.extend(token_ids)
             return len(token_ids)
+        if not self.stop:  # nothing to find between tokens: decode the new ones together
+            self.token_ids.extend(token_ids)
+            self._advance()
+            return len(token_ids)
         for used, token_id in enumerate(token_ids, start=1):
             if self.stopped_by is not None:
                 return used - 1

@@ -58,6 +58,7 @@ class EngineStats:
     prompt_tokens_total: int
     weight_version: int
     paused: bool
+    steps_total: int = 0  # engine steps run since start
 
 
 class WeightLoadError(ValueError):

@@ -137,6 +137,7 @@ class AsyncEngine:
             prompt_tokens_total=core.prompt_tokens_total,
             weight_version=core.weight_version,
             paused=self.paused,
+            steps_total=core.num_steps,
         )
 
     async def shutdown(self) -> None:
