@@ -160,12 +160,13 @@ def healthy(url: str) -> bool:
 
 def evaluate(cfg: EvalConfig) -> dict:
     """Run the evaluation; returns what `out` gets (summary per environment, stats, tasks)."""
-    from tandem.envs.mixture import load_mixture  # torch and transformers: only once the config is valid
+    from tandem.envs.mixture import load_mixture
+
+    members = load_mixture(chosen_environments(cfg.env, cfg.envs))  # a wrong name fails before torch loads
     from tandem.models.loading import check_model_source, load_tokenizer
     from tandem.orchestrator.client import ServerPool
     from tandem.orchestrator.evaluation import eval_stats, run_eval
 
-    members = load_mixture(chosen_environments(cfg.env, cfg.envs))
     check_model_source(cfg.model.name)
     tokenizer = load_tokenizer(cfg.model.name)
     for member in members:
