@@ -19,7 +19,11 @@
   messages; the episode ends when the model answers without a tool call or `max_turns` is spent.
   It asks the server for `skip_special_tokens: False` so tags that a tokenizer marks special
   (the tiny test tokenizer does) stay in the text; the end-of-turn token's text may then end the
-  message content. Subclasses write `available_tools(task)` plus what every environment writes.
+  message content. It also sends `tool_choice: "none"`: the tools are still rendered into the
+  prompt (tandem's server always, vLLM by default), but the server returns the calls as plain
+  text instead of parsing them into `tool_calls` (which vLLM does, or refuses with "auto", unless
+  started with a tool parser). Subclasses write `available_tools(task)` plus what every
+  environment writes.
 """
 
 import asyncio
@@ -214,7 +218,7 @@ class ToolEnv(MultiTurnEnv):
         return [tool.schema for tool in self.available_tools(task)] or None
 
     def request_extra(self, task: Any) -> dict[str, Any]:
-        return {"skip_special_tokens": False}
+        return {"skip_special_tokens": False, "tool_choice": "none"}
 
     def tool_calls(self, task: Any, text: str) -> list[ToolCall]:
         """The calls in one model turn (override to read another format)."""
