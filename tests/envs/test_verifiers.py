@@ -15,6 +15,7 @@ from server_process import start_server
 pytest.importorskip("verifiers", reason="needs the optional extra: uv sync --extra verifiers")
 
 from tandem.config.loader import ConfigError  # noqa: E402
+from tandem.envs.mixture import Member  # noqa: E402
 from tandem.envs.multi_turn import render_ids  # noqa: E402
 from tandem.envs.registry import load_environment  # noqa: E402
 from tandem.envs.verifiers_adapter import VerifiersEnv, VerifiersRolloutError  # noqa: E402
@@ -22,6 +23,7 @@ from tandem.models.loading import load_tokenizer  # noqa: E402
 from tandem.models.tiny import build_tiny_model  # noqa: E402
 from tandem.orchestrator.client import ServerPool  # noqa: E402
 from tandem.orchestrator.config import ClientConfig, OrchestratorConfig, SamplingConfig  # noqa: E402
+from tandem.orchestrator.evaluation import eval_stats, run_eval  # noqa: E402
 from tandem.orchestrator.rollouts import RolloutCollector  # noqa: E402
 from tandem.orchestrator.tasks import step_task_order  # noqa: E402
 
@@ -218,6 +220,32 @@ def test_a_failing_verifiers_environment_fails_its_group_and_the_step_goes_on(
         assert len(batch.groups) == 2 and batch.failed_groups == 1
         assert f"train-{first}" not in {g.task_id for g in batch.groups}
         assert any(f"task train-{first} failed" in r.message and reason in r.message for r in caplog.records)
+
+
+def test_evaluation_of_a_verifiers_environment_reports_pass_at_k_from_its_pass_threshold(
+    server: str, model: Path, env_module: str
+) -> None:
+    env = load(env_module, model, num_examples=4)
+    members = [Member(env.name, env)]
+
+    async def evaluate() -> list:
+        pool = ServerPool([server], ClientConfig())
+        await pool.connect()
+        try:
+            return await run_eval(
+                members, pool, 3, SamplingConfig(temperature=1.0, max_tokens=8), 4, 60.0, SEQ_LEN
+            )
+        finally:
+            await pool.close()
+
+    results = asyncio.run(evaluate())
+    assert [r.task_id for r in results] == ["eval-0", "eval-1", "eval-2"] and all(
+        r.error is None for r in results
+    )
+    stats = eval_stats(members, results, n=4)
+    counts = [sum(t.metrics["passed"] for t in r.trajectories) for r in results]
+    assert stats[f"eval/env/{MODULE}/pass@1"] == pytest.approx(sum(counts) / 12)
+    assert stats[f"eval/env/{MODULE}/pass@4"] == pytest.approx(sum(c > 0 for c in counts) / 3)
 
 
 def test_unknown_verifiers_environment_is_a_config_error() -> None:

@@ -57,7 +57,9 @@ class EvalConfig(Section):
     interval: int = Field(
         0, ge=0, description="Evaluate before every `interval`-th step and after the last; 0 = never."
     )
-    num_tasks: int = Field(64, gt=0, description="Held-out tasks per evaluation (the first N of the split).")
+    num_tasks: int = Field(
+        64, gt=0, description="Held-out tasks of each environment per evaluation (the first N of its split)."
+    )
     max_tokens: int | None = Field(None, gt=0, description="Generation limit; default: sampling.max_tokens.")
 
 
