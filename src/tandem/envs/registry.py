@@ -23,7 +23,9 @@ def resolve(name: str) -> type[Environment]:
     module_name, colon, class_name = target.partition(":")
     if not colon:
         known = ", ".join(sorted(BUILT_IN))
-        raise ConfigError(f"env.name: unknown environment '{name}' (built in: {known}; or 'module:Class')")
+        raise ConfigError(
+            f"env.name: unknown environment '{name}' (built in: {known}; or 'module:Class', or 'verifiers:<env id>')"
+        )
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as e:
