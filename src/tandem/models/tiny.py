@@ -30,8 +30,9 @@ QWEN3_0_6B_SHAPE = {
 """Qwen3-0.6B's shape, for benchmarks of realistic size (random init): `TinyModelConfig(**QWEN3_0_6B_SHAPE)`."""
 
 
-class TinyModelConfig(Section):
-    out: Path = Field(Path("models/tiny-qwen3"), description="Directory to write the model to.")
+class TinyShape(Section):
+    """The architecture of a tiny Qwen3 and the seed of its random initialisation."""
+
     hidden_size: int = Field(256, gt=0, description="Width of the residual stream.")
     num_layers: int = Field(6, gt=0, description="Decoder layers.")
     num_heads: int = Field(4, gt=0, description="Query heads.")
@@ -46,7 +47,11 @@ class TinyModelConfig(Section):
     seed: int = Field(0, description="Seed of the random initialisation.")
 
 
-def tiny_qwen3_config(cfg: TinyModelConfig, tokenizer_size: int, eos_id: int, pad_id: int) -> Qwen3Config:
+class TinyModelConfig(TinyShape):
+    out: Path = Field(Path("models/tiny-qwen3"), description="Directory to write the model to.")
+
+
+def tiny_qwen3_config(cfg: TinyShape, tokenizer_size: int, eos_id: int, pad_id: int) -> Qwen3Config:
     return Qwen3Config(
         vocab_size=max(cfg.vocab_size, tokenizer_size),
         hidden_size=cfg.hidden_size,

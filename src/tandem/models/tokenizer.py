@@ -3,12 +3,17 @@
 It is a byte-level BPE whose pre-tokenizer isolates every ASCII letter and digit: merges are
 learned only among whitespace and punctuation, so a tiny model sees words letter by letter,
 which is what character tasks (reversing, sorting, Wordle) need. Any UTF-8 text round-trips.
+A few whole words (the chat roles and the reverse-text instruction, `WORD_TOKENS`) are single
+tokens, as they would be in a real vocabulary; they match only as whole words, so a letter string
+that merely contains one ("xtheq", "users") is still split into letters. This halves the length
+of a reverse-text chat (68 → 35 tokens), which is most of what training on CPU costs.
 The chat template is ChatML, as Qwen uses, with Qwen/Hermes-style tool rendering.
 """
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+WORD_TOKENS = ["user", "assistant", "system", "tool", "Reverse", "the", "following", "text"]
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
 
 CHAT_TEMPLATE = (
@@ -75,5 +80,6 @@ def train_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
         bos_token=None,
         additional_special_tokens=SPECIAL_TOKENS[1:2] + SPECIAL_TOKENS[3:],
     )
+    wrapped.add_tokens([AddedToken(w, single_word=True, normalized=False) for w in WORD_TOKENS])
     wrapped.chat_template = CHAT_TEMPLATE
     return wrapped

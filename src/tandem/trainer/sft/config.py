@@ -7,6 +7,7 @@ from pydantic import Field
 
 from tandem.config.base import ModelConfig, Section
 from tandem.envs.reverse_text import MAX_LEN, MIN_LEN
+from tandem.models.tiny import TinyShape
 from tandem.trainer.optim import OptimConfig
 
 
@@ -44,6 +45,18 @@ class CheckpointConfig(Section):
     final: bool = Field(True, description="Also checkpoint after the last step (so the run can be extended).")
 
 
+class EvalConfig(Section):
+    """Greedy decoding of held-out tasks during training, logged as eval/reward and eval/exact_match.
+
+    For data.task = reverse_text (chat_jsonl has no held-out split; evaluate those models with `eval`)."""
+
+    interval: int = Field(0, ge=0, description="Evaluate every this many steps; 0 = never during training.")
+    final: bool = Field(True, description="Also evaluate the final model.")
+    num_tasks: int = Field(200, gt=0, description="Held-out tasks to decode (the first N of the split).")
+    batch_size: int = Field(100, gt=0, description="Prompts decoded together.")
+    max_new_tokens: int = Field(24, gt=0, description="Longest answer decoded per task.")
+
+
 class LogConfig(Section):
     interval: int = Field(10, gt=0, description="Print a plain progress line every this many steps (no TTY).")
 
@@ -73,7 +86,11 @@ class SFTConfig(Section):
         description="If model.name does not exist yet, first build tandem's random-init tiny Qwen3 there "
         "(for the CPU examples, which train from scratch).",
     )
+    tiny: TinyShape = Field(
+        default_factory=TinyShape, description="Shape and init seed of the model init_tiny_model builds."
+    )
     data: DataConfig = Field(default_factory=DataConfig, description="Training data.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and LR schedule.")
     ckpt: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
     log: LogConfig = Field(default_factory=LogConfig, description="Console logging.")

@@ -32,6 +32,7 @@ from tandem.trainer.parallel import (
 )
 from tandem.trainer.sft.config import SFTConfig
 from tandem.trainer.sft.data import SFTDataset, build_dataset
+from tandem.trainer.sft.evaluation import evaluate_held_out
 
 
 def token_loss_sum(model: nn.Module, batch: MicroBatch) -> torch.Tensor:
@@ -76,9 +77,9 @@ def prepare_model_source(cfg: SFTConfig, world: World) -> None:
     if not cfg.init_tiny_model or Path(cfg.model.name).expanduser().exists():
         return
     if world.is_main:
-        from tandem.models.tiny import build_tiny_model
+        from tandem.models.tiny import TinyModelConfig, build_tiny_model
 
-        build_tiny_model(out=Path(cfg.model.name).expanduser(), seed=cfg.seed)
+        build_tiny_model(TinyModelConfig(**cfg.tiny.model_dump(), out=Path(cfg.model.name).expanduser()))
         print(f"sft: built a random-init tiny Qwen3 at {cfg.model.name}", flush=True)
     barrier()
 
@@ -121,6 +122,19 @@ def _train(cfg: SFTConfig, world: World) -> dict[str, Any]:
         extra = {"data_position": position}
         save_checkpoint(ckpt_root, step, model, optimizer, scheduler, tokenizer, world, extra, cfg.ckpt.keep)
 
+    can_eval = cfg.data.task == "reverse_text"
+
+    def evaluate(step: int) -> dict[str, float]:
+        result = evaluate_held_out(model, tokenizer, cfg.eval, cfg.seed)
+        metrics.log(step, **result)
+        if world.is_main:
+            print(
+                f"sft: step {step} held-out reward {result['eval/reward']:.4f}, "
+                f"exact match {result['eval/exact_match']:.4f} ({result['eval/seconds']:.1f}s)",
+                flush=True,
+            )
+        return result
+
     metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl", "sft", enabled=world.is_main)
     progress = TrainingProgress(cfg.max_steps, step, cfg.log.interval, enabled=world.is_main)
     start, total_tokens, start_step, stats = time.monotonic(), 0, step, {}
@@ -141,6 +155,9 @@ def _train(cfg: SFTConfig, world: World) -> dict[str, Any]:
             progress.update(step, {k: stats[k] for k in ("loss", "grad_norm", "tokens_per_s")})
             if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
                 checkpoint(step, position)
+            if can_eval and cfg.eval.interval and step % cfg.eval.interval == 0 and step < cfg.max_steps:
+                evaluate(step)
+        final_eval = evaluate(step) if can_eval and cfg.eval.final and step > start_step else {}
     if cfg.ckpt.final and step > start_step and not (cfg.ckpt.interval and step % cfg.ckpt.interval == 0):
         checkpoint(step, position)
     final_dir = cfg.run_dir / "final"
@@ -152,6 +169,7 @@ def _train(cfg: SFTConfig, world: World) -> dict[str, Any]:
         "tokens_per_s": total_tokens / elapsed if elapsed > 0 else 0.0,
         "train_seconds": elapsed,
         "final_model": str(final_dir),
+        **final_eval,
         **_memory(world),
     }
     if world.is_main:
