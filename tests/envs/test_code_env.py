@@ -12,6 +12,7 @@ from server_process import start_server
 from tandem.config.loader import ConfigError
 from tandem.envs.code_env import CodeEnv, CodeTask, extract_code, run_tests, same
 from tandem.envs.registry import load_environment
+from tandem.envs.sandbox import Limits, Sandbox, SandboxError
 from tandem.models.loading import load_tokenizer
 from tandem.models.tiny import build_tiny_model
 from tandem.orchestrator.client import InferenceClient
@@ -110,6 +111,14 @@ def test_a_timeout_keeps_the_tests_passed_before_it(env: CodeEnv) -> None:
     reward, metrics = score(env, task, code)
     assert reward == pytest.approx(3 / 6)  # 123, 0, 9 before the loop
     assert metrics["timeout"] == 1.0 and metrics["passed_all"] == 0.0
+
+
+def test_a_broken_sandbox_fails_the_rollout_instead_of_scoring_zero() -> None:
+    env = CodeEnv(CodeEnv.Args(timeout_s=3.0))
+    env.sandbox = Sandbox(Limits(open_files=3))  # the runner cannot even import ctypes
+    task = task_named(env, "add_digits")
+    with pytest.raises(SandboxError, match="task add_digits: sandbox set-up failed"):
+        score(env, task, "def add_digits(n):\n    return 6")
 
 
 def test_answers_without_a_code_block_score_zero_without_running(env: CodeEnv) -> None:

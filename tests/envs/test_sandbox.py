@@ -203,6 +203,15 @@ def test_runs_are_concurrent_up_to_the_limit_and_leave_the_event_loop_free() -> 
     assert ticks >= 0.5 * elapsed / 0.05
 
 
+def test_set_up_failures_are_told_apart_from_programs_that_fail() -> None:
+    fake = "import sys\nprint('sandbox set-up failed: fake', file=sys.stderr)\nsys.exit(125)"
+    result = run(fake)
+    assert result.exit_code == 125 and result.error is None  # the program's own doing
+    broken = run("print(1)", Sandbox(Limits(open_files=3)))  # no descriptor left for the set-up
+    assert broken.error is not None and broken.error.startswith("sandbox set-up failed: OSError")
+    assert broken.stdout == ""
+
+
 def test_bad_file_names_and_required_isolation() -> None:
     with pytest.raises(ValueError, match="plain file name"):
         run("print(1)", **{"../x": "y"})

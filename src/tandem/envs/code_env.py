@@ -13,7 +13,8 @@ on each test's arguments and prints each result as JSON as soon as it has it (so
 before a timeout still count). The expected values never enter the sandbox: results are compared
 here, strictly by type (True is not 1, tuples come back as lists), floats within 1e-6 relative.
 
-Reward = fraction of tests passed. Metrics: `has_code`, `passed_all` (binary success, for pass@k),
+Reward = fraction of tests passed; a sandbox that fails to set up raises `SandboxError` (the
+rollout fails and is logged) rather than scoring the answer 0. Metrics: `has_code`, `passed_all` (binary success, for pass@k),
 `timeout` (the program hit the wall-clock limit). Running tests is asynchronous, so the reward is
 computed in `rollout_group` after sampling; the synchronous `reward_functions` hold only
 `has_code` (a metric).
@@ -34,7 +35,7 @@ from pydantic import Field
 
 from tandem.config.base import Section
 from tandem.envs.base import Message, RewardFunction, SingleTurnEnv, Split, Trajectory, last_content
-from tandem.envs.sandbox import Limits, Sandbox
+from tandem.envs.sandbox import Limits, Sandbox, SandboxError
 from tandem.orchestrator.client import InferenceClient
 from tandem.orchestrator.config import SamplingConfig
 
@@ -147,6 +148,8 @@ async def run_tests(sandbox: Sandbox, task: CodeTask, code: str) -> TestReport:
     marker = f"@@{uuid.uuid4().hex}@@"
     cases = {"entry_point": task.entry_point, "marker": marker, "args": [t["args"] for t in task.tests]}
     result = await sandbox.run(HARNESS, {"solution.py": code, "cases.json": json.dumps(cases)})
+    if result.error is not None:  # the sandbox broke, not the answer: fail the rollout, do not score 0
+        raise SandboxError(f"task {task.task_id}: {result.error}")
     results: dict[int, Any] = {}
     for line in result.stdout.splitlines():
         if not line.startswith(marker):

@@ -89,7 +89,7 @@ class SandboxResult:
     isolated: bool
     """Whether the namespace layer was on."""
     error: str | None = None
-    """The sandbox itself failed to set up (not the program)."""
+    """Why the sandbox itself failed to set up (then the program never ran)."""
 
     @property
     def ok(self) -> bool:
@@ -146,19 +146,26 @@ class Sandbox:
                 shutil.rmtree(workdir, ignore_errors=True)
 
     async def execute(self, workdir: str) -> SandboxResult:
+        # The runner reports its set-up on its own pipe and closes it before the program starts,
+        # so a program cannot pass itself off as a set-up failure (or the other way round).
+        status_r, status_w = os.pipe()
         config = {
             "limits": asdict(self.limits),
             "isolate": self.isolate,
             "audit": self.audit_hook,
             "workdir": workdir,
+            "status_fd": status_w,
         }
         env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
         start = time.perf_counter()
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-S", "-B", __file__, json.dumps(config),
-            cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True,
-        )  # fmt: skip
+        try:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-I", "-S", "-B", __file__, json.dumps(config),
+                cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, start_new_session=True, pass_fds=(status_w,),
+            )  # fmt: skip
+        finally:
+            os.close(status_w)
         cap = self.limits.output_bytes
         readers = [asyncio.ensure_future(read_capped(s, cap)) for s in (process.stdout, process.stderr)]
         timed_out = False
@@ -174,20 +181,29 @@ class Sandbox:
         for reader in pending:  # an escaped descendant holds the pipe open: stop listening
             reader.cancel()
         (out, out_cut), (err, err_cut) = (r.result() if r in done else (b"", True) for r in readers)
+        status = read_status(status_r)
         code = process.returncode
-        exit_code = None if timed_out else (128 - code if code is not None and code < 0 else code)
-        stderr = err.decode(errors="replace")
-        error = stderr.strip().splitlines()[-1] if exit_code == SETUP_FAILED and stderr.strip() else None
         return SandboxResult(
-            exit_code=exit_code,
+            exit_code=None if timed_out else (128 - code if code is not None and code < 0 else code),
             stdout=out.decode(errors="replace"),
-            stderr=stderr,
+            stderr=err.decode(errors="replace"),
             timed_out=timed_out,
             output_truncated=out_cut or err_cut,
             seconds=time.perf_counter() - start,
             isolated=self.isolate,
-            error=error,
+            error=None if status == "ok" else status or "the sandbox runner ended before its set-up finished",
         )
+
+
+def read_status(fd: int) -> str:
+    """What the runner wrote on its status pipe ('ok' or why its set-up failed); closes `fd`."""
+    os.set_blocking(fd, False)
+    try:
+        return os.read(fd, 65536).decode(errors="replace")
+    except BlockingIOError:  # nothing written, and somebody still holds the pipe
+        return ""
+    finally:
+        os.close(fd)
 
 
 async def read_capped(stream: asyncio.StreamReader | None, cap: int) -> tuple[bytes, bool]:
@@ -240,11 +256,11 @@ def set_limits(limits: dict[str, Any]) -> None:
         resource.setrlimit(which, (value, hard))
 
 
-def enter_namespaces(workdir: str) -> None:
+def enter_namespaces(workdir: str, status_fd: int | None) -> None:
     """New user, network, mount and PID namespaces; all mounts read-only except `workdir`.
 
-    Returns in a forked child that is PID 1 of the new PID namespace; the runner waits for it and
-    exits with its status."""
+    Returns in a forked child that is PID 1 of the new PID namespace; the runner closes its copy
+    of `status_fd`, waits for that child and exits with its status."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -278,6 +294,8 @@ def enter_namespaces(workdir: str) -> None:
     pid = os.fork()
     if pid:  # the runner: wait for PID 1 of the namespace and pass on how it ended
         os.close(ready_r)
+        if status_fd is not None:
+            os.close(status_fd)
         os.write(ready_w, b"x")
         _, status = os.waitpid(pid, 0)
         os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
@@ -401,21 +419,27 @@ def install_audit_hook(workdir: str) -> None:
 
 
 def child_main(config: dict[str, Any]) -> None:
-    workdir = config["workdir"]
+    workdir, status_fd = config["workdir"], config.get("status_fd")
     try:
         set_limits(config["limits"])
         if config["isolate"]:
-            enter_namespaces(workdir)
+            enter_namespaces(workdir, status_fd)
         resource.setrlimit(resource.RLIMIT_NPROC, (config["limits"]["max_processes"],) * 2)
         install_seccomp()
         forget_ctypes()
         if config.get("audit", True):
             install_audit_hook(workdir)
     except Exception as e:
-        print(f"sandbox set-up failed: {type(e).__name__}: {e}", file=sys.stderr)
+        message = f"sandbox set-up failed: {type(e).__name__}: {e}"
+        print(message, file=sys.stderr)
+        if status_fd is not None:
+            os.write(status_fd, message.encode())
         sys.exit(SETUP_FAILED)
     if config.get("probe"):
         sys.exit(0)
+    if status_fd is not None:
+        os.write(status_fd, b"ok")
+        os.close(status_fd)
     with open("main.py", encoding="utf-8") as f:
         source = f.read()
     sys.argv = ["main.py"]
