@@ -342,8 +342,13 @@ def main() -> None:
         del core
     engine = AsyncEngine(engine_config(path, dtype, args))
     run_async(engine, prompts[: min(8, len(prompts))], 4)  # warm-up
-    rows.append(("tandem AsyncEngine, streams", *run_async(engine, prompts, args.output_len)))
-    rows.append(("tandem AsyncEngine, whole", *run_async(engine, prompts, args.output_len, stream=False)))
+    for name, stream in (("streams", True), ("whole", False)):
+        steps_before, timings_before = engine.core.num_steps, dict(engine.core.timings)
+        rows.append((f"tandem AsyncEngine, {name}", *run_async(engine, prompts, args.output_len, stream)))
+        results[f"async_{name}_steps"] = engine.core.num_steps - steps_before
+        results[f"async_{name}_step_seconds_by_phase"] = {
+            k: v - timings_before[k] for k, v in engine.core.timings.items()
+        }
     asyncio.run(engine.shutdown())
     del engine
     if device.type == "cuda":
@@ -366,6 +371,9 @@ def main() -> None:
                     "decode_graph_replay_ms",
                     "decode_graph_replay_ms_torch_ops",
                     "engine_step_seconds_by_phase",
+                    "async_streams_steps",
+                    "async_whole_steps",
+                    "async_whole_step_seconds_by_phase",
                 )
                 if k in results
             }
