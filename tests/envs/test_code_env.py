@@ -10,7 +10,7 @@ import pytest
 from server_process import start_server
 
 from tandem.config.loader import ConfigError
-from tandem.envs.code_env import CodeEnv, CodeTask, extract_code, run_tests, same
+from tandem.envs.code_env import CodeEnv, CodeTask, extract_code, run_tests, same, synthetic_problems
 from tandem.envs.registry import load_environment
 from tandem.envs.sandbox import Limits, Sandbox, SandboxError
 from tandem.models.loading import load_tokenizer
@@ -53,6 +53,20 @@ def test_every_reference_solution_passes_all_its_tests(env: CodeEnv) -> None:
     ]
     assert failing == []
     assert all(r.total >= 4 for r in reports)
+
+
+def test_synthetic_problems_are_right_seeded_and_for_training_only(env: CodeEnv) -> None:
+    mixed = CodeEnv(CodeEnv.Args(synthetic_tasks=24, data_seed=3))
+    synthetic = [t for t in mixed.dataset("train") if t.task_id.startswith("synthetic-")]
+    assert len(synthetic) == 24 and len(mixed.dataset("eval")) == 8
+    assert len({t.entry_point for t in synthetic}) >= 6  # most of the eight templates
+    assert [t.solution for t in synthetic] == [t.solution for t in synthetic_problems(24, 3)]
+    assert [t.solution for t in synthetic] != [t.solution for t in synthetic_problems(24, 4)]
+
+    async def run_all():
+        return await asyncio.gather(*(run_tests(env.sandbox, t, t.solution) for t in synthetic))
+
+    assert all(r.passed == r.total == 6 for r in asyncio.run(run_all()))
 
 
 def test_prompt_shows_signature_and_first_example(env: CodeEnv) -> None:

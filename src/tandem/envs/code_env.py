@@ -5,7 +5,9 @@ Problems live in `data/code_problems.jsonl`, one JSON object per line: `id`, `si
 a test checks it passes every test) and `tests`, each `{"args": [...], "expected": ...}`. The
 prompt gives the signature, the description and the first test as an example. The held-out
 split is every `eval_every`-th problem; the rest is the training split. Another file in the same
-format can be named with `problems_file`.
+format can be named with `problems_file`. `synthetic_tasks` adds generated problems to the
+training split (eight templates such as "returns n times 3 plus -2" or "counts how often the
+letter 'x' occurs in s", with random constants and arguments; held-out problems stay hand-written).
 
 The answer is the last ```python (or bare ```) block of the model's final message. It runs as
 `solution.py` in a `tandem.envs.sandbox.Sandbox` next to a harness that calls the entry point
@@ -24,9 +26,10 @@ import asyncio
 import json
 import math
 import os
+import random
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -109,6 +112,61 @@ def load_problems(path: Path) -> list[CodeTask]:
     return tasks
 
 
+# Synthetic problems: (signature, description, body) with constants {a} {b} {k} {c}, and the
+# kind of argument the tests draw. The reference solution is `def signature:\n    body`.
+TEMPLATES = [
+    ("scale_and_shift(n: int) -> int", "returns n times {a} plus {b}", "return n * {a} + {b}", "int"),
+    ("count_letter(s: str) -> int", "counts how often the letter '{c}' occurs in s", "return s.count('{c}')", "str"),
+    ("is_divisible(n: int) -> bool", "tells whether n is divisible by {k}", "return n % {k} == 0", "int"),
+    ("sum_above(nums: list[int]) -> int", "returns the sum of the elements of nums that are greater than {b}",
+     "return sum(x for x in nums if x > {b})", "list"),
+    ("last_chars(s: str) -> str", "returns the last {k} characters of s (all of s when it is shorter)",
+     "return s[-{k}:]", "str"),
+    ("repeat_each(s: str) -> str", "returns s with every character repeated {k} times",
+     "return ''.join(ch * {k} for ch in s)", "str"),
+    ("keep_multiples(nums: list[int]) -> list[int]", "returns the elements of nums that are multiples of {k}, in order",
+     "return [x for x in nums if x % {k} == 0]", "list"),
+    ("clamp(n: int) -> int", "returns n limited to the range from {lo} to {hi}", "return max({lo}, min({hi}, n))", "int"),
+]  # fmt: skip
+
+
+def synthetic_problems(count: int, seed: int, tests_per_problem: int = 6) -> list[CodeTask]:
+    """`count` problems from TEMPLATES with random constants; expected values from the reference."""
+    rng = random.Random(f"code/synthetic/{seed}")
+    draw: dict[str, Callable[[], Any]] = {
+        "int": lambda: rng.randint(-50, 50),
+        "str": lambda: "".join(rng.choices("abcdexyz", k=rng.randint(0, 10))),
+        "list": lambda: [rng.randint(-20, 20) for _ in range(rng.randint(0, 8))],
+    }
+    tasks = []
+    for i in range(count):
+        signature, description, body, kind = rng.choice(TEMPLATES)
+        lo = rng.randint(-20, 0)
+        constants = {
+            "a": rng.randint(2, 9), "b": rng.randint(-9, 9), "k": rng.randint(2, 5),
+            "c": rng.choice("abcdexyz"), "lo": lo, "hi": lo + rng.randint(5, 30),
+        }  # fmt: skip
+        solution = f"def {signature}:\n    {body.format(**constants)}\n"
+        namespace: dict[str, Any] = {}
+        exec(solution, namespace)  # our own template code, not a model's
+        entry_point = signature.split("(")[0]
+        tests = tuple(
+            {"args": [arg], "expected": namespace[entry_point](arg)}
+            for arg in (draw[kind]() for _ in range(tests_per_problem))
+        )
+        tasks.append(
+            CodeTask(
+                f"synthetic-{seed}-{i}",
+                signature,
+                description.format(**constants),
+                entry_point,
+                tests,
+                solution,
+            )
+        )
+    return tasks
+
+
 def extract_code(text: str) -> str | None:
     """The last fenced code block of `text`, or None."""
     blocks = CODE_BLOCK.findall(text)
@@ -177,6 +235,12 @@ class CodeEnv(SingleTurnEnv):
             None, description="A JSONL file of problems; default: the built-in 40."
         )
         eval_every: int = Field(5, ge=2, description="Every N-th problem is held out for evaluation.")
+        synthetic_tasks: int = Field(
+            0,
+            ge=0,
+            description="Generated problems (8 templates, random constants) added to the training split.",
+        )
+        data_seed: int = Field(0, description="Seed of the generated problems.")
         timeout_s: float = Field(5.0, gt=0, description="Wall-clock limit of one program (all its tests).")
         memory_mb: int = Field(512, ge=64, description="Address-space limit of one program.")
         max_concurrent: int = Field(
@@ -197,6 +261,7 @@ class CodeEnv(SingleTurnEnv):
             raise ValueError(
                 f"env.args: {len(problems)} problems leave a split empty with eval_every={a.eval_every}"
             )
+        self.splits["train"] += synthetic_problems(a.synthetic_tasks, a.data_seed)
         limits = Limits(wall_seconds=a.timeout_s, cpu_seconds=math.ceil(a.timeout_s), memory_mb=a.memory_mb)
         self.sandbox = Sandbox(limits, a.max_concurrent, a.isolation)
 
