@@ -69,31 +69,31 @@ def run_with_trainer(cfg: OrchestratorConfig, model: Path, first: int) -> list[s
     return problems
 
 
-class LetterTask:
+class ParityTask:
     def __init__(self, task_id: str) -> None:
         self.task_id = task_id
 
 
-def has_a(task: LetterTask, messages: list) -> float:
-    return float("a" in last_content(messages))
+def even(task: ParityTask, messages: list) -> float:
+    return float(len(last_content(messages)) % 2 == 0)
 
 
-class LetterEnv(SingleTurnEnv):
-    """Success = the answer contains the letter a: about even odds for a random tiny model
-    sampling at temperature 1, which gives pass@k something to measure."""
+class ParityEnv(SingleTurnEnv):
+    """Success = an answer of even length: even odds for a random tiny model sampling at
+    temperature 1, which gives pass@k something to measure."""
 
-    name = "letters"
-    success_metric = "has_a"
+    name = "parity"
+    success_metric = "even"
 
     class Args(Section):
         num_tasks: int = 6
 
     @property
     def reward_functions(self) -> list[RewardFunction]:
-        return [RewardFunction("has_a", has_a, 1.0)]
+        return [RewardFunction("even", even, 1.0)]
 
-    def dataset(self, split: str) -> list[LetterTask]:
-        return [LetterTask(f"{split}-{i}") for i in range(self.args.num_tasks)]
+    def dataset(self, split: str) -> list[ParityTask]:
+        return [ParityTask(f"{split}-{i}") for i in range(self.args.num_tasks)]
 
-    def prompt(self, task: LetterTask) -> list[dict]:
-        return [{"role": "user", "content": f"Write some letters ({task.task_id})."}]
+    def prompt(self, task: ParityTask) -> list[dict]:
+        return [{"role": "user", "content": f"Write something ({task.task_id})."}]

@@ -73,7 +73,7 @@ def test_eval_on_a_running_server_mixes_environments_and_reports_pass_at_k(
     config = tmp_path / "eval.toml"
     config.write_text(
         "n = 4\nseq_len = 128\n[sampling]\ntemperature = 1.0\nmax_tokens = 10\n\n"
-        '[[envs]]\nname = "orchestrator_helpers:LetterEnv"\nargs = { num_tasks = 6 }\n\n'
+        '[[envs]]\nname = "orchestrator_helpers:ParityEnv"\nargs = { num_tasks = 6 }\n\n'
         '[[envs]]\nname = "reverse_text"\nlabel = "reverse"\nargs = { max_len = 6 }\n'
     )
     out = tmp_path / "eval.json"
@@ -81,12 +81,12 @@ def test_eval_on_a_running_server_mixes_environments_and_reports_pass_at_k(
     proc = run_eval(*args, "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert set(result["envs"]) == {"letters", "reverse"} and result["server"] == server
-    letters = [t for t in result["tasks"] if t["env"] == "letters"]
-    assert len(letters) == 5 and all(len(t["samples"]) == 4 and t["error"] is None for t in letters)
-    counts = [int(sum(s["metrics"]["has_a"] for s in t["samples"])) for t in letters]
+    assert set(result["envs"]) == {"parity", "reverse"} and result["server"] == server
+    parity = [t for t in result["tasks"] if t["env"] == "parity"]
+    assert len(parity) == 5 and all(len(t["samples"]) == 4 and t["error"] is None for t in parity)
+    counts = [int(sum(s["metrics"]["even"] for s in t["samples"])) for t in parity]
     assert 0 < sum(counts) < 20, "the test needs some successes and some failures"
-    pass_at_k = result["envs"]["letters"]["pass_at_k"]
+    pass_at_k = result["envs"]["parity"]["pass_at_k"]
     assert set(pass_at_k) == {"pass@1", "pass@2", "pass@4"}
     for k in (1, 2, 4):
         expected = sum(1 - math.comb(4 - c, k) / math.comb(4, k) for c in counts) / 5
