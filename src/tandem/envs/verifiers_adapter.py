@@ -21,6 +21,7 @@ orchestrator logs the task id and the reason and samples another task).
 """
 
 import importlib.util
+import logging
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from tandem.envs.multi_turn import environment_ids, render_ids
 from tandem.orchestrator.client import ChatResult, InferenceClient
 from tandem.orchestrator.config import SamplingConfig
 
-PREFIX = "verifiers:"
+log = logging.getLogger(__name__)
 SUCCESS_METRIC = "passed"
 """1.0 when the reward reaches the verifiers environment's `pass_threshold` (used for pass@k)."""
 OWN_SAMPLING_KEYS = {"temperature", "top_p", "max_tokens", "max_completion_tokens", "n", "logprobs"}
@@ -232,6 +233,14 @@ class VerifiersEnv(Environment):
 
     def dataset(self, split: Split) -> Sequence[VerifiersTask]:
         if split not in self.splits:
+            if (
+                split == "eval"
+                and self.vf_env.eval_dataset is None
+                and self.vf_env.eval_dataset_source is None
+            ):
+                log.warning(
+                    "verifiers environment %s has no eval dataset: evaluating on its training rows", self.name
+                )
             rows = self.vf_env.get_dataset() if split == "train" else self.vf_env.get_eval_dataset()
             self.splits[split] = [VerifiersTask(f"{split}-{row['example_id']}", dict(row)) for row in rows]
         return self.splits[split]
