@@ -57,7 +57,7 @@ class Again(vf.MultiTurnEnv):
             if self.fail_with_vf_error:
                 raise vf.Error("the environment gave up")
             raise RuntimeError("the environment exploded")
-        return [{"role": "user", "content": f"Again, turn {len(state['trajectory'])}."}]
+        return [vf.UserMessage(content=f"Again, turn {len(state['trajectory'])}.")]
 
 
 def load_environment(num_examples=6, max_turns=1, fail_on=None, fail_with_vf_error=False):
