@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
+from tandem.inference.cli import freeze_heap
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine.api import SamplingParams
 from tandem.inference.engine.core import EngineCore
@@ -322,6 +323,7 @@ def main() -> None:
         results["kernel_sweep"] = sweep_kernel(device, args.num_requests, args.prompt_len + args.output_len)
     rows = []
     core = EngineCore(engine_config(path, dtype, args))
+    freeze_heap()  # as the server does after start-up
     prompts = random_prompts(args.num_requests, args.prompt_len, min(core.vocab_size, len(core.tokenizer)))
     cold = run_core(core, prompts, args.output_len, "cold")  # includes CUDA-graph capture
     rows.append(("tandem engine (first run)", *cold))
@@ -341,6 +343,7 @@ def main() -> None:
         results["decode_graph_replay_ms_torch_ops"] = time_graph_replays(core)
         del core
     engine = AsyncEngine(engine_config(path, dtype, args))
+    freeze_heap()
     run_async(engine, prompts[: min(8, len(prompts))], 4)  # warm-up
     for name, stream in (("streams", True), ("whole", False)):
         steps_before, timings_before = engine.core.num_steps, dict(engine.core.timings)
