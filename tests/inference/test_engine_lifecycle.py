@@ -22,7 +22,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 def config(model: Path, **engine: object) -> InferenceConfig:
-    return InferenceConfig.model_validate({"model": {"name": str(model)}, "engine": engine})
+    """float32 and a small KV cache everywhere (on CUDA several engines live in one process)."""
+    engine = {"kv_cache_memory_gb": 0.25, **engine}
+    return InferenceConfig.model_validate(
+        {"model": {"name": str(model), "dtype": "float32"}, "engine": engine}
+    )
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ PROMPTS = ["hello world", "abc", "the quick brown fox jumps over the lazy dog", 
 
 
 def engine_config(model: Path, **engine: object) -> InferenceConfig:
+    engine = {"kv_cache_memory_gb": 0.25, **engine}  # (on CUDA, several engines live in one process)
     return InferenceConfig.model_validate(
         {"model": {"name": str(model), "dtype": "float32"}, "engine": engine}
     )

@@ -82,7 +82,8 @@ def _tokens(core: EngineCore, requests: dict) -> dict[str, dict[int, list[int]]]
 
 
 def test_seeded_sampling_is_reproducible_across_batches(tiny_model: Path) -> None:
-    core = EngineCore(InferenceConfig.model_validate({"model": {"name": str(tiny_model)}}))
+    config = {"model": {"name": str(tiny_model)}, "engine": {"kv_cache_memory_gb": 0.25}}
+    core = EngineCore(InferenceConfig.model_validate(config))
     ids = core.tokenizer.encode("seeded sampling")
     params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16, ignore_eos=True, seed=42)
     alone = _tokens(core, {"a": (ids, params, 3)})["a"]
