@@ -37,7 +37,7 @@ class Choice:
     prompt_index: int
     tracker: TextTracker
     logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    top_logprobs: list[Sequence[tuple[int, float]]] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # weight version of each token
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -101,10 +101,10 @@ async def run_prompt(engine: Engine, tokenizer: Tokenizer, job: PromptJob) -> As
             if choice.finish_reason is not None:
                 continue  # already ended by a stop string; the engine may still have sent tokens
             used = choice.tracker.add([t.token_id for t in update.tokens])
-            for token in update.tokens[:used]:
-                choice.logprobs.append(token.logprob)
-                choice.top_logprobs.append(token.top_logprobs)
-                choice.versions.append(token.weight_version)
+            kept = update.tokens[:used]
+            choice.logprobs += [t.logprob for t in kept]
+            choice.top_logprobs += [t.top_logprobs for t in kept]
+            choice.versions += [t.weight_version for t in kept]
             if choice.tracker.stopped_by is not None:
                 choice.finish_reason, choice.stop_reason = "stop", choice.tracker.stopped_by
                 await engine.finish_sample(job.request_id, update.index, "stop")
