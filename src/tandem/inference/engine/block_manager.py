@@ -23,8 +23,9 @@ class BlockManager:
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
         self.free_blocks = list(range(num_blocks - 1, 0, -1))  # pop() hands out low ids first
+        # a column per block a sequence can hold (the context length caps it); rows grow on demand
         width = min(max_blocks_per_seq or num_blocks - 1, num_blocks - 1)
-        self.tables = np.zeros((64, width), dtype=np.int64)  # rows grow on demand
+        self.tables = np.zeros((64, width), dtype=np.int64)
         self.free_rows = list(range(63, -1, -1))
 
     @property
@@ -102,9 +103,4 @@ class BlockManager:
                 self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)])
                 self.free_rows = list(range(2 * rows - 1, rows - 1, -1))
             seq.table_row = self.free_rows.pop()
-        end = len(seq.block_table)
-        if end > self.tables.shape[1]:
-            grown = np.zeros((len(self.tables), end), dtype=np.int64)
-            grown[:, : self.tables.shape[1]] = self.tables
-            self.tables = grown
-        self.tables[seq.table_row, start:end] = seq.block_table[start:]
+        self.tables[seq.table_row, start : len(seq.block_table)] = seq.block_table[start:]

@@ -46,7 +46,7 @@ class EngineCore:
         self.runner = ModelRunner(
             self.model, num_blocks, cfg.block_size, self.device, self.dtype, cfg.cuda_graphs, cfg.max_num_seqs
         )
-        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, -(-self.max_model_len // cfg.block_size))
         # one sequence must always fit in the whole cache, or preemption could not make room for it
         self.max_model_len = min(self.max_model_len, self.blocks.num_usable * cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
