@@ -1,18 +1,15 @@
 """Alphabet sort: tasks, the environment's turns, rewards on hand-made transcripts, a real server."""
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_process import start_server
 
 from tandem.config.loader import ConfigError
 from tandem.envs.alphabet_sort import AlphabetSortEnv, SortTask, exact_turns, sorted_score
 from tandem.envs.base import Message
 from tandem.envs.registry import load_environment
 from tandem.models.loading import load_tokenizer
-from tandem.models.tiny import build_tiny_model
 from tandem.orchestrator.client import InferenceClient
 from tandem.orchestrator.config import ClientConfig, SamplingConfig
 
@@ -70,20 +67,6 @@ def test_tasks_and_splits() -> None:
     assert [t.batches for t in AlphabetSortEnv(env.args).dataset("eval")] == [t.batches for t in held_out]
     with pytest.raises(ConfigError, match="min_turns"):
         load_environment("alphabet_sort", {"min_turns": 5, "max_turns": 3})
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("model") / "tiny"
-    return build_tiny_model(out=out, num_layers=2, hidden_size=64, head_dim=16, intermediate_size=128)
-
-
-@pytest.fixture(scope="module")
-def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    args = ["--model.name", str(model), "--engine.max-model-len", "512"]
-    with start_server(args, log, 180.0, threads="1") as running:
-        yield running.url
 
 
 def test_real_rollouts_have_one_model_turn_per_task_turn(server: str, model: Path) -> None:

@@ -3,18 +3,15 @@ reward hacks and hostile programs score 0, and rollouts against a real server ca
 
 import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_process import start_server
 
 from tandem.config.loader import ConfigError
 from tandem.envs.code_env import CodeEnv, CodeTask, extract_code, run_tests, same, synthetic_problems
 from tandem.envs.registry import load_environment
 from tandem.envs.sandbox import Limits, Sandbox, SandboxError
 from tandem.models.loading import load_tokenizer
-from tandem.models.tiny import build_tiny_model
 from tandem.orchestrator.client import InferenceClient
 from tandem.orchestrator.config import ClientConfig, SamplingConfig
 
@@ -168,25 +165,9 @@ def test_problem_files_and_args_are_checked(tmp_path: Path) -> None:
         load_environment("code", {"timeout_s": 0})
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    model = build_tiny_model(
-        out=tmp_path_factory.mktemp("model") / "tiny",
-        num_layers=2,
-        hidden_size=64,
-        head_dim=16,
-        intermediate_size=128,
-    )
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with start_server(
-        ["--model.name", str(model), "--engine.max-model-len", "512"], log, 180.0, threads="1"
-    ) as s:
-        yield s.url, model
-
-
-def test_rollouts_against_a_real_server(env: CodeEnv, server: tuple[str, Path]) -> None:
+def test_rollouts_against_a_real_server(env: CodeEnv, server: str, model: Path) -> None:
     """A random tiny model writes no code block: reward 0 with every metric present, tokens intact."""
-    url, model = server
+    url = server
     task = env.dataset("eval")[0]
 
     async def play():

@@ -2,17 +2,14 @@
 budgets; against hand-made turns and a real inference server serving a tiny random model."""
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from server_process import start_server
 
 from tandem.envs.base import Message, RewardFunction, Trajectory, Turn, stitch
 from tandem.envs.multi_turn import MultiTurnEnv, TemplateError, environment_ids, render_ids
 from tandem.models.loading import load_tokenizer
-from tandem.models.tiny import build_tiny_model
 from tandem.models.tokenizer import train_tokenizer
 from tandem.orchestrator.client import InferenceClient
 from tandem.orchestrator.config import ClientConfig, SamplingConfig
@@ -23,20 +20,6 @@ PROMPT: list[Message] = [{"role": "system", "content": "Be brief."}, {"role": "u
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
     return train_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("model") / "tiny"
-    return build_tiny_model(out=out, num_layers=2, hidden_size=64, head_dim=16, intermediate_size=128)
-
-
-@pytest.fixture(scope="module")
-def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    args = ["--model.name", str(model), "--engine.max-model-len", "1024"]
-    with start_server(args, log, 180.0, threads="1") as running:
-        yield running.url
 
 
 def scripted_trajectory(

@@ -3,20 +3,17 @@ chat template's rendering, and tool episodes against a real inference server."""
 
 import asyncio
 import time
-from collections.abc import Iterator
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import pytest
-from server_process import start_server
 
 from tandem.envs.base import Message
 from tandem.envs.calculator_env import CALCULATOR, CalculatorEnv, WordProblem, calculate
 from tandem.envs.registry import load_environment
 from tandem.envs.tools import Tool, ToolCall, check_value, execute, parse_tool_calls
 from tandem.models.loading import load_tokenizer
-from tandem.models.tiny import build_tiny_model
 from tandem.models.tokenizer import train_tokenizer
 from tandem.orchestrator.client import InferenceClient
 from tandem.orchestrator.config import ClientConfig, SamplingConfig
@@ -232,22 +229,6 @@ class ScriptedCalls(CalculatorEnv):
         return [ToolCall("calculate", {"expression": "6*7"})]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    model = build_tiny_model(
-        out=tmp_path_factory.mktemp("model") / "tiny",
-        num_layers=2,
-        hidden_size=64,
-        head_dim=16,
-        intermediate_size=128,
-    )
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with start_server(
-        ["--model.name", str(model), "--engine.max-model-len", "1024"], log, 180.0, threads="1"
-    ) as s:
-        yield s.url, model
-
-
 def play(env: CalculatorEnv, url: str, n: int) -> list:
     async def run() -> list:
         client = InferenceClient(url, ClientConfig(request_timeout=60))
@@ -260,8 +241,8 @@ def play(env: CalculatorEnv, url: str, n: int) -> list:
     return asyncio.run(run())
 
 
-def test_tool_episodes_against_a_real_server(server: tuple[str, Path]) -> None:
-    url, model = server
+def test_tool_episodes_against_a_real_server(server: str, model: Path) -> None:
+    url = server
     tokenizer = load_tokenizer(str(model))
     env = ScriptedCalls(ScriptedCalls.Args(max_turns=3, num_eval_tasks=4))
     env.setup(tokenizer, seq_len=1024)
@@ -284,8 +265,8 @@ def test_tool_episodes_against_a_real_server(server: tuple[str, Path]) -> None:
     assert trajectory.prompt_ids == tokenizer.encode(prompt, add_special_tokens=False)
 
 
-def test_the_unscripted_environment_ends_without_tool_calls(server: tuple[str, Path]) -> None:
-    url, model = server
+def test_the_unscripted_environment_ends_without_tool_calls(server: str, model: Path) -> None:
+    url = server
     env = CalculatorEnv(CalculatorEnv.Args(max_turns=3, num_eval_tasks=4))
     env.setup(load_tokenizer(str(model)), seq_len=1024)
     trajectories = play(env, url, 3)

@@ -6,11 +6,9 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_process import start_server
 
 from tandem.cli import UserError
 from tandem.envs.base import Message
@@ -129,20 +127,6 @@ def test_bad_args_name_the_key() -> None:
     with pytest.raises(Exception, match=r"env.args.max_turns"):
         load_environment("wordle", {"max_turns": 1})
     assert load_environment("wordle", {"max_turns": 4}).args.max_turns == 4
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("model") / "tiny"
-    return build_tiny_model(out=out, num_layers=2, hidden_size=64, head_dim=16, intermediate_size=128)
-
-
-@pytest.fixture(scope="module")
-def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    args = ["--model.name", str(model), "--engine.max-model-len", "512"]
-    with start_server(args, log, 180.0, threads="1") as running:
-        yield running.url
 
 
 def test_real_games_against_a_server(server: str, model: Path) -> None:
