@@ -78,8 +78,10 @@ def test_sft_runs_on_cuda_in_bf16_and_lowers_the_loss(tiny: Path, tmp_path: Path
            "--ckpt.interval", "0", "--log.interval", "10"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in rows if "loss" in r]
     assert records[-1]["step"] == 30
+    assert [r["step"] for r in rows if "eval/reward" in r] == [30]  # the final held-out evaluation
     assert records[-1]["loss"] < records[0]["loss"]
     assert records[-1]["peak_memory_gib"] > 0
     assert (run / "final" / "model.safetensors").is_file()

@@ -42,7 +42,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An uninterrupted 12-step run with checkpoints every 4 steps."""
     run_dir = tmp_path_factory.mktemp("ref") / "run"
-    summary = train(config(sft_args(model, run_dir, steps=12, **{"ckpt.interval": 4})))
+    args = sft_args(
+        model, run_dir, steps=12, **{"ckpt.interval": 4, "eval.final": True, "eval.num-tasks": 20}
+    )
+    summary = train(config(args))
     assert summary["steps"] == 12
     return run_dir
 

@@ -37,6 +37,7 @@ def sft_args(model: Path, run_dir: Path, steps: int = 8, **extra: object) -> lis
         "optim.weight-decay": 0.01,
         "optim.max-grad-norm": 1.0,
         "ckpt.keep": 0,
+        "eval.final": False,
         **extra,
     }
     out: list[str] = []
