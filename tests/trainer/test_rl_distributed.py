@@ -57,4 +57,7 @@ def test_two_ranks_match_one_rank(tmp_path: Path) -> None:
         got = load_file(weights_dir(two, version) / "model.safetensors")
         assert want.keys() == got.keys()
         for name in want:
-            torch.testing.assert_close(got[name], want[name], atol=2e-6, rtol=1e-5, msg=name)
+            # 1% of one Adam update (lr 1e-3): where a gradient is near Adam's eps, the update
+            # m / (sqrt(v) + eps) amplifies the reduction-order noise of two ranks (measured 3e-6
+            # on 2 of ~1M weights); a wrong gradient would move whole tensors by ~lr.
+            torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-5, msg=name)
