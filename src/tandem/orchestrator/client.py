@@ -71,45 +71,38 @@ def describe(error: Exception) -> str:
     return f"{type(error).__name__}: {error}".strip()
 
 
-def parse_choice(choice: Any) -> Generation:
+def generation(choice: Any, text: str | None, logprobs: list[float] | None) -> Generation:
+    """A choice of either endpoint as a Generation: token ids, versions and finish reason come
+    from the same fields; `text` and `logprobs` are what the caller read from its endpoint's shape."""
     extra = choice.model_extra or {}
     token_ids = extra.get("token_ids")
     if token_ids is None:
         raise RequestRejected("the server returned no 'token_ids' (it must support return_token_ids)")
-    content = choice.logprobs.content if choice.logprobs is not None else None
-    if content is None or len(content) != len(token_ids):
-        raise RequestRejected("the server's logprobs do not match its token_ids one to one")
-    versions = extra.get("weight_versions")
-    if versions is None:
-        versions = [extra["weight_version"]] if "weight_version" in extra else []
-    return Generation(
-        text=choice.message.content or "",
-        token_ids=list(token_ids),
-        logprobs=[item.logprob for item in content],
-        weight_versions=sorted(set(versions)),
-        finish_reason=choice.finish_reason or "stop",
-    )
-
-
-def parse_completion_choice(choice: Any) -> Generation:
-    """A /v1/completions choice (text and `token_logprobs`) as a Generation."""
-    extra = choice.model_extra or {}
-    token_ids = extra.get("token_ids")
-    if token_ids is None:
-        raise RequestRejected("the server returned no 'token_ids' (it must support return_token_ids)")
-    logprobs = choice.logprobs.token_logprobs if choice.logprobs is not None else None
     if logprobs is None or len(logprobs) != len(token_ids):
         raise RequestRejected("the server's logprobs do not match its token_ids one to one")
     versions = extra.get("weight_versions")
     if versions is None:
         versions = [extra["weight_version"]] if "weight_version" in extra else []
     return Generation(
-        text=choice.text or "",
+        text=text or "",
         token_ids=list(token_ids),
         logprobs=[float(lp) for lp in logprobs],
         weight_versions=sorted(set(versions)),
         finish_reason=choice.finish_reason or "stop",
     )
+
+
+def parse_choice(choice: Any) -> Generation:
+    """A /v1/chat/completions choice (message and `logprobs.content`)."""
+    content = choice.logprobs.content if choice.logprobs is not None else None
+    logprobs = [item.logprob for item in content] if content is not None else None
+    return generation(choice, choice.message.content, logprobs)
+
+
+def parse_completion_choice(choice: Any) -> Generation:
+    """A /v1/completions choice (text and `logprobs.token_logprobs`)."""
+    logprobs = choice.logprobs.token_logprobs if choice.logprobs is not None else None
+    return generation(choice, choice.text, logprobs)
 
 
 class InferenceClient:
