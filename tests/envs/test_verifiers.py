@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from server_process import start_server
 
 pytest.importorskip("verifiers", reason="needs the optional extra: uv sync --extra verifiers")
 
@@ -20,7 +19,6 @@ from tandem.envs.multi_turn import render_ids  # noqa: E402
 from tandem.envs.registry import load_environment  # noqa: E402
 from tandem.envs.verifiers_adapter import VerifiersEnv, VerifiersRolloutError  # noqa: E402
 from tandem.models.loading import load_tokenizer  # noqa: E402
-from tandem.models.tiny import build_tiny_model  # noqa: E402
 from tandem.orchestrator.client import ServerPool  # noqa: E402
 from tandem.orchestrator.config import ClientConfig, OrchestratorConfig, SamplingConfig  # noqa: E402
 from tandem.orchestrator.evaluation import eval_stats, run_eval  # noqa: E402
@@ -68,20 +66,6 @@ def load_environment(num_examples=6, max_turns=1, fail_on=None, fail_with_vf_err
         return vf.SingleTurnEnv(**data)
     return Again(fail_on=fail_on, fail_with_vf_error=fail_with_vf_error, max_turns=max_turns, **data)
 '''
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("model") / "tiny"
-    return build_tiny_model(out=out, num_layers=2, hidden_size=64, head_dim=16, intermediate_size=128)
-
-
-@pytest.fixture(scope="module")
-def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    args = ["--model.name", str(model), "--engine.max-model-len", str(SEQ_LEN)]
-    with start_server(args, log, 180.0, threads="1") as running:
-        yield running.url
 
 
 @pytest.fixture(scope="module")
