@@ -80,7 +80,9 @@ class ClientConfig(Section):
 class WeightsConfig(Section):
     """How new policy weights reach the servers."""
 
-    poll_interval: float = Field(0.5, gt=0, description="Seconds between scans for weights/step_N/STABLE.")
+    poll_interval: float = Field(
+        0.05, gt=0, description="Seconds between scans for weights/step_N/STABLE (a directory listing)."
+    )
     wait_timeout: float = Field(
         3600.0, gt=0, description="Seconds to wait for weights that max_async_level requires, then fail."
     )

@@ -182,6 +182,7 @@ def _train(cfg: RLTrainerConfig, world: World) -> dict[str, Any]:
             stats.update(
                 policy_version=step + 1,
                 tokens_per_s=stats["tokens"] / compute_s,
+                compute_s=compute_s,
                 rollout_wait_s=compute_start - wait_start,
                 publish_s=time.monotonic() - compute_start - compute_s,
             )
