@@ -42,7 +42,7 @@ run_rl() {  # name, gpu args...
   # shellcheck disable=SC2086
   timeout "${RL_TIMEOUT:-300}" "$PY" -m tandem.launch.cli @ examples/reverse_text/rl.toml --model.name "$MODEL" \
     --run-dir "$work/$name" --max-steps "$STEPS" --trainer.ckpt.interval 0 "$@" ${RL_ARGS:-} > "$OUT/$name.log" 2>&1
-  echo "$name exit $?"; grep -E "rl:|rror" "$OUT/$name.log" | tail -5
+  echo "$name exit $?"; grep -E "^\[rl\]|rror" "$OUT/$name.log" | tail -5
   cp "$work/$name/metrics.jsonl" "$OUT/$name.metrics.jsonl"
   "$PY" -m tandem.monitor.plot "$work/$name" --out "$OUT/$name.png" > /dev/null 2>&1 || echo "(no plot: matplotlib missing?)"
 }
