@@ -38,16 +38,21 @@ class RunningServer:
 
 @contextmanager
 def start_server(
-    args: list[str], log_path: Path, timeout_s: float = 120.0, threads: str | None = None
+    args: list[str],
+    log_path: Path,
+    timeout_s: float = 120.0,
+    threads: str | None = None,
+    entry: tuple[str, ...] = ("-m", "tandem.inference.cli"),
 ) -> Iterator[RunningServer]:
     """Run `inference ARGS --port P` in a subprocess until /health answers; stop it afterwards.
 
-    `threads` sets the server's OMP_NUM_THREADS (default: the caller's, else 2)."""
+    `threads` sets the server's OMP_NUM_THREADS (default: the caller's, else 2); `entry` is what
+    python runs (`("-c", code)` for a server with an injected fault)."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": threads or os.environ.get("OMP_NUM_THREADS", "2")}
     with log_path.open("w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "tandem.inference.cli", *args, "--port", str(port)],
+            [sys.executable, *entry, *args, "--port", str(port)],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,

@@ -10,7 +10,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from tandem.cli import run_cli
+from tandem.cli import UserError, run_cli
 from tandem.config.loader import parse_config
 from tandem.inference.config import InferenceConfig
 
@@ -61,14 +61,20 @@ def serve_native(config: InferenceConfig) -> None:
         config.host,
         config.port,
     )
-    uvicorn.run(
-        app,
-        host=config.host,
-        port=config.port,
-        log_level=config.log_level,
-        access_log=config.access_log,
-        timeout_graceful_shutdown=5,
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            access_log=config.access_log,
+            timeout_graceful_shutdown=5,
+        )
     )
+    engine.on_death = lambda: setattr(server, "should_exit", True)  # uvicorn polls the flag
+    server.run()
+    if engine.dead_reason is not None:
+        raise UserError(f"the inference engine died ({engine.dead_reason}; traceback above); server stopped")
 
 
 def serve(config: InferenceConfig) -> None:

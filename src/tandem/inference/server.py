@@ -343,6 +343,8 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
 
     @app.get("/health")
     async def health() -> dict:
+        if engine.dead_reason is not None:
+            raise APIError(503, f"the engine thread died: {engine.dead_reason}")
         return {
             "status": "ok",
             "weight_version": engine.weight_version,

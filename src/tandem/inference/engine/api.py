@@ -61,6 +61,10 @@ class EngineStats:
     steps_total: int = 0  # engine steps run since start
 
 
+class EngineDeadError(RuntimeError):
+    """The engine stopped for good; no more tokens will come (the server answers 503)."""
+
+
 class WeightLoadError(ValueError):
     """A checkpoint that cannot be loaded (missing, corrupt, wrong shapes); the old weights stay live."""
 
@@ -68,6 +72,7 @@ class WeightLoadError(ValueError):
 class Engine(Protocol):
     max_model_len: int
     weight_version: int
+    dead_reason: str | None  # why the engine stopped for good; None while it runs
 
     def generate(
         self,

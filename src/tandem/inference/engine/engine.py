@@ -8,7 +8,9 @@ merged into one update per sample, so a busy event loop handles fewer, larger up
 generated with `stream=False` is held by the engine core until it has finished and is then
 delivered whole: the event loop does no per-token work for it. The core keeps one step queued on
 the device while the engine thread finishes the previous one (`EngineCore.step`); pausing drains
-it. If the engine thread dies, every open stream gets the error instead of hanging.
+it. If the engine thread dies, every open stream and every later call gets EngineDeadError
+instead of hanging, `dead_reason` says why, and `on_death` (if set) is called: the server uses it
+to exit, so that a supervisor sees a dead server instead of one that answers /health.
 """
 
 import asyncio
@@ -25,6 +27,7 @@ from typing import Any
 
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine.api import (
+    EngineDeadError,
     EngineStats,
     FinishReason,
     SampleUpdate,
@@ -42,10 +45,6 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 SHUTDOWN_WAIT_S = 30.0
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped; no more tokens will come."""
-
-
 class AsyncEngine:
     def __init__(self, config: InferenceConfig) -> None:
         self.core = EngineCore(config)
@@ -59,6 +58,7 @@ class AsyncEngine:
         self._pending_update: tuple[dict, int, Future] | None = None
         self._stopping = False
         self._error: BaseException | None = None
+        self.on_death: Callable[[], None] | None = None
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._thread.start()
@@ -66,6 +66,11 @@ class AsyncEngine:
     @property
     def weight_version(self) -> int:
         return self.core.weight_version
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine thread stopped (None while it runs)."""
+        return None if self._error is None else repr(self._error)
 
     # ---- public API (event loop side) -------------------------------------------------------
 
@@ -199,6 +204,8 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 — reported to every waiting caller
             self._error = e
             self._fail_streams(EngineDeadError(f"the engine thread died: {e!r}"))
+            if self.on_death is not None:
+                self.on_death()
             raise
         finally:
             self._drain_commands()

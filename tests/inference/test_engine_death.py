@@ -1,0 +1,96 @@
+"""A server whose engine thread died says so and goes away, instead of answering /health forever.
+
+The fault is injected into the real engine (its step raises); everything else is real: the
+in-process test looks at the HTTP answers, the subprocess test at the process's exit."""
+
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from server_process import free_port, start_server
+
+from tandem.inference.config import InferenceConfig
+from tandem.inference.engine import AsyncEngine
+from tandem.inference.server import build_app
+
+COMPLETION = {"prompt": [5, 9, 14], "max_tokens": 4, "temperature": 0}
+
+
+@pytest.fixture
+def served_engine(tiny_model: Path) -> Iterator[tuple[str, AsyncEngine]]:
+    config = InferenceConfig.model_validate(
+        {"model": {"name": str(tiny_model)}, "engine": {"max_model_len": 128}}
+    )
+    engine = AsyncEngine(config)
+    port = free_port()
+    uv = uvicorn.Server(
+        uvicorn.Config(build_app(engine, engine.tokenizer, config), port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", engine
+    uv.should_exit = True
+    thread.join(timeout=30)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death itself
+def test_dead_engine_answers_503(
+    served_engine: tuple[str, AsyncEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, engine = served_engine
+    assert httpx.post(url + "/v1/completions", json=COMPLETION, timeout=30).status_code == 200
+    assert httpx.get(url + "/health").status_code == 200
+    died = threading.Event()
+    engine.on_death = died.set
+
+    def broken_step() -> None:
+        raise RuntimeError("injected step fault")
+
+    monkeypatch.setattr(engine.core, "step", broken_step)
+    first = httpx.post(url + "/v1/completions", json=COMPLETION, timeout=30)
+    assert first.status_code == 503, first.text
+    assert "injected step fault" in first.json()["error"]["message"]
+    assert died.wait(10), "on_death was not called"
+    assert engine.dead_reason is not None and "injected step fault" in engine.dead_reason
+
+    health = httpx.get(url + "/health")
+    assert health.status_code == 503
+    assert "engine thread died" in health.json()["error"]["message"]
+    later = httpx.post(url + "/v1/completions", json=COMPLETION, timeout=30)  # after the death
+    assert later.status_code == 503, later.text
+
+
+FAULTY_SERVER = """
+import sys
+from tandem.inference.cli import main
+from tandem.inference.engine.core import EngineCore
+
+def broken_step(self):
+    raise RuntimeError("injected step fault")
+
+EngineCore.step = broken_step
+main(sys.argv[1:])
+"""
+
+
+def test_server_process_exits_when_its_engine_dies(tiny_model: Path, tmp_path: Path) -> None:
+    args = ["--model.name", str(tiny_model), "--engine.max-model-len", "128"]
+    with start_server(args, tmp_path / "server.log", entry=("-c", FAULTY_SERVER)) as server:
+        response = httpx.post(server.url + "/v1/completions", json=COMPLETION, timeout=30)
+        assert response.status_code == 503, response.text
+        try:
+            code = server.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the server kept running after its engine died:\n{server.log()[-2000:]}")
+    assert code == 2
+    log = server.log()
+    assert "the inference engine died" in log and "injected step fault" in log
