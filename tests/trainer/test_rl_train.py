@@ -113,3 +113,27 @@ def test_cli_reports_a_rollout_timeout_in_one_line(model_dir: Path, tmp_path: Pa
 def test_resume_without_checkpoint_is_a_user_error(model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(UserError, match="holds no checkpoint"):
         train(trainer_config(model_dir, tmp_path, resume=True))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "left"),
+    [
+        (
+            {"ckpt.interval": 2},
+            [3, 4],
+        ),  # checkpoint 4 resumes at step 4: 3 (last trained before it) and 4 stay
+        ({"ckpt.interval": 0}, [4]),  # no resume possible: only the last trained step stays
+        ({"ckpt.interval": 0, "prune_rollouts": False}, [0, 1, 2, 3, 4]),
+    ],
+)
+def test_trained_rollouts_are_pruned_unless_a_resume_needs_them(
+    model_dir: Path, tmp_path: Path, overrides: dict, left: list[int]
+) -> None:
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    samples = sample_reverse_text(base, load_tokenizer(str(model_dir)), 2, 2, TEMPERATURE, 8, seed=2)
+    for step in range(5):
+        write_rollouts(tmp_path, step, samples, TEMPERATURE)
+    train(trainer_config(model_dir, tmp_path, max_steps=5, **overrides))
+    kept = sorted(int(p.name[5:]) for p in (tmp_path / "rollouts").glob("step_*"))
+    assert kept == left
+    assert len(read_metrics(tmp_path / "metrics.jsonl", "trainer")) == 5

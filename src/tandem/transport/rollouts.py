@@ -15,6 +15,7 @@ predicted from another sample's context.
 
 import json
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -256,6 +257,15 @@ def step_dir(run_dir: Path, step: int) -> Path:
 
 def rank_path(run_dir: Path, step: int, rank: int) -> Path:
     return step_dir(run_dir, step) / f"rank_{rank}.bin"
+
+
+def prune_steps(run_dir: Path, before: int) -> int:
+    """Delete rollouts/step_N for every N < `before`; returns how many were deleted."""
+    root = Path(run_dir) / "rollouts"
+    old = [p for p in root.glob("step_*") if p.name[5:].isdigit() and int(p.name[5:]) < before]
+    for directory in old:
+        shutil.rmtree(directory, ignore_errors=True)
+    return len(old)
 
 
 def write_atomic(path: Path, data: bytes) -> None:

@@ -114,3 +114,8 @@ class RLTrainerConfig(Section):
         600.0, gt=0, description="How long to wait for rollouts/step_N/READY before failing."
     )
     resume: bool = Field(False, description="Continue from the newest checkpoint in run_dir/checkpoints.")
+    prune_rollouts: bool = Field(
+        True,
+        description="Delete rollouts/step_N once a resume can no longer need it: steps before the one "
+        "just trained, at each checkpoint (or every step when checkpoints are off).",
+    )

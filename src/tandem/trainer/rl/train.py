@@ -36,7 +36,7 @@ from tandem.trainer.parallel import (
 )
 from tandem.trainer.rl.config import RLTrainerConfig
 from tandem.trainer.rl.loss import LossInputs, LossStats, build_objective, policy_loss
-from tandem.transport.rollouts import MicroBatch, RolloutError, read_rank
+from tandem.transport.rollouts import MicroBatch, RolloutError, prune_steps, read_rank
 from tandem.transport.weights import publish_weights
 
 
@@ -175,10 +175,13 @@ def _train(cfg: RLTrainerConfig, world: World) -> dict[str, Any]:
             scheduler.step()
             compute_s = time.monotonic() - compute_start
             publish_weights(model, tokenizer, cfg.run_dir, step + 1, world, cfg.weights.keep)
-            if cfg.ckpt.interval and (step + 1) % cfg.ckpt.interval == 0:
+            checkpoint_now = bool(cfg.ckpt.interval) and (step + 1) % cfg.ckpt.interval == 0
+            if checkpoint_now:
                 save_checkpoint(
                     ckpt_root, step + 1, model, optimizer, scheduler, tokenizer, world, keep=cfg.ckpt.keep
                 )
+            if cfg.prune_rollouts and world.is_main and (checkpoint_now or not cfg.ckpt.interval):
+                prune_steps(cfg.run_dir, before=step)  # the last trained step stays: the run's marker
             stats.update(
                 policy_version=step + 1,
                 tokens_per_s=stats["tokens"] / compute_s,
