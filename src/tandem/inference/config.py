@@ -16,6 +16,11 @@ class EngineConfig(Section):
     max_num_batched_tokens: int = Field(8192, gt=0, description="Token budget of one engine step.")
     max_model_len: int | None = Field(None, gt=0, description="Context length; default: the model's.")
     block_size: int = Field(16, gt=0, description="Tokens per KV-cache block.")
+    prefix_caching: bool = Field(
+        True,
+        description="Reuse the cached keys and values of full blocks a new prompt shares with an "
+        "earlier one (multi-turn rollouts, repeated prompts); forgotten when new weights load.",
+    )
     kv_cache_memory_gb: float | None = Field(
         None, gt=0, description="KV-cache budget in GiB; default: a fraction of free device memory."
     )

@@ -85,6 +85,13 @@ def render_metrics(stats: EngineStats, counters: ServerCounters, tokens_per_s: f
         lines, "tandem_prompt_tokens_total", "counter", "Prompt tokens prefilled.", stats.prompt_tokens_total
     )
     metric(lines, "tandem_engine_steps_total", "counter", "Engine steps run.", stats.steps_total)
+    metric(
+        lines,
+        "tandem_prefix_cache_hit_tokens_total",
+        "counter",
+        "Prompt tokens whose keys and values came from the prefix cache.",
+        stats.prefix_cache_hit_tokens_total,
+    )
     metric(lines, "tandem_kv_cache_usage", "gauge", "Fraction of KV-cache blocks in use.", kv_usage)
     metric(lines, "tandem_kv_cache_blocks_used", "gauge", "KV-cache blocks in use.", stats.kv_blocks_used)
     metric(lines, "tandem_kv_cache_blocks_total", "gauge", "KV-cache blocks in all.", stats.kv_blocks_total)

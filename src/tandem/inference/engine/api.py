@@ -59,6 +59,7 @@ class EngineStats:
     weight_version: int
     paused: bool
     steps_total: int = 0  # engine steps run since start
+    prefix_cache_hit_tokens_total: int = 0  # prompt tokens taken from the prefix cache, not computed
 
 
 class EngineDeadError(RuntimeError):

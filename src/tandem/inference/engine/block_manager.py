@@ -5,24 +5,48 @@ block (if any) is copied for each new sample, so every block a sequence writes i
 and no later copy-on-write is needed. Block 0 is never handed out: padded rows of a batch write
 their keys and values there.
 
+Prefix cache: every full block whose keys and values are computed is registered under a hash
+of all tokens up to its end (chained block by block). A new sequence starts from the longest
+run of registered blocks that match its prompt, so a multi-turn conversation re-sent with one
+more turn, or a prompt repeated by another request, computes only its new tokens. A block
+whose last user is gone stays registered and reusable until it is needed for new tokens; the
+least recently released goes first, after the blocks that hold nothing reusable. Loading new
+weights makes every registered block stale: `reset_prefix_cache` forgets them all, and a
+sequence that started before cannot register blocks after (its keys mix two weight versions).
+
 Besides each sequence's `block_table` list, the block tables live in one persistent array (a
 row per sequence holding blocks, kept up to date as blocks are added), so a step's batch of
 tables is one fancy-indexing copy instead of a Python loop over sequences.
 """
 
+from collections import OrderedDict
+
 import numpy as np
 
-from tandem.inference.engine.sequence import Sequence
+from tandem.inference.engine.sequence import PLACEHOLDER, Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, max_blocks_per_seq: int | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_blocks_per_seq: int | None = None,
+        prefix_caching: bool = True,
+    ) -> None:
         if num_blocks < 2:
             raise ValueError(f"the KV cache needs at least 2 blocks, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
         self.free_blocks = list(range(num_blocks - 1, 0, -1))  # pop() hands out low ids first
+        # prefix cache: hash -> block, block -> (hash, its tokens), released registered blocks (LRU)
+        self.prefix_caching = prefix_caching
+        self.cached: dict[int, int] = {}
+        self.block_keys: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.epoch = 0  # bumped by reset_prefix_cache
+        self.hit_tokens_total = 0  # prompt tokens not computed thanks to the cache (scheduler.py)
         # a column per block a sequence can hold (the context length caps it); rows grow on demand
         width = min(max_blocks_per_seq or num_blocks - 1, num_blocks - 1)
         self.tables = np.zeros((64, width), dtype=np.int64)
@@ -30,7 +54,7 @@ class BlockManager:
 
     @property
     def num_free(self) -> int:
-        return len(self.free_blocks)
+        return len(self.free_blocks) + len(self.evictable)
 
     @property
     def num_usable(self) -> int:
@@ -45,15 +69,78 @@ class BlockManager:
         needed = self.blocks_needed(seq, num_tokens)
         if needed == 0:
             return True
-        if needed > len(self.free_blocks):
+        if needed > self.num_free:
             return False
+        if not seq.block_table:
+            seq.cache_epoch = self.epoch
         start = len(seq.block_table)
-        new = [self.free_blocks.pop() for _ in range(needed)]
-        for block in new:
-            self.ref_counts[block] = 1
-        seq.block_table += new
+        seq.block_table += [self._take() for _ in range(needed)]
         self._write(seq, start)
         return True
+
+    def _take(self) -> int:
+        """A block for new tokens: one holding nothing reusable, else the least recently released."""
+        if self.free_blocks:
+            block = self.free_blocks.pop()
+        else:
+            block, _ = self.evictable.popitem(last=False)
+            del self.cached[self.block_keys.pop(block)[0]]
+        self.ref_counts[block] = 1
+        return block
+
+    # ---- prefix cache --------------------------------------------------------------------------
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Start a sequence that holds no blocks from the registered blocks matching its tokens
+        (at least one token is left to compute); returns the tokens it need not compute."""
+        if not self.prefix_caching or seq.block_table:
+            return 0
+        seq.cache_epoch = self.epoch
+        size = self.block_size
+        parent = None
+        for i in range((seq.num_tokens - 1) // size):
+            tokens = tuple(seq.token_ids[i * size : (i + 1) * size])
+            key = hash((parent, tokens))
+            block = self.cached.get(key)
+            if block is None or self.block_keys[block][1] != tokens:
+                break
+            if self.ref_counts[block] == 0:
+                del self.evictable[block]
+            self.ref_counts[block] += 1
+            seq.block_table.append(block)
+            parent = key
+        if seq.block_table:
+            seq.num_hashed = len(seq.block_table)
+            seq.num_cached = seq.num_hashed * size
+            seq.prefix_hash = parent
+            self._write(seq, 0)
+        return seq.num_cached
+
+    def register(self, seq: Sequence) -> None:
+        """Register `seq`'s blocks that are now full and computed (and whose tokens are known)."""
+        size = self.block_size
+        if not self.prefix_caching or seq.cache_epoch != self.epoch:
+            return
+        while (seq.num_hashed + 1) * size <= seq.num_cached:
+            i = seq.num_hashed
+            tokens = tuple(seq.token_ids[i * size : (i + 1) * size])
+            if PLACEHOLDER in tokens:
+                return  # a sampled token still on its way: next step
+            key = hash((seq.prefix_hash, tokens))
+            block = seq.block_table[i]
+            if key not in self.cached and block not in self.block_keys:
+                self.cached[key] = block
+                self.block_keys[block] = (key, tokens)
+            seq.prefix_hash = key
+            seq.num_hashed += 1
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every registered block (new weights make their keys and values stale)."""
+        self.free_blocks.extend(self.evictable)
+        self.evictable.clear()
+        self.cached.clear()
+        self.block_keys.clear()
+        self.epoch += 1
 
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
         """Share `parent`'s full blocks with `child`; copy the partly filled last block.
@@ -67,10 +154,14 @@ class BlockManager:
             self.ref_counts[block] += 1
         child.block_table = list(shared)
         child.num_cached = parent.num_cached
+        child.cache_epoch, child.num_hashed, child.prefix_hash = (
+            parent.cache_epoch,
+            parent.num_hashed,
+            parent.prefix_hash,
+        )
         pair = None
         if len(parent.block_table) > full:
-            block = self.free_blocks.pop()
-            self.ref_counts[block] = 1
+            block = self._take()
             child.block_table.append(block)
             pair = parent.block_table[full], block
         self._write(child, 0)
@@ -78,19 +169,23 @@ class BlockManager:
 
     def can_fork(self, parent: Sequence, count: int) -> bool:
         partial = len(parent.block_table) > parent.num_cached // self.block_size
-        return not partial or len(self.free_blocks) >= count
+        return not partial or self.num_free >= count
 
     def free(self, seq: Sequence) -> None:
         for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self.free_blocks.append(block)
+                if block in self.block_keys:
+                    self.evictable[block] = None
+                else:
+                    self.free_blocks.append(block)
         if seq.table_row >= 0:
             self.tables[seq.table_row, : len(seq.block_table)] = 0
             self.free_rows.append(seq.table_row)
             seq.table_row = -1
         seq.block_table = []
-        seq.num_cached = 0
+        seq.num_cached = seq.num_hashed = 0
+        seq.prefix_hash = None
 
     def slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size

@@ -46,7 +46,9 @@ class EngineCore:
         self.runner = ModelRunner(
             self.model, num_blocks, cfg.block_size, self.device, self.dtype, cfg.cuda_graphs, cfg.max_num_seqs
         )
-        self.blocks = BlockManager(num_blocks, cfg.block_size, -(-self.max_model_len // cfg.block_size))
+        self.blocks = BlockManager(
+            num_blocks, cfg.block_size, -(-self.max_model_len // cfg.block_size), cfg.prefix_caching
+        )
         # one sequence must always fit in the whole cache, or preemption could not make room for it
         self.max_model_len = min(self.max_model_len, self.blocks.num_usable * cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
@@ -208,6 +210,7 @@ class EngineCore:
         logits = self.runner.run(batch, self.blocks, feed)
         for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_cached += count
+            self.blocks.register(seq)
         if not seqs:
             self.timings["model"] += time.perf_counter() - start
             return launched
@@ -240,7 +243,7 @@ class EngineCore:
             seq.token_ids.append(PLACEHOLDER)
             launched.positions.append(len(seq.token_ids) - 1)
             if self._reaches_length(seq, len(seq.token_ids)):
-                self.scheduler.remove(seq)  # its last token: out of the next batch
+                self.scheduler.retire(seq)  # its last token: out of the next batch
         self.timings["model"] += time.perf_counter() - start
         return launched
 
@@ -322,8 +325,8 @@ class EngineCore:
             self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        if seq.status is not Status.FINISHED:
-            self.scheduler.remove(seq)
+        self.blocks.register(seq)  # its last tokens are known now: a next turn can reuse them
+        self.scheduler.remove(seq)
         seq.request.sequences.pop(seq.index, None)
         self._mark_finished(seq.request, seq.index, reason)
 
@@ -356,6 +359,7 @@ class EngineCore:
 
     def apply_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         apply_checkpoint(self.model, tensors)
+        self.blocks.reset_prefix_cache()
         self.weight_version = version
 
 

@@ -143,6 +143,7 @@ class AsyncEngine:
             weight_version=core.weight_version,
             paused=self.paused,
             steps_total=core.num_steps,
+            prefix_cache_hit_tokens_total=core.blocks.hit_tokens_total,
         )
 
     async def shutdown(self) -> None:

@@ -2,7 +2,8 @@
 
 Every step the running sequences go first (decodes take one token, a partly prefilled prompt
 takes the next chunk), then waiting sequences join in arrival order while the token budget,
-`max_num_seqs` and free KV blocks allow. A prompt longer than the remaining budget is prefilled
+`max_num_seqs` and free KV blocks allow; a joining sequence first takes the blocks of its
+longest cached prefix (block_manager.py) and computes only the rest. A prompt longer than the remaining budget is prefilled
 in chunks over several steps. When a running sequence needs a block and none is free, the newest
 running sequence is preempted: its blocks are freed and it goes back to the front of the queue
 to be recomputed later, so the cache never overflows.
@@ -82,9 +83,12 @@ class Scheduler:
             seq = self.waiting[0]
             if self.running and len(self.running) + seq.fan_out > self.max_num_seqs:
                 break
+            hit = self.blocks.match_prefix(seq)
             count = min(seq.num_uncached, budget)
             if not self.blocks.allocate(seq, seq.num_cached + count):
+                self.blocks.free(seq)  # the matched blocks go back; the next try matches again
                 break
+            self.blocks.hit_tokens_total += hit
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -101,12 +105,18 @@ class Scheduler:
         self.num_preemptions += 1
 
     def remove(self, seq: Sequence) -> None:
-        """Take a finished or aborted sequence out and free its blocks."""
+        """Take a finished or aborted sequence out and free its blocks (again: a no-op)."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
-        elif seq in self.waiting:  # (a sequence held back by the engine is in neither list)
+        elif seq.status is Status.WAITING and seq in self.waiting:  # (a held one is in neither)
             self.waiting.remove(seq)
         self.blocks.free(seq)
+        seq.status = Status.FINISHED
+
+    def retire(self, seq: Sequence) -> None:
+        """Take a sequence out of the batches but keep its blocks until `remove` (its last
+        token is still being computed, and its blocks are worth caching once it is known)."""
+        self.running.remove(seq)
         seq.status = Status.FINISHED
 
     def insert_running_after(self, parent: Sequence, children: list[Sequence]) -> None:

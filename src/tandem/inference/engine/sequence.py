@@ -33,6 +33,11 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     table_row: int = -1  # its row in BlockManager.tables while it holds blocks
     num_cached: int = 0
+    # prefix cache (block_manager.py): blocks registered so far, the hash of the last one, and the
+    # cache epoch the sequence's keys and values were computed in
+    num_hashed: int = 0
+    prefix_hash: int | None = None
+    cache_epoch: int = -1
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     seq_id: int = field(default_factory=lambda: next(_ids))
