@@ -12,8 +12,11 @@ each chunk's logits and forms the gradient directly:
 so peak memory is one chunk of logits in either direction.
 """
 
+from types import MethodType
+
 import torch
 from torch import nn
+from torch.distributed.fsdp import register_fsdp_forward_method
 
 
 class ChunkedLogprobs(torch.autograd.Function):
@@ -125,3 +128,10 @@ def sequence_logprobs(
     logprobs, entropy = chunked_logprobs(hidden, head.weight, input_ids[:, 1:], temperature, chunk_size)
     zero = logprobs.new_zeros(logprobs.shape[0], 1)
     return torch.cat([zero, logprobs], 1), torch.cat([zero, entropy], 1)
+
+
+def attach_sequence_logprobs(model: nn.Module) -> None:
+    """Give an FSDP2-sharded `model` a `sequence_logprobs` method that gathers its parameters the
+    way its forward does (it reads the output head's weight directly)."""
+    model.sequence_logprobs = MethodType(sequence_logprobs, model)
+    register_fsdp_forward_method(model, "sequence_logprobs")

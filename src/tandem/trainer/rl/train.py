@@ -11,20 +11,18 @@ averages gradients over ranks, so each rank scales its loss by world_size to get
 """
 
 import time
-from types import MethodType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import register_fsdp_forward_method
 
 from tandem.cli import UserError
 from tandem.models.loading import load_model, load_tokenizer
 from tandem.monitor.metrics import MetricsWriter
 from tandem.monitor.progress import TrainingProgress
 from tandem.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
-from tandem.trainer.logprobs import sequence_logprobs
+from tandem.trainer.logprobs import attach_sequence_logprobs
 from tandem.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from tandem.trainer.parallel import (
     World,
@@ -46,8 +44,7 @@ def load_policy(cfg: RLTrainerConfig, source: str, world: World) -> nn.Module:
     model = load_model(cfg.model.model_copy(update={"name": source, "dtype": weights}), world.device)
     model.config.use_cache = False
     apply_fsdp(model, mixed_precision(world.device, next(model.parameters()).dtype))
-    model.sequence_logprobs = MethodType(sequence_logprobs, model)
-    register_fsdp_forward_method(model, "sequence_logprobs")
+    attach_sequence_logprobs(model)
     model.train()
     return model
 

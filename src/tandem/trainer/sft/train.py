@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.cli import UserError
@@ -19,6 +18,7 @@ from tandem.models.loading import load_model, load_tokenizer
 from tandem.monitor.metrics import MetricsWriter
 from tandem.monitor.progress import TrainingProgress
 from tandem.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, write_hf_model
+from tandem.trainer.logprobs import attach_sequence_logprobs
 from tandem.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from tandem.trainer.packing import MicroBatch, make_micro_batches, pack_rows, shard_rows
 from tandem.trainer.parallel import (
@@ -36,11 +36,10 @@ from tandem.trainer.sft.evaluation import evaluate_held_out
 
 
 def token_loss_sum(model: nn.Module, batch: MicroBatch) -> torch.Tensor:
-    """Sum of next-token cross-entropies (fp32) over the batch's loss tokens."""
-    logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
-    mask = batch.loss_mask[:, 1:]
-    selected = logits[:, :-1][mask].float()
-    return F.cross_entropy(selected, batch.input_ids[:, 1:][mask], reduction="sum")
+    """Sum of next-token cross-entropies (fp32) over the batch's loss tokens, through the chunked
+    output head (trainer/logprobs.py): the full [tokens, vocab] logits never exist at once."""
+    logprobs, _ = model.sequence_logprobs(batch.input_ids, batch.position_ids)
+    return -logprobs[:, 1:][batch.loss_mask[:, 1:]].sum()
 
 
 def train_step(
@@ -108,6 +107,7 @@ def _train(cfg: SFTConfig, world: World) -> dict[str, Any]:
     model = load_model(cfg.model.model_copy(update={"name": source, "dtype": weights}), world.device)
     model.config.use_cache = False
     apply_fsdp(model, mixed_precision(world.device, next(model.parameters()).dtype, cfg.compute_dtype))
+    attach_sequence_logprobs(model)
     model.train()
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
