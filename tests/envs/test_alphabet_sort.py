@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from tandem.config.loader import ConfigError
-from tandem.envs.alphabet_sort import AlphabetSortEnv, SortTask, exact_turns, sorted_score
+from tandem.envs.alphabet_sort import AlphabetSortEnv, SortTask, exact_turns, solved, sorted_score
 from tandem.envs.base import Message
 from tandem.envs.registry import load_environment
 from tandem.models.loading import load_tokenizer
@@ -34,7 +34,7 @@ def test_environment_reveals_names_turn_by_turn() -> None:
         "More names: Zoe, Carl. Sort all names so far.",
     ]
     assert messages[-1]["role"] == "assistant"  # no reply after the last turn
-    assert env.score(TASK, messages) == (1.0, {"sorted": 1.0, "exact_turns": 1.0})
+    assert env.score(TASK, messages) == (1.0, {"sorted": 1.0, "exact_turns": 1.0, "solved": 1.0})
 
 
 def test_partial_and_missing_turns() -> None:
@@ -42,6 +42,7 @@ def test_partial_and_missing_turns() -> None:
     messages = play("Ben, Maya.", "Ben, Maya")
     assert sorted_score(TASK, messages) == pytest.approx((1.0 + 0.8 + 0.0) / 3)
     assert exact_turns(TASK, messages) == pytest.approx(1 / 3)
+    assert solved(TASK, messages) == 0.0
     wrong_order = play("Maya, Ben")
     assert sorted_score(TASK, wrong_order) == pytest.approx(0.5 / 3)  # one of two names in order
 

@@ -8,7 +8,8 @@ alphabetical order, separated by commas.
 
 Reward = the mean over the task's turns of that turn's score: 1 for the exact list, else the
 similarity of the answered list to the right one (difflib ratio over names); a turn the model
-never reached scores 0. `exact_turns` (weight 0) is the fraction of turns answered exactly.
+never reached scores 0. `exact_turns` (weight 0) is the fraction of turns answered exactly;
+`solved` (weight 0, the success that `eval` counts for pass@k) is 1 when every turn was.
 The train and eval splits divide tasks by a hash of their names.
 """
 
@@ -131,8 +132,13 @@ def exact_turns(task: SortTask, messages: list[Message]) -> float:
     return sum(s == 1.0 for s in scores) / len(scores)
 
 
+def solved(task: SortTask, messages: list[Message]) -> float:
+    return float(exact_turns(task, messages) == 1.0)
+
+
 class AlphabetSortEnv(MultiTurnEnv):
     name = "alphabet_sort"
+    success_metric = "solved"
 
     class Args(MultiTurnEnv.Args):
         max_turns: int = Field(4, gt=0, description="Most turns of a task (tasks have min_turns..max_turns).")
@@ -156,7 +162,11 @@ class AlphabetSortEnv(MultiTurnEnv):
 
     @property
     def reward_functions(self) -> list[RewardFunction]:
-        return [RewardFunction("sorted", sorted_score, 1.0), RewardFunction("exact_turns", exact_turns, 0.0)]
+        return [
+            RewardFunction("sorted", sorted_score, 1.0),
+            RewardFunction("exact_turns", exact_turns, 0.0),
+            RewardFunction("solved", solved, 0.0),
+        ]
 
     def __init__(self, args: Args | None = None) -> None:
         super().__init__(args)
