@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import uvicorn
 
 
 def free_port() -> int:
@@ -81,3 +83,21 @@ def start_server(
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=15)
+
+
+@contextmanager
+def serve_in_thread(app: object, timeout_s: float = 30.0) -> Iterator[str]:
+    """Serve an ASGI app with uvicorn in a thread of this process on a free port; yields its URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=timeout_s)

@@ -5,14 +5,12 @@ in-process test looks at the HTTP answers, the subprocess test at the process's 
 
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
-from server_process import free_port, start_server
+from server_process import serve_in_thread, start_server
 
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine import AsyncEngine
@@ -27,19 +25,8 @@ def served_engine(tiny_model: Path) -> Iterator[tuple[str, AsyncEngine]]:
         {"model": {"name": str(tiny_model)}, "engine": {"max_model_len": 128}}
     )
     engine = AsyncEngine(config)
-    port = free_port()
-    uv = uvicorn.Server(
-        uvicorn.Config(build_app(engine, engine.tokenizer, config), port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
-    uv.should_exit = True
-    thread.join(timeout=30)
+    with serve_in_thread(build_app(engine, engine.tokenizer, config)) as url:
+        yield url, engine
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death itself

@@ -3,8 +3,6 @@ resume, and an injected engine fault. The server runs in-process (uvicorn in a t
 real native engine, so the test can also look at the engine directly."""
 
 import shutil
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +13,7 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
+from server_process import serve_in_thread
 from transformers import AutoModelForCausalLM
 
 from tandem.inference.config import InferenceConfig
@@ -49,12 +47,6 @@ class InProcessServer:
         return response.json()["choices"][0]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
     run_dir = tmp_path_factory.mktemp("run")
@@ -69,19 +61,8 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         }
     )
     engine = AsyncEngine(config)
-    port = free_port()
-    uv = uvicorn.Server(
-        uvicorn.Config(build_app(engine, engine.tokenizer, config), port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    yield InProcessServer(f"http://127.0.0.1:{port}", engine, run_dir)
-    uv.should_exit = True
-    thread.join(timeout=30)
+    with serve_in_thread(build_app(engine, engine.tokenizer, config)) as url:
+        yield InProcessServer(url, engine, run_dir)
 
 
 def transformers_greedy(path: Path, max_tokens: int = 10) -> list[int]:

@@ -9,10 +9,15 @@ import importlib.util
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from tandem.cli import UserError, run_cli
 from tandem.config.loader import parse_config
 from tandem.inference.config import InferenceConfig
+
+if TYPE_CHECKING:
+    import uvicorn
+    from starlette.types import ASGIApp
 
 PROG = "inference"
 
@@ -44,9 +49,23 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-def serve_native(config: InferenceConfig) -> None:
+def http_server(app: "ASGIApp", config: InferenceConfig) -> "uvicorn.Server":
+    """uvicorn serving `app` as configured; set its `should_exit` to stop it from another thread."""
     import uvicorn
 
+    return uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            access_log=config.access_log,
+            timeout_graceful_shutdown=5,
+        )
+    )
+
+
+def serve_native(config: InferenceConfig) -> None:
     from tandem.inference.engine import AsyncEngine
     from tandem.inference.server import build_app
 
@@ -61,16 +80,7 @@ def serve_native(config: InferenceConfig) -> None:
         config.host,
         config.port,
     )
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=config.host,
-            port=config.port,
-            log_level=config.log_level,
-            access_log=config.access_log,
-            timeout_graceful_shutdown=5,
-        )
-    )
+    server = http_server(app, config)
     engine.on_death = lambda: setattr(server, "should_exit", True)  # uvicorn polls the flag
     server.run()
     if engine.dead_reason is not None:

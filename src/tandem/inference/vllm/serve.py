@@ -18,6 +18,7 @@ from types import FrameType
 import uvicorn
 
 from tandem.cli import UserError
+from tandem.inference.cli import http_server
 from tandem.inference.config import InferenceConfig
 from tandem.inference.vllm.process import VLLMDiedError, VLLMProcess, new_api_key, vllm_command, vllm_env
 from tandem.inference.vllm.proxy import build_front
@@ -89,16 +90,7 @@ def serve_vllm(config: InferenceConfig) -> None:
             raise SystemExit(1) from None
         log.info("vLLM is up after %.0f s; serving on http://%s:%d", seconds, config.host, config.port)
         app = build_front(config, upstream, key)
-        server = uvicorn.Server(
-            uvicorn.Config(
-                app,
-                host=config.host,
-                port=config.port,
-                log_level=config.log_level,
-                access_log=config.access_log,
-                timeout_graceful_shutdown=5,
-            )
-        )
+        server = http_server(app, config)
         died = threading.Event()
         threading.Thread(target=watch, args=(process, server, died), name="vllm-watch", daemon=True).start()
         server.run()
