@@ -39,7 +39,7 @@ def preflight(plan: RunPlan) -> None:
     """Fail before starting anything on a missing model, a used run directory or a taken port."""
     check_model_source(plan.orchestrator.model.name)
     if not plan.config.resume:
-        from tandem.orchestrator.loop import written_steps
+        from tandem.transport.rollouts import written_steps
 
         if done := written_steps(plan.config.run_dir):
             raise UserError(

@@ -11,7 +11,6 @@ import logging
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
 from tandem.cli import UserError
@@ -26,21 +25,12 @@ from tandem.orchestrator.evaluation import evaluate
 from tandem.orchestrator.rollouts import RolloutCollector, StepBatch
 from tandem.orchestrator.stats import mean, per_env_stats, staleness_stats, trajectory_stats
 from tandem.orchestrator.weights import PolicySync
-from tandem.transport.rollouts import pack_samples, step_dir, write_step
+from tandem.transport.rollouts import pack_samples, step_dir, write_step, written_steps
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 PROMPT_CHECK_LIMIT = 5000
 STEPS_IN_FLIGHT = 2
-
-
-def written_steps(run_dir: Path) -> list[int]:
-    """Steps whose rollouts are completely written (their READY marker exists), ascending."""
-    root = run_dir / "rollouts"
-    if not root.is_dir():
-        return []
-    steps = [int(p.name[5:]) for p in root.glob("step_*") if p.name[5:].isdigit() and (p / "READY").is_file()]
-    return sorted(steps)
 
 
 def first_step(cfg: OrchestratorConfig) -> int:

@@ -259,12 +259,20 @@ def rank_path(run_dir: Path, step: int, rank: int) -> Path:
     return step_dir(run_dir, step) / f"rank_{rank}.bin"
 
 
-def prune_steps(run_dir: Path, before: int) -> int:
-    """Delete rollouts/step_N for every N < `before`; returns how many were deleted."""
+def written_steps(run_dir: Path) -> list[int]:
+    """Steps whose rollouts are completely written (their READY marker exists), ascending."""
     root = Path(run_dir) / "rollouts"
-    old = [p for p in root.glob("step_*") if p.name[5:].isdigit() and int(p.name[5:]) < before]
-    for directory in old:
-        shutil.rmtree(directory, ignore_errors=True)
+    if not root.is_dir():
+        return []
+    steps = [int(p.name[5:]) for p in root.glob("step_*") if p.name[5:].isdigit() and (p / "READY").is_file()]
+    return sorted(steps)
+
+
+def prune_steps(run_dir: Path, before: int) -> int:
+    """Delete rollouts/step_N for every written N < `before`; returns how many were deleted."""
+    old = [step for step in written_steps(run_dir) if step < before]
+    for step in old:
+        shutil.rmtree(step_dir(run_dir, step), ignore_errors=True)
     return len(old)
 
 

@@ -20,6 +20,7 @@ tables is one fancy-indexing copy instead of a Python loop over sequences.
 """
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -93,7 +94,7 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> int:
         """Start a sequence that holds no blocks from the registered blocks matching its tokens
         (at least one token is left to compute); returns the tokens it need not compute."""
-        if not self.prefix_caching or seq.block_table:
+        if not self.cached or seq.block_table:  # (nothing is registered without prefix_caching)
             return 0
         seq.cache_epoch = self.epoch
         size = self.block_size
@@ -116,23 +117,32 @@ class BlockManager:
             self._write(seq, 0)
         return seq.num_cached
 
-    def register(self, seq: Sequence) -> None:
-        """Register `seq`'s blocks that are now full and computed (and whose tokens are known)."""
-        size = self.block_size
-        if not self.prefix_caching or seq.cache_epoch != self.epoch:
+    def register(self, seqs: Iterable[Sequence]) -> None:
+        """Register the blocks of `seqs` that are now full and computed (and whose tokens are known)."""
+        if not self.prefix_caching:
             return
-        while (seq.num_hashed + 1) * size <= seq.num_cached:
-            i = seq.num_hashed
-            tokens = tuple(seq.token_ids[i * size : (i + 1) * size])
-            if PLACEHOLDER in tokens:
-                return  # a sampled token still on its way: next step
-            key = hash((seq.prefix_hash, tokens))
-            block = seq.block_table[i]
-            if key not in self.cached and block not in self.block_keys:
-                self.cached[key] = block
-                self.block_keys[block] = (key, tokens)
-            seq.prefix_hash = key
-            seq.num_hashed += 1
+        size = self.block_size
+        for seq in seqs:
+            if seq.cache_epoch != self.epoch:
+                continue  # its keys and values predate the current weights
+            while (seq.num_hashed + 1) * size <= seq.num_cached:
+                if not self._register_next(seq):
+                    break
+
+    def _register_next(self, seq: Sequence) -> bool:
+        """Register `seq`'s next full block; False while one of its tokens is still on its way."""
+        i, size = seq.num_hashed, self.block_size
+        tokens = tuple(seq.token_ids[i * size : (i + 1) * size])
+        if PLACEHOLDER in tokens:
+            return False
+        key = hash((seq.prefix_hash, tokens))
+        block = seq.block_table[i]
+        if key not in self.cached and block not in self.block_keys:
+            self.cached[key] = block
+            self.block_keys[block] = (key, tokens)
+        seq.prefix_hash = key
+        seq.num_hashed += 1
+        return True
 
     def reset_prefix_cache(self) -> None:
         """Forget every registered block (new weights make their keys and values stale)."""
@@ -154,11 +164,8 @@ class BlockManager:
             self.ref_counts[block] += 1
         child.block_table = list(shared)
         child.num_cached = parent.num_cached
-        child.cache_epoch, child.num_hashed, child.prefix_hash = (
-            parent.cache_epoch,
-            parent.num_hashed,
-            parent.prefix_hash,
-        )
+        child.cache_epoch = parent.cache_epoch
+        child.num_hashed, child.prefix_hash = parent.num_hashed, parent.prefix_hash
         pair = None
         if len(parent.block_table) > full:
             block = self._take()

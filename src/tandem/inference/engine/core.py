@@ -210,7 +210,7 @@ class EngineCore:
         logits = self.runner.run(batch, self.blocks, feed)
         for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_cached += count
-            self.blocks.register(seq)
+        self.blocks.register(batch.seqs)
         if not seqs:
             self.timings["model"] += time.perf_counter() - start
             return launched
@@ -325,7 +325,7 @@ class EngineCore:
             self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        self.blocks.register(seq)  # its last tokens are known now: a next turn can reuse them
+        self.blocks.register((seq,))  # its last tokens are known now: a next turn can reuse them
         self.scheduler.remove(seq)
         seq.request.sequences.pop(seq.index, None)
         self._mark_finished(seq.request, seq.index, reason)

@@ -3,8 +3,8 @@
 Every step the running sequences go first (decodes take one token, a partly prefilled prompt
 takes the next chunk), then waiting sequences join in arrival order while the token budget,
 `max_num_seqs` and free KV blocks allow; a joining sequence first takes the blocks of its
-longest cached prefix (block_manager.py) and computes only the rest. A prompt longer than the remaining budget is prefilled
-in chunks over several steps. When a running sequence needs a block and none is free, the newest
+longest cached prefix (block_manager.py) and computes only the rest. A prompt longer than the
+remaining budget is prefilled in chunks over several steps. When a running sequence needs a block and none is free, the newest
 running sequence is preempted: its blocks are freed and it goes back to the front of the queue
 to be recomputed later, so the cache never overflows.
 """
