@@ -77,6 +77,11 @@ def save_model(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+    save_tokenizer_files(tokenizer, out_dir)
+
+
+def save_tokenizer_files(tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> None:
+    """The tokenizer (with its chat template) and a greedy generation config ending at its EOS."""
     tokenizer.save_pretrained(out_dir)
     generation = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id,

@@ -7,6 +7,7 @@ from pydantic import Discriminator, Field, Tag
 
 from tandem.config.base import ModelConfig, Section
 from tandem.trainer.optim import OptimConfig
+from tandem.trainer.parallel import ParallelConfig
 
 
 class LossBase(Section):
@@ -104,6 +105,7 @@ class RLTrainerConfig(Section):
     max_steps: int = Field(20, gt=0, description="Optimizer steps; step N consumes rollouts/step_N.")
     seed: int = 0
     optim: RLOptimConfig = RLOptimConfig()
+    parallel: ParallelConfig = ParallelConfig()
     loss: LossConfig = MaskedISLoss()
     ckpt: CheckpointConfig = CheckpointConfig()
     weights: WeightsConfig = WeightsConfig()
