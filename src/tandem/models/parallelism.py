@@ -79,6 +79,8 @@ def apply_fsdp(model: CausalLM, plan: ParallelPlan) -> None:
                 shard_placement_fn=lambda _: Shard(1),
             )
             layer.mlp.experts.set_gradient_divide_factor(float(world))
+            if plan.mesh.device_type == "cpu":  # gloo has no PREMUL_SUM: sum, then divide
+                layer.mlp.experts.set_force_sum_reduction_for_comms(True)
         fully_shard(
             layer,
             mesh=plan.dp_mesh,

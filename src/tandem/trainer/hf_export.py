@@ -11,7 +11,7 @@ save_pretrained. The directory is written under a temporary name and renamed int
 """
 
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -27,9 +27,12 @@ from tandem.trainer.checkpoint import full_model_state, replace_dir, tmp_dir
 from tandem.trainer.parallel import World, barrier
 
 
-def iter_hf_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(
+    model: nn.Module, of: Callable[[torch.Tensor], torch.Tensor | None] = lambda t: t
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, full tensor) for every tensor of a tandem model, in layer order.
 
+    `of` picks what to gather for each parameter or buffer (its gradient, say; None skips it).
     Collective: every rank must consume the whole iterator (each step all-gathers one
     parameter); every rank receives the full tensors.
     """
@@ -37,8 +40,10 @@ def iter_hf_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
     layouts = family(model.hf_config.model_type).hf_layout(model.hf_config)
     for name, tensor in persistent_tensors(model).items():
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        yield from split_full(layouts[name], full.detach())
+        picked = of(tensor)
+        if picked is not None:
+            full = picked.full_tensor() if isinstance(picked, DTensor) else picked
+            yield from split_full(layouts[name], full.detach())
 
 
 def write_hf_model(

@@ -1,6 +1,7 @@
 """AdamW, the learning-rate schedule and gradient clipping, shared by the SFT and RL trainers."""
 
 import math
+from collections import defaultdict
 from typing import Literal
 
 import torch
@@ -62,14 +63,21 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_step
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     """Global gradient norm over all ranks' shards; gradients are scaled down to `max_norm` if set.
 
-    FSDP2 gradients are DTensors, so torch's clipping reduces the norm across the mesh; the
-    returned norm is the full (unsharded) one on every rank.
+    FSDP2 gradients are DTensors; their norm reduces across the mesh. Expert-parallel weights
+    live on another mesh than the dense ones (models/parallelism.py), and torch's clipping needs
+    one mesh per call, so the norm is taken per mesh and combined; the returned norm is the
+    full (unsharded) one on every rank.
     """
-    grads = [p for p in model.parameters() if p.grad is not None]
+    params = [p for p in model.parameters() if p.grad is not None]
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        groups[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
+    squares = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
     if max_norm > 0:
-        norm = torch.nn.utils.clip_grad_norm_(grads, max_norm, foreach=True)
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in grads], foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return float(norm)
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+    return float(total)

@@ -36,7 +36,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         return CUDA_DEFAULT if device.type == "cuda" else "sdpa"
     if backend in ("varlen", "flex") and device.type != "cuda":
-        raise ValueError(f"model.attention = {backend!r} trains on CUDA only (use 'sdpa' or 'sdpa_docs' on CPU)")
+        raise ValueError(
+            f"model.attention = {backend!r} trains on CUDA only (use 'sdpa' or 'sdpa_docs' on CPU)"
+        )
     return backend
 
 
