@@ -2,17 +2,62 @@
 
 The output head turns N hidden states into N × V logits; in fp32 for a 150k vocabulary that is
 600 kB per token, more than the rest of the activations. `chunked_logprobs` applies the head to
-`chunk_size` tokens at a time, takes the fp32 log-softmax of that chunk, keeps only two numbers
-per token (the target's logprob and the entropy) and drops the chunk. Its backward recomputes
-each chunk's logits and forms the gradient directly:
+`chunk_size` tokens at a time, reduces that chunk's fp32 softmax to three numbers per token (the
+target's logprob, the entropy and the logsumexp) and drops the chunk. Its backward recomputes
+each chunk's logits and forms the gradient directly, elementwise given the saved logsumexp:
 
     z = h Wᵀ / T,  p = softmax(z),  ℓ = log p[target],  H = −Σ p log p
     ∂ℓ/∂z = onehot(target) − p          ∂H/∂z = −p ⊙ (log p + H)
 
-so peak memory is one chunk of logits in either direction.
+so peak memory is one chunk of logits in either direction. On CUDA each direction's per-chunk
+arithmetic is one compiled kernel that reads the chunk's logits once.
 """
 
+import functools
+from collections.abc import Callable
+
 import torch
+
+
+def token_stats(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log p[target], entropy, logsumexp) per row of one chunk's logits, in fp32 (or wider)."""
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    lse = z.logsumexp(-1)
+    p = (z - lse[:, None]).exp()
+    entropy = lse - (p * z).sum(-1)
+    return z.gather(1, targets[:, None]).squeeze(1) - lse, entropy, lse
+
+
+def logit_grad(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logprobs: torch.Tensor,
+    grad_entropy: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
+    """∂(g_ℓ·ℓ + g_H·H)/∂logits for one chunk, in the logits' dtype (see the module docstring)."""
+    z = logits.to(lse.dtype) / temperature
+    logp = z - lse[:, None]
+    p = logp.exp()
+    g_lp, g_ent = grad_logprobs[:, None].to(lse.dtype), grad_entropy[:, None].to(lse.dtype)
+    grad_z = -p * (g_lp + g_ent * (logp + entropy[:, None]))
+    grad_z = grad_z.scatter_add(1, targets[:, None], g_lp)
+    return (grad_z / temperature).to(logits.dtype)
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    return torch.compile(fn, dynamic=True)
+
+
+def _kernel(fn: Callable, device: torch.device) -> Callable:
+    """On CUDA the softmax statistics and the logit gradient each run as one fused kernel
+    (compiled), reading a chunk of logits once; elsewhere they run op by op."""
+    return _compiled(fn) if device.type == "cuda" else fn
 
 
 class ChunkedLogprobs(torch.autograd.Function):
@@ -29,14 +74,15 @@ class ChunkedLogprobs(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
         dtype = torch.promote_types(weight.dtype, torch.float32)
-        logprobs = torch.empty(n, dtype=dtype, device=hidden.device)
-        entropy = torch.empty(n, dtype=dtype, device=hidden.device)
+        logprobs, entropy, lse = (torch.empty(n, dtype=dtype, device=hidden.device) for _ in range(3))
+        stats = _kernel(token_stats, hidden.device)
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
-            logp = chunk_log_softmax(hidden[start:end], weight, temperature)
-            logprobs[start:end] = logp.gather(1, targets[start:end, None]).squeeze(1)
-            entropy[start:end] = -(logp.exp() * logp).sum(-1)
-        ctx.save_for_backward(hidden, weight, targets, entropy)
+            logits = hidden[start:end] @ weight.T
+            logprobs[start:end], entropy[start:end], lse[start:end] = stats(
+                logits, targets[start:end], temperature
+            )
+        ctx.save_for_backward(hidden, weight, targets, entropy, lse)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         return logprobs, entropy
 
@@ -44,36 +90,34 @@ class ChunkedLogprobs(torch.autograd.Function):
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
-        hidden, weight, targets, entropy = ctx.saved_tensors
+        hidden, weight, targets, entropy, lse = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         acc_dtype = torch.promote_types(weight.dtype, torch.float32)
         grad_weight = (
             torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
         )
+        gradient = _kernel(logit_grad, hidden.device)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = min(start + ctx.chunk_size, hidden.shape[0])
-            logp = chunk_log_softmax(hidden[start:end], weight, ctx.temperature)
-            p = logp.exp()
-            g_lp = grad_logprobs[start:end, None].to(logp.dtype)
-            g_ent = grad_entropy[start:end, None].to(logp.dtype)
-            grad_z = -p * (g_lp + g_ent * (logp + entropy[start:end, None]))
-            grad_z.scatter_add_(1, targets[start:end, None], g_lp)
-            grad_z = (grad_z / ctx.temperature).to(weight.dtype)
+            rows = slice(start, end)
+            logits = hidden[rows] @ weight.T
+            grad_z = gradient(
+                logits,
+                targets[rows],
+                lse[rows],
+                entropy[rows],
+                grad_logprobs[rows],
+                grad_entropy[rows],
+                ctx.temperature,
+            )
             if grad_hidden is not None:
-                grad_hidden[start:end] = grad_z @ weight
+                grad_hidden[rows] = grad_z @ weight
             if grad_weight is not None:
-                grad_weight += grad_z.T @ hidden[start:end]
+                grad_weight += grad_z.T @ hidden[rows]
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None
-
-
-def chunk_log_softmax(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Log-softmax of one chunk's temperature-scaled logits: matmul in the weights' dtype, softmax in
-    fp32 (or float64 for float64 weights)."""
-    logits = (hidden @ weight.T).to(torch.promote_types(weight.dtype, torch.float32))
-    return (logits / temperature).log_softmax(-1)
 
 
 def chunked_logprobs(
