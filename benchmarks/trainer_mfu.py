@@ -110,7 +110,23 @@ def step_flops(config, doc_lengths: list[int]) -> float:  # noqa: ANN001
     )
 
 
-def timed_steps(step, steps: int, warmup: int) -> tuple[list[float], float]:  # noqa: ANN001
+PROFILE_DIR: Path | None = None  # --profile: where each variant writes its kernel table
+
+
+def profile(step, name: str) -> None:  # noqa: ANN001
+    """Two more steps under torch.profiler; the top kernels by GPU time go to PROFILE_DIR/name.txt."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70)
+    (PROFILE_DIR / f"profile_{name.replace(':', '_')}.txt").write_text(table)
+
+
+def timed_steps(step, steps: int, warmup: int, name: str = "") -> tuple[list[float], float]:  # noqa: ANN001
     """Seconds of each timed step, and of the warm-up (compile included)."""
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -124,6 +140,8 @@ def timed_steps(step, steps: int, warmup: int) -> tuple[list[float], float]:  # 
         step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+    if PROFILE_DIR is not None and name:
+        profile(step, name)
     return times, warm
 
 
@@ -159,7 +177,7 @@ def run_tandem(shape: str, attention: str, steps: int, warmup: int) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    times, warm = timed_steps(step, steps, warmup)
+    times, warm = timed_steps(step, steps, warmup, f"{shape}:tandem-{attention}")
     return summary(config, docs, times, warm, backend=model.attention_backend)
 
 
@@ -184,7 +202,7 @@ def run_hf(shape: str, compiled: bool, steps: int, warmup: int) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    times, warm = timed_steps(step, steps, warmup)
+    times, warm = timed_steps(step, steps, warmup, f"{shape}:hf{'_compiled' if compiled else ''}")
     return summary(config, docs, times, warm, experts=getattr(model.config, "_experts_implementation", None))
 
 
@@ -358,9 +376,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "trainer_mfu.jsonl")
+    parser.add_argument(
+        "--profile", action="store_true", help="write a kernel table per variant next to --out"
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
+        global PROFILE_DIR
+        PROFILE_DIR = args.out.parent if args.profile else None
         try:
             rows = run_one(args.one, args.steps, args.warmup)
         except Exception as e:

@@ -16,7 +16,7 @@ def sequence_logprobs(
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob of every token given the tokens before it, and the entropy there, for packed rows.
 

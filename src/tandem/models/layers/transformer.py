@@ -129,7 +129,7 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         temperature: float = 1.0,
-        chunk_size: int = 1024,
+        chunk_size: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token logprob of each token given those before it, and the entropy there, [rows, width];
         column 0 is 0. The head runs chunk by chunk (trainer/logprobs.py)."""

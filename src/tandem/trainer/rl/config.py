@@ -109,8 +109,11 @@ class RLTrainerConfig(Section):
     loss: LossConfig = MaskedISLoss()
     ckpt: CheckpointConfig = CheckpointConfig()
     weights: WeightsConfig = WeightsConfig()
-    logprob_chunk_size: int = Field(
-        1024, gt=0, description="Tokens per chunk of the output head when computing logprobs."
+    logprob_chunk_size: int | None = Field(
+        None,
+        gt=0,
+        description="Tokens per chunk of the output head when computing logprobs; "
+        "unset = 4096 on CUDA, 1024 on CPU.",
     )
     rollout_timeout_s: float = Field(
         600.0, gt=0, description="How long to wait for rollouts/step_N/READY before failing."
