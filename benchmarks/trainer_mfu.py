@@ -407,6 +407,7 @@ def main() -> None:
             str(args.steps),
             "--warmup",
             str(args.warmup),
+            *(["--profile"] if args.profile else []),
         ]
         subprocess.run([*command, "--out", str(args.out)], check=False)
     rows = [json.loads(line) for line in args.out.read_text().splitlines()[done:]]

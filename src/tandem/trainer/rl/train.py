@@ -22,6 +22,7 @@ from tandem.models.loading import load_tokenizer
 from tandem.monitor.metrics import MetricsWriter
 from tandem.monitor.progress import TrainingProgress
 from tandem.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from tandem.trainer.expert_load import expert_load
 from tandem.trainer.model import build_trainer_model
 from tandem.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from tandem.trainer.parallel import World, all_reduce_sum, init_distributed, shutdown
@@ -139,6 +140,7 @@ def _train(cfg: RLTrainerConfig, world: World) -> dict[str, Any]:
         if world.is_main:
             print(f"trainer: resumed from {resume_from} (next step {start})", flush=True)
 
+    passes = 2 if cfg.parallel.activation_checkpointing == "full" else 1
     metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl", "trainer", enabled=world.is_main)
     progress = TrainingProgress(cfg.max_steps, start, log_interval=1, enabled=world.is_main)
     stats: dict[str, Any] = {}
@@ -151,6 +153,7 @@ def _train(cfg: RLTrainerConfig, world: World) -> dict[str, Any]:
             check_token_ids(micro_batches, model.hf_config.vocab_size, step)
             compute_start = time.monotonic()
             stats = train_step(model, objective, optimizer, micro_batches, step, cfg, world)
+            stats.update(expert_load(model, passes))
             scheduler.step()
             compute_s = time.monotonic() - compute_start
             publish_weights(model, tokenizer, cfg.run_dir, step + 1, world, cfg.weights.keep)

@@ -18,6 +18,7 @@ from tandem.models.loading import load_tokenizer
 from tandem.monitor.metrics import MetricsWriter
 from tandem.monitor.progress import TrainingProgress
 from tandem.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from tandem.trainer.expert_load import expert_load
 from tandem.trainer.hf_export import write_hf_model
 from tandem.trainer.model import build_trainer_model
 from tandem.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
@@ -124,6 +125,7 @@ def _train(cfg: SFTConfig, world: World) -> dict[str, Any]:
             )
         return result
 
+    passes = 2 if cfg.parallel.activation_checkpointing == "full" else 1
     metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl", "sft", enabled=world.is_main)
     progress = TrainingProgress(cfg.max_steps, step, cfg.log.interval, enabled=world.is_main)
     start, total_tokens, start_step, stats = time.monotonic(), 0, step, {}
@@ -133,6 +135,7 @@ def _train(cfg: SFTConfig, world: World) -> dict[str, Any]:
         while step < cfg.max_steps:
             step_start = time.monotonic()
             stats = train_step(model, optimizer, dataset, position, cfg, world)
+            stats.update(expert_load(model, passes))
             scheduler.step()
             step += 1
             position += cfg.data.batch_size
