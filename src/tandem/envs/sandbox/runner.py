@@ -1,11 +1,12 @@
-"""The sandbox's child side: `python -I -S -B runner.py` reads a JSON job on stdin and becomes it.
+"""The sandbox's child side: `python -I -S -B runner.py` reads a job (marshal) on stdin and becomes it.
 
 Standard library only: it runs before anything of the program and must not import tandem. Every
-mode ends the same way: `exec` of `python -I -S -B -c TRAMPOLINE`, which sets the resource
-limits, tells the parent on the status pipe that the set-up succeeded, closes every other file
-descriptor and execs `python -I -S -B main.py` in the job directory. Until "ok" is written, any
-failure is written to the status pipe and the runner exits with SETUP_FAILED, so the parent can
-tell a broken sandbox from a failing program (the program never sees the status pipe).
+mode ends the same way, with TRAMPOLINE (run in this process, or by bwrap as `python -c`): it
+sets the resource limits, tells the parent on the status pipe that the set-up succeeded, closes
+every other file descriptor and execs `python -E -s -S -B main.py` in the job directory. Until
+"ok" is written, any failure is written to the status pipe and the runner exits with
+SETUP_FAILED, so the parent can tell a broken sandbox from a failing program (the program never
+holds the status pipe).
 
 Modes (`job["mode"]`):
 
@@ -27,13 +28,14 @@ Modes (`job["mode"]`):
 """
 
 import ctypes
-import json
+import marshal
 import os
-import signal
 import sys
-from typing import Any
+
+# Imports are few and cheap on purpose (no json, typing, signal: each costs milliseconds per program).
 
 SETUP_FAILED = 125
+SIGKILL = 9
 JOB_DIR = "/job"
 SANDBOX_UID = 1000  # the program's uid as it sees it
 RUN_AS_ROOT = 1000  # started by root: the program's uid in the outer namespace, mapped to NOBODY
@@ -61,14 +63,15 @@ PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_SECCOMP, PR_SET_NO_NE
 PR_CAP_AMBIENT_CLEAR_ALL, SECCOMP_MODE_FILTER = 4, 2
 
 TRAMPOLINE = """\
-import json, os, resource, sys
-job = json.loads(sys.argv[1])
-for name, value in job["rlimits"].items():
-    hard = value + 1 if name == "RLIMIT_CPU" else value
-    resource.setrlimit(getattr(resource, name), (value, hard))
-os.write(job["status_fd"], b"ok")
+import os, resource, sys
+python, status_fd, *limits = sys.argv[1:]
+for item in limits:
+    name, value = item.split("=")
+    hard = int(value) + 1 if name == "RLIMIT_CPU" else int(value)
+    resource.setrlimit(getattr(resource, name), (int(value), hard))
+os.write(int(status_fd), b"ok")
 os.closerange(3, 1 << 16)
-os.execv(job["python"], [job["python"], "-E", "-s", "-S", "-B", "main.py"])  # -I minus -P: /job on sys.path
+os.execv(python, [python, "-E", "-s", "-S", "-B", "main.py"])  # -I minus -P: /job on sys.path
 """
 """The last step inside the sandbox, in every mode (RLIMIT_CPU's hard limit is a second later: SIGXCPU
 first, then SIGKILL)."""
@@ -122,7 +125,7 @@ def write_files(directory: str, files: dict[str, str]) -> None:
             f.write(text)
 
 
-def build_root(job: dict[str, Any], root: str, run_as: int) -> None:
+def build_root(job: dict, root: str, run_as: int) -> None:
     """The program's filesystem under `root` (a fresh tmpfs); see the module docstring."""
     mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=0755")
     for path in job["mounts"]:
@@ -208,7 +211,7 @@ def load_seccomp(program: bytes) -> None:
 
 def die_with(parent_alive_fd: int) -> None:
     """SIGKILL when the parent dies; the pipe's EOF tells whether it died before this was armed."""
-    check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "PR_SET_PDEATHSIG")
+    check(libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0), "PR_SET_PDEATHSIG")
     os.set_blocking(parent_alive_fd, False)
     try:
         if os.read(parent_alive_fd, 1) == b"":
@@ -218,24 +221,26 @@ def die_with(parent_alive_fd: int) -> None:
     os.close(parent_alive_fd)
 
 
-def trampoline(job: dict[str, Any]) -> list[str]:
-    """argv of the last step (TRAMPOLINE) for this job."""
-    last = {"rlimits": job["rlimits"], "status_fd": job["status_fd"], "python": job["python"]}
-    return [job["python"], "-I", "-S", "-B", "-c", TRAMPOLINE, json.dumps(last)]
+def trampoline_args(job: dict) -> list[str]:
+    limits = [f"{name}={value}" for name, value in job["rlimits"].items()]
+    return [job["python"], str(job["status_fd"]), *limits]
 
 
-def exec_trampoline(job: dict[str, Any]) -> None:
-    argv = trampoline(job)
-    os.execve(argv[0], argv, job["env"])
+def run_trampoline(job: dict) -> None:
+    """Run TRAMPOLINE in this process (one interpreter start fewer than exec'ing it)."""
+    os.environ.clear()
+    os.environ.update(job["env"])
+    sys.argv = ["-c", *trampoline_args(job)]
+    exec(TRAMPOLINE, {"__name__": "__trampoline__"})
 
 
-def confine(job: dict[str, Any]) -> None:
+def confine(job: dict) -> None:
     """What every mode applies to itself last: no capabilities, no_new_privs, seccomp."""
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
-    load_seccomp(bytes.fromhex(job["seccomp"]))
+    load_seccomp(job["seccomp"])
 
 
-def run_namespaces(job: dict[str, Any]) -> None:
+def run_namespaces(job: dict) -> None:
     """This process stays outside and writes the id maps; its child enters the namespaces and forks
     PID 1 of the new PID namespace, which builds the root and becomes the program."""
     unshared_r, unshared_w = os.pipe()
@@ -253,7 +258,7 @@ def run_namespaces(job: dict[str, Any]) -> None:
         write_id_maps(pid, host_id_maps(os.geteuid(), os.getegid()))
         os.write(mapped_w, b"x")
     except BaseException as e:  # noqa: BLE001
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, SIGKILL)
         fail(job, e)
     os.close(job["status_fd"])
     relay_exit(pid)
@@ -278,7 +283,7 @@ def relay_exit(pid: int) -> None:
     os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
 
 
-def enter_namespaces(job: dict[str, Any], unshared_w: int, mapped_r: int) -> None:
+def enter_namespaces(job: dict, unshared_w: int, mapped_r: int) -> None:
     try:
         flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
         check(libc.unshare(flags | CLONE_NEWCGROUP), "unshare")
@@ -298,7 +303,7 @@ def enter_namespaces(job: dict[str, Any], unshared_w: int, mapped_r: int) -> Non
     relay_exit(pid)
 
 
-def build_and_exec(job: dict[str, Any], alive_r: int) -> None:
+def build_and_exec(job: dict, alive_r: int) -> None:
     """PID 1 of the new namespaces: root, uid, locked mounts, no capabilities, seccomp, exec."""
     try:
         run_as = RUN_AS_ROOT if job["host_uid"] == 0 else 0
@@ -318,12 +323,12 @@ def build_and_exec(job: dict[str, Any], alive_r: int) -> None:
         drop_capabilities()
         die_with(alive_r)
         confine(job)
-        exec_trampoline(job)
+        run_trampoline(job)
     except BaseException as e:  # noqa: BLE001 — anything here is a set-up failure
         fail(job, e)
 
 
-def bubblewrap_argv(job: dict[str, Any], seccomp_fd: int, file_fds: dict[str, int]) -> list[str]:
+def bubblewrap_argv(job: dict, seccomp_fd: int, file_fds: dict[str, int]) -> list[str]:
     argv = [job["bwrap"], "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent"]
     argv += ["--new-session", "--cap-drop", "ALL", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
     for path in job["mounts"]:
@@ -347,7 +352,8 @@ def bubblewrap_argv(job: dict[str, Any], seccomp_fd: int, file_fds: dict[str, in
     argv += ["--chdir", JOB_DIR, "--remount-ro", "/", "--clearenv"]
     for key, value in job["env"].items():
         argv += ["--setenv", key, value]
-    return [*argv, "--seccomp", str(seccomp_fd), "--", *trampoline(job)]
+    python = [job["python"], "-I", "-S", "-B", "-c", TRAMPOLINE, *trampoline_args(job)]
+    return [*argv, "--seccomp", str(seccomp_fd), "--", *python]
 
 
 def memfd_with(data: bytes) -> int:
@@ -357,9 +363,9 @@ def memfd_with(data: bytes) -> int:
     return fd
 
 
-def run_bubblewrap(job: dict[str, Any]) -> None:
+def run_bubblewrap(job: dict) -> None:
     try:
-        seccomp_fd = memfd_with(bytes.fromhex(job["seccomp"]))
+        seccomp_fd = memfd_with(job["seccomp"])
         file_fds = {name: memfd_with(text.encode()) for name, text in job["files"].items()}
         argv = bubblewrap_argv(job, seccomp_fd, file_fds)
         os.execv(argv[0], argv)
@@ -367,17 +373,17 @@ def run_bubblewrap(job: dict[str, Any]) -> None:
         fail(job, e)
 
 
-def run_unsafe_local(job: dict[str, Any]) -> None:
+def run_unsafe_local(job: dict) -> None:
     try:
         os.chdir(job["workdir"])
         write_files(job["workdir"], job["files"])
         confine(job)
-        exec_trampoline(job)
+        run_trampoline(job)
     except BaseException as e:  # noqa: BLE001
         fail(job, e)
 
 
-def fail(job: dict[str, Any], error: BaseException) -> None:
+def fail(job: dict, error: BaseException) -> None:
     message = f"sandbox set-up failed: {type(error).__name__}: {error}"
     try:
         os.write(job["status_fd"], message.encode())
@@ -386,12 +392,12 @@ def fail(job: dict[str, Any], error: BaseException) -> None:
 
 
 def main() -> None:
-    job = json.loads(sys.stdin.buffer.read())
+    job = marshal.loads(sys.stdin.buffer.read())
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
     try:
-        check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "PR_SET_PDEATHSIG")
+        check(libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0), "PR_SET_PDEATHSIG")
         if os.getppid() != job["parent_pid"]:
             raise SetupError(0, "the parent died before the set-up began")
     except BaseException as e:  # noqa: BLE001

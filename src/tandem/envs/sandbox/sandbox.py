@@ -27,8 +27,8 @@ environment is PATH, HOME=/job, TMPDIR=/job and LANG only; stdin is /dev/null.
 
 import asyncio
 import contextlib
-import json
 import logging
+import marshal
 import os
 import shutil
 import signal
@@ -174,7 +174,7 @@ def job_config(
         "hidden": root.hidden,
         "python": root.python,
         "bwrap": shutil.which("bwrap") or "bwrap",
-        "seccomp": seccomp_program(socket_families, limits.max_processes > 1).hex(),
+        "seccomp": seccomp_program(socket_families, limits.max_processes > 1),
         "ip_sockets": bool({"AF_INET", "AF_INET6"} & set(socket_families)),
         "env": {"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8"},
         "status_fd": status_fd,
@@ -213,7 +213,7 @@ async def supervise(
 ) -> SandboxResult:
     assert process.stdin is not None
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-        process.stdin.write(json.dumps(config).encode())
+        process.stdin.write(marshal.dumps(config))
         await process.stdin.drain()
     process.stdin.close()
     cap = limits.output_bytes
