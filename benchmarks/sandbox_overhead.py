@@ -43,7 +43,7 @@ def main() -> None:
         sandbox = Sandbox(Limits(), isolation=mode)
         rows.append((mode, measure(lambda s=sandbox: s.run(source), args.runs)))
     base = statistics.median(rows[0][1])
-    print(f"| mode | median s | p90 s | overhead s (median − plain) |\n|---|---|---|---|")
+    print("| mode | median s | p90 s | overhead s (median − plain) |\n|---|---|---|---|")
     for name, times in rows:
         median, p90 = statistics.median(times), times[int(0.9 * (len(times) - 1))]
         print(f"| {name} | {median:.3f} | {p90:.3f} | {median - base:+.3f} |")
