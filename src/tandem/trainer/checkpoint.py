@@ -11,7 +11,6 @@ checkpoint directory itself (it is a Hugging Face model) and then `load_trainer_
 the rest, resharding the full optimizer state onto however many ranks there are now.
 """
 
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -28,9 +27,9 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from tandem.models.loading import save_model
 from tandem.trainer.parallel import World, barrier
+from tandem.transport.resume import checkpoint_steps
 
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
-STEP_DIR = re.compile(r"^step_(\d+)$")
 TRAINER_STATE = "trainer_state.pt"
 
 
@@ -100,11 +99,7 @@ def save_checkpoint(
 
 def list_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under `root`, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))]
-    return [p for _, p in sorted(found)]
+    return [Path(root) / f"step_{step}" for step in checkpoint_steps(root)]
 
 
 def latest_checkpoint(root: Path) -> Path | None:
