@@ -40,17 +40,17 @@ def preflight(plan: RunPlan, create: bool) -> None:
 
 def check_run_dir(run_dir: Path, create: bool) -> None:
     """run_dir exists as a writable directory or can be made (made when `create`)."""
-    if create:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UserError(f"run_dir {run_dir} cannot be created: {e.strerror}") from None
     existing = next(p for p in [run_dir, *run_dir.absolute().parents] if p.exists())
     if not existing.is_dir():
         where = "it is a file" if existing == run_dir else f"{existing} is a file"
         raise UserError(f"run_dir {run_dir} cannot be created: {where}")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"run_dir {run_dir} cannot be created: {existing} is not writable")
+    if create:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"run_dir {run_dir} cannot be created: {e.strerror}") from None
 
 
 def check_ports(plan: RunPlan) -> None:
