@@ -16,13 +16,17 @@ Isolation (`isolation`), chosen once per process and logged:
 - `unsafe-local`: only the seccomp filter and the resource limits, in a host directory: the program
   reads whatever the user can read. For trusted code; asked for in words.
 
-Per program, in every mode: wall-clock time (SIGKILL to the runner, and with it the whole PID
-namespace: nothing the program started, in any session, survives), CPU seconds (SIGXCPU, then
-SIGKILL a second later), address space per process (RLIMIT_AS), total disk (/job is a tmpfs of
-`disk_mb`; RLIMIT_FSIZE per file), open files, processes and threads (RLIMIT_NPROC, counted in the
-sandbox's own user namespace, so it holds for root too; `unsafe-local` refuses new processes and
-has no thread limit), captured output (`output_bytes` per stream, the rest read and dropped). The
-environment is PATH, HOME=/job, TMPDIR=/job and LANG only; stdin is /dev/null.
+Per program: wall-clock time (SIGKILL to the runner, and with it PID 1 of the namespace: nothing
+the program started, in any session, survives), CPU seconds (SIGXCPU, then SIGKILL a second
+later), address space per process (RLIMIT_AS), total disk (/job is a tmpfs of `disk_mb`;
+RLIMIT_FSIZE per file), open files, captured output (`output_bytes` per stream, the rest read and
+dropped), and processes: with `max_processes = 1` (the default) the filter refuses any new
+process; above that RLIMIT_NPROC caps processes and threads at `max_tasks`, counted in the
+sandbox's own user namespace. Linux does not count host root's processes, so the namespaces mode
+runs root's programs as host uid 65534, and modes that cannot (bubblewrap run by root,
+unsafe-local) refuse `max_processes > 1`. The environment is PATH, HOME=/job, TMPDIR=/job and
+LANG only; stdin is /dev/null. docs/environments.md, "Running untrusted code", says what this
+guarantees and what it does not.
 """
 
 import asyncio
