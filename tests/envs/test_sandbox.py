@@ -337,6 +337,8 @@ def test_bad_file_names_and_settings_are_refused() -> None:
         run("print(1)", AVAILABLE[0], **{"../x": "y"})
     with pytest.raises(ValueError, match="unknown socket families"):
         Sandbox(socket_families=("AF_PACKET",))
+    with pytest.raises(ValueError, match="sandbox limits must be positive: disk_mb"):
+        Limits(disk_mb=0)
     with pytest.raises(SandboxError, match="max_processes = 2 needs a sandbox that can count processes"):
         Sandbox(Limits(max_processes=2), isolation="unsafe-local")
 

@@ -76,6 +76,11 @@ class Limits:
     output_bytes: int = 1_000_000
     """Per stream; more is read and dropped."""
 
+    def __post_init__(self) -> None:
+        small = [name for name, value in asdict(self).items() if value < 1 and name != "wall_seconds"]
+        if small or self.wall_seconds <= 0:  # a tmpfs of size 0 would even be unlimited
+            raise ValueError(f"sandbox limits must be positive: {', '.join(small) or 'wall_seconds'}")
+
     def rlimits(self, count_processes: bool) -> dict[str, int]:
         mb = 1 << 20
         limits = {
