@@ -153,9 +153,10 @@ def write_config_dir(config, root: Path) -> Path:  # noqa: ANN001
 
 def run_tandem(shape: str, attention: str, steps: int, warmup: int) -> dict:
     from tandem.config.base import ModelConfig
+    from tandem.trainer.config import OptimConfig, ParallelConfig
     from tandem.trainer.model import build_trainer_model
-    from tandem.trainer.optim import OptimConfig, build_optimizer, clip_grad_norm
-    from tandem.trainer.parallel import ParallelConfig, init_distributed
+    from tandem.trainer.optim import build_optimizer, clip_grad_norm
+    from tandem.trainer.parallel import init_distributed
 
     config = hf_config(shape)
     world = init_distributed("cuda")

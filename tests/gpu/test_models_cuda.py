@@ -12,9 +12,10 @@ from tandem.config.base import ModelConfig
 from tandem.models.layers.attention import PackedDocs, packed_attention
 from tandem.models.layers.moe import GroupedExperts
 from tandem.models.tiny import build_tiny_model
+from tandem.trainer.config import OptimConfig, ParallelConfig
 from tandem.trainer.model import build_trainer_model
-from tandem.trainer.optim import OptimConfig, build_optimizer
-from tandem.trainer.parallel import ParallelConfig, init_distributed
+from tandem.trainer.optim import build_optimizer
+from tandem.trainer.parallel import init_distributed
 
 pytestmark = [
     pytest.mark.gpu,

@@ -10,6 +10,7 @@ import pytest
 from launch_helpers import alive, free_port
 
 from tandem.models.tiny import build_tiny_model
+from tandem.monitor.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -68,3 +69,16 @@ keep = 2
     assert "Uvicorn running" in (run / "logs" / "inference.log").read_text()
     pids = [int(p) for p in re.findall(r"started \w+ \(pid (\d+)\)", out)]
     assert len(pids) == 3 and not any(alive(p) for p in pids)
+
+    # Stopped before its first checkpoint (none are configured): a fresh start into the same
+    # run_dir is refused in one line, --resume trains again from step 0, with repeats marked.
+    launch = [sys.executable, "-m", "tandem.launch.cli", "@", str(tmp_path / "rl.toml"), "--max_steps", "3"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    fresh = subprocess.run(launch, capture_output=True, text=True, timeout=120, env=env)
+    assert fresh.returncode == 2 and "pass --resume to continue that run (from step 0" in fresh.stderr
+    resumed = subprocess.run([*launch, "--resume"], capture_output=True, text=True, timeout=480, env=env)
+    out = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, out[-4000:]
+    assert "training again from step 0" in out and "[trainer] step 3/3" in out
+    trainer = read_metrics(run / "metrics.jsonl", "trainer")
+    assert [(r["step"], r.get("attempt", 1)) for r in trainer] == [(0, 1), (1, 1), (0, 2), (1, 2), (2, 1)]

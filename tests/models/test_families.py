@@ -17,9 +17,10 @@ from tandem.cli import UserError
 from tandem.config.base import ModelConfig
 from tandem.models.hf_checkpoint import split_full
 from tandem.models.registry import family
+from tandem.trainer.config import ParallelConfig
 from tandem.trainer.hf_export import write_hf_model
 from tandem.trainer.model import build_trainer_model, load_hf_weights
-from tandem.trainer.parallel import ParallelConfig, World, init_distributed
+from tandem.trainer.parallel import World, init_distributed
 
 CPU_WORLD = World(rank=0, size=1, local_rank=0, device=torch.device("cpu"))
 COMMON = dict(

@@ -13,10 +13,11 @@ import sys
 import torch
 
 from tandem.config.base import ModelConfig
+from tandem.trainer.config import OptimConfig, ParallelConfig
 from tandem.trainer.hf_export import iter_hf_tensors
 from tandem.trainer.model import build_trainer_model
-from tandem.trainer.optim import OptimConfig, build_optimizer, clip_grad_norm
-from tandem.trainer.parallel import ParallelConfig, all_reduce_sum, init_distributed, shutdown
+from tandem.trainer.optim import build_optimizer, clip_grad_norm
+from tandem.trainer.parallel import all_reduce_sum, init_distributed, shutdown
 
 STEPS, ROWS, WIDTH = 3, 8, 48
 

@@ -6,9 +6,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class Section(BaseModel):
-    """A config section. Unknown keys are errors; values are validated on assignment too."""
+    """A config section. Unknown keys are errors; values are validated on assignment too; inf and
+    nan are refused wherever a number is expected (no setting means "infinite")."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, validate_default=True, allow_inf_nan=False
+    )
 
 
 class ModelConfig(Section):

@@ -1,24 +1,25 @@
 """`uv run rl @ examples/reverse_text/rl.toml [--resume] [--dry-run]`: one RL run on one machine.
 
-Writes the resolved per-process configs to run_dir/configs/, starts the inference server(s),
+Checks everything it can first (launch/preflight.py; also under --dry-run), in one line per
+problem and without importing torch. Then writes the resolved per-process configs to
+run_dir/configs/, starts the inference server(s),
 waits for their /health, then starts the trainer and the orchestrator, streaming every line to
 the console and to run_dir/logs/<name>.log. Exits 0 when trainer and orchestrator finish; when
 any process fails, stops the rest and shows the failed one's last lines.
 """
 
 import shlex
-import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from tandem.cli import UserError, run_cli
+from tandem.cli import run_cli
 from tandem.config.loader import parse_config, to_toml
 from tandem.launch.config import RLConfig
 from tandem.launch.devices import visible_gpus
 from tandem.launch.plan import RunPlan, plan_run
+from tandem.launch.preflight import preflight
 from tandem.launch.supervisor import Console, Supervisor
-from tandem.models.loading import check_model_source
 
 PROG = "rl"
 
@@ -35,38 +36,13 @@ def describe(plan: RunPlan) -> str:
     return to_toml(plan.config) + "\n" + "\n".join(lines) + "\n"
 
 
-def preflight(plan: RunPlan) -> None:
-    """Fail before starting anything on a missing model, a used run directory or a taken port."""
-    check_model_source(plan.orchestrator.model.name)
-    if not plan.config.resume:
-        from tandem.transport.rollouts import written_steps
-
-        if done := written_steps(plan.config.run_dir):
-            raise UserError(
-                f"{plan.config.run_dir} already holds rollouts up to step {done[-1]}: pass --resume to "
-                "continue that run, or choose another run_dir"
-            )
-    for cfg in plan.inference:
-        with socket.socket() as probe:
-            probe.setsockopt(
-                socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
-            )  # as the server will: TIME_WAIT is free
-            try:
-                probe.bind((cfg.host, cfg.port))
-            except OSError as e:
-                raise UserError(
-                    f"port {cfg.port} on {cfg.host} is taken ({e.strerror}); stop what uses it or set "
-                    "deployment.inference_ports / inference.port"
-                ) from None
-
-
 def latest_weights(run_dir: Path) -> Path | None:
     published = [p for p in (run_dir / "weights").glob("step_*") if (p / "STABLE").is_file()]
     return max(published, key=lambda p: int(p.name.removeprefix("step_")), default=None)
 
 
 def launch(plan: RunPlan) -> int:
-    preflight(plan)
+    preflight(plan, create=True)
     plan.write_configs()
     console = Console()
     supervisor = Supervisor(
@@ -95,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         args = [a for a in args if a not in ("--dry-run", "--dry_run")]
         plan = plan_run(parse_config(RLConfig, args, prog=PROG), visible_gpus())
         if dry_run:
+            preflight(plan, create=False)
             print(describe(plan), end="")
             return
         code = launch(plan)

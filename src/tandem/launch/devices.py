@@ -33,11 +33,16 @@ class DeviceAssignment:
         return any(set(gpus) & set(self.trainer) for gpus in self.inference)
 
 
+NVIDIA_DRIVER = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvidia0")
+
+
 def visible_gpus() -> list[str]:
     """The GPUs this launcher may hand out: its own CUDA_VISIBLE_DEVICES, else all it can count."""
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
     if listed is not None:
         return [g.strip() for g in listed.split(",") if g.strip() and g.strip() != "-1"]
+    if not any(os.path.exists(p) for p in NVIDIA_DRIVER):
+        return []  # no driver, no GPU: and no need to import torch (seconds) to learn it
     import torch
 
     return [str(i) for i in range(torch.cuda.device_count())]

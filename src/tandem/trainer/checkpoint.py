@@ -12,7 +12,6 @@ load, so a run can resume on a different number of ranks. Hugging Face exports o
 are written separately (trainer/hf_export.py).
 """
 
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -29,9 +28,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tandem.trainer.parallel import World, barrier
+from tandem.transport.resume import checkpoint_steps
 
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
-STEP_DIR = re.compile(r"^step_(\d+)$")
 TRAINER_STATE = "trainer_state.pt"
 SHARDS = "dcp"
 
@@ -86,11 +85,7 @@ def save_checkpoint(
 
 def list_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under `root`, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))]
-    return [p for _, p in sorted(found)]
+    return [Path(root) / f"step_{step}" for step in checkpoint_steps(root)]
 
 
 def latest_checkpoint(root: Path) -> Path | None:

@@ -31,8 +31,9 @@ from tandem.models.layers.transformer import CausalLM
 from tandem.models.loading import DTYPES, check_model_source, load_model
 from tandem.models.parallelism import ParallelPlan
 from tandem.models.registry import FAMILIES, UnsupportedConfig, family
+from tandem.trainer.config import ParallelConfig
 from tandem.trainer.logprobs import attach_sequence_logprobs
-from tandem.trainer.parallel import ParallelConfig, World, apply_fsdp, build_mesh, mixed_precision
+from tandem.trainer.parallel import World, apply_fsdp, build_mesh, mixed_precision
 
 
 def load_hf_config(name: str) -> PretrainedConfig:

@@ -2,34 +2,13 @@
 
 import math
 from collections import defaultdict
-from typing import Literal
 
 import torch
-from pydantic import Field
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
-from tandem.config.base import Section
-
-
-class OptimConfig(Section):
-    """AdamW with linear warmup, then cosine, linear or constant decay."""
-
-    lr: float = Field(3e-4, gt=0, description="Peak learning rate, reached after warmup.")
-    weight_decay: float = Field(
-        0.0, ge=0, description="AdamW weight decay, applied to matrices only (not norms or biases)."
-    )
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas (beta1, beta2).")
-    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
-    warmup_steps: int = Field(0, ge=0, description="Steps of linear warmup from 0 to lr.")
-    schedule: Literal["cosine", "linear", "constant"] = Field(
-        "cosine", description="Decay after warmup, down to min_lr_ratio × lr at max_steps."
-    )
-    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate as a fraction of lr.")
-    max_grad_norm: float = Field(
-        1.0, ge=0, description="Clip the global gradient norm to this; 0 = measure but do not clip."
-    )
+from tandem.trainer.config import OptimConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:

@@ -11,38 +11,18 @@ Hugging Face models (model.impl = "hf") by `apply_fsdp` below.
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal
 
 import torch
 import torch.distributed as dist
-from pydantic import Field
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from tandem.cli import UserError
-from tandem.config.base import Section
 from tandem.models.loading import resolve_device
 
 TIMEOUT = timedelta(minutes=10)
 """How long a collective may wait for the other ranks before the process fails."""
-
-
-class ParallelConfig(Section):
-    """How the trainer's model is split over its ranks and how its blocks run (tandem's models)."""
-
-    ep: int = Field(
-        1,
-        ge=1,
-        description="Expert parallelism: split each MoE layer's experts over this many ranks (must divide "
-        "the expert count and the world size); tokens move to their experts by all-to-all.",
-    )
-    activation_checkpointing: Literal["none", "full"] = Field(
-        "none", description="Recompute each block's activations in backward (full) to save memory."
-    )
-    compile: Literal["auto", "on", "off"] = Field(
-        "auto", description="torch.compile each decoder block; auto = on for CUDA, off on CPU."
-    )
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag
 
 from tandem.config.base import ModelConfig, Section
-from tandem.trainer.optim import OptimConfig
-from tandem.trainer.parallel import ParallelConfig
+from tandem.trainer.config import OptimConfig, ParallelConfig
 
 
 class LossBase(Section):

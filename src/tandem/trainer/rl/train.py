@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tandem.cli import UserError
 from tandem.models.loading import load_tokenizer
 from tandem.monitor.metrics import MetricsWriter
 from tandem.monitor.progress import TrainingProgress
@@ -127,8 +126,8 @@ def _train(cfg: RLTrainerConfig, world: World) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     ckpt_root = cfg.run_dir / "checkpoints"
     resume_from = latest_checkpoint(ckpt_root) if cfg.resume else None
-    if cfg.resume and resume_from is None:
-        raise UserError(f"resume is set but {ckpt_root} holds no checkpoint")
+    if cfg.resume and resume_from is None and world.is_main:  # stopped before its first checkpoint
+        print(f"trainer: no checkpoint in {ckpt_root} yet: training again from step 0", flush=True)
     objective = build_objective(cfg.loss)
     tokenizer = load_tokenizer(cfg.model.name)
     model = build_trainer_model(cfg.model, world, cfg.parallel, load_weights=not resume_from)

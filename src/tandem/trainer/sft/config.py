@@ -8,8 +8,7 @@ from pydantic import Field
 from tandem.config.base import ModelConfig, Section
 from tandem.envs.reverse_text import MAX_LEN, MIN_LEN
 from tandem.models.tiny import TinyShape
-from tandem.trainer.optim import OptimConfig
-from tandem.trainer.parallel import ParallelConfig
+from tandem.trainer.config import OptimConfig, ParallelConfig
 
 
 class DataConfig(Section):

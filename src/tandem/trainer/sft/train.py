@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from tandem.cli import UserError
 from tandem.models.loading import load_tokenizer
 from tandem.monitor.metrics import MetricsWriter
 from tandem.monitor.progress import TrainingProgress
@@ -90,8 +89,8 @@ def _train(cfg: SFTConfig, world: World) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     ckpt_root = cfg.run_dir / "checkpoints"
     resume_from = latest_checkpoint(ckpt_root) if cfg.resume else None
-    if cfg.resume and resume_from is None:
-        raise UserError(f"resume is set but {ckpt_root} holds no checkpoint")
+    if cfg.resume and resume_from is None and world.is_main:  # stopped before its first checkpoint
+        print(f"sft: no checkpoint in {ckpt_root} yet: training again from step 0", flush=True)
     prepare_model_source(cfg, world)
     tokenizer = load_tokenizer(cfg.model.name)
     dataset = build_dataset(cfg.data, tokenizer, cfg.seed, cfg.seq_len)
