@@ -79,7 +79,9 @@ def apply_fsdp(model: CausalLM, plan: ParallelPlan) -> None:
                 shard_placement_fn=lambda _: Shard(1),
             )
             layer.mlp.experts.set_gradient_divide_factor(float(world))
-            if plan.mesh.device_type == "cpu":  # gloo has no PREMUL_SUM: sum, then divide
+            if plan.mesh.device_type == "cpu" and plan.mesh["efsdp"].size() > 1:
+                # gloo has no PREMUL_SUM: sum, then divide (on a group of one, torch 2.14 would
+                # then divide twice, so only where there is a reduction to make)
                 layer.mlp.experts.set_force_sum_reduction_for_comms(True)
         fully_shard(
             layer,
