@@ -42,13 +42,14 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_step
     return LambdaLR(optimizer, lambda step: lr_factor(step, cfg, max_steps))
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Global gradient norm over all ranks' shards; gradients are scaled down to `max_norm` if set.
 
     FSDP2 gradients are DTensors; their norm reduces across the mesh. Expert-parallel weights
     live on another mesh than the dense ones (models/parallelism.py), and torch's clipping needs
     one mesh per call, so the norm is taken per mesh and combined; the returned norm is the
-    full (unsharded) one on every rank.
+    full (unsharded) one on every rank, as a 0-dim tensor: read it after the optimizer step, so
+    the step is queued without waiting for the device.
     """
     params = [p for p in model.parameters() if p.grad is not None]
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
@@ -62,4 +63,4 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     if max_norm > 0:
         for group in groups.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
-    return float(total)
+    return total

@@ -44,12 +44,15 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 @dataclass
 class PackedDocs:
-    """Where the documents of a packed batch start and end, in the form the backend needs."""
+    """Where the documents of a packed batch start and end, in the form the backend needs.
+
+    Only what the backend reads is computed: the varlen and per-document paths need the
+    boundaries on the host (a device sync, once per forward), the masked paths do not.
+    """
 
     backend: str
-    shape: tuple[int, int]  # (rows, width)
-    cu_seqlens: torch.Tensor  # int32 [docs + 1], offsets into the flattened rows
-    max_seqlen: int
+    cu_seqlens: torch.Tensor | None = None  # varlen, sdpa_docs: int32 [docs + 1], flattened offsets
+    max_seqlen: int = 0  # varlen: the longest document
     mask: torch.Tensor | None = None  # sdpa: [rows, 1, width, width] bool, True = attend
     block_mask: object | None = None  # flex: a BlockMask
 
@@ -58,20 +61,17 @@ class PackedDocs:
         rows, width = position_ids.shape
         starts = position_ids == 0
         starts[:, 0] = True  # a row always begins a document
+        if backend in ("sdpa", "flex"):
+            doc_ids = starts.cumsum(dim=1)
+            if backend == "flex":
+                return cls(backend, block_mask=_document_block_mask(doc_ids))
+            same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
+            causal = torch.ones(width, width, dtype=torch.bool, device=position_ids.device).tril()
+            return cls(backend, mask=(same_doc & causal)[:, None])
         flat_starts = starts.flatten().nonzero().flatten()
         total = torch.tensor([rows * width], device=position_ids.device)
         cu_seqlens = torch.cat([flat_starts, total]).to(torch.int32)
-        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        docs = cls(backend, (rows, width), cu_seqlens, max_seqlen)
-        if backend in ("sdpa", "flex"):
-            doc_ids = starts.cumsum(dim=1)
-            if backend == "sdpa":
-                same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
-                causal = torch.ones(width, width, dtype=torch.bool, device=position_ids.device).tril()
-                docs.mask = (same_doc & causal)[:, None]
-            else:
-                docs.block_mask = _document_block_mask(doc_ids)
-        return docs
+        return cls(backend, cu_seqlens=cu_seqlens, max_seqlen=int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
 
 
 def packed_attention(

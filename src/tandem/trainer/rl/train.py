@@ -103,7 +103,7 @@ def train_step(
     n, reward, staleness, tokens = counts.tolist()
     return {
         **totals.means(),
-        "grad_norm": grad_norm,
+        "grad_norm": float(grad_norm),
         "lr": lr,
         "samples": int(n),
         "reward": reward / max(n, 1),

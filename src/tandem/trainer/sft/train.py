@@ -61,7 +61,13 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     loss = float(all_reduce_sum(loss_sum)) / loss_tokens
     tokens = sum(len(s.input_ids) for s in samples)
-    return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "loss_tokens": loss_tokens}
+    return {
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": float(grad_norm),
+        "tokens": tokens,
+        "loss_tokens": loss_tokens,
+    }
 
 
 def prepare_model_source(cfg: SFTConfig, world: World) -> None:
