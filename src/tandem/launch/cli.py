@@ -1,4 +1,7 @@
-"""`uv run rl @ examples/reverse_text/rl.toml [--resume] [--dry-run]`: one RL run on one machine.
+"""`uv run rl @ examples/reverse_text/rl.toml [--resume] [--dry-run] [--k8s]`: one RL run.
+
+On one machine by default. With a [slurm] section it renders an sbatch script and submits it;
+with --k8s or a [kubernetes] section it renders Kubernetes manifests (docs/scaling.md).
 
 Writes the resolved per-process configs to run_dir/configs/, starts the inference server(s),
 waits for their /health, then starts the trainer and the orchestrator, streaming every line to
@@ -14,7 +17,7 @@ from pathlib import Path
 
 from tandem.cli import UserError, run_cli
 from tandem.config.loader import parse_config, to_toml
-from tandem.launch.config import RLConfig
+from tandem.launch.config import KubernetesConfig, RLConfig
 from tandem.launch.devices import visible_gpus
 from tandem.launch.plan import RunPlan, plan_run
 from tandem.launch.supervisor import Console, Supervisor
@@ -88,12 +91,36 @@ def launch(plan: RunPlan) -> int:
     return code
 
 
+def submit_to_scheduler(config: RLConfig, k8s: bool, dry_run: bool) -> None:
+    """Hand the run to Slurm (sbatch) or write Kubernetes manifests; nothing starts here."""
+    console = Console()
+
+    def say(text: str) -> None:
+        console.line(PROG, text)
+
+    if config.slurm is not None and (k8s or config.kubernetes is not None):
+        raise UserError("the config has both [slurm] and [kubernetes] (or --k8s): choose one")
+    if config.slurm is not None:
+        from tandem.launch.slurm import submit
+
+        submit(config, config.slurm, dry_run, say)
+    else:
+        from tandem.launch.kubernetes import write_manifests
+
+        write_manifests(config, config.kubernetes or KubernetesConfig(), say)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     def run() -> None:
         args = list(sys.argv[1:] if argv is None else argv)
         dry_run = any(a in ("--dry-run", "--dry_run") for a in args)
-        args = [a for a in args if a not in ("--dry-run", "--dry_run")]
-        plan = plan_run(parse_config(RLConfig, args, prog=PROG), visible_gpus())
+        k8s = "--k8s" in args
+        args = [a for a in args if a not in ("--dry-run", "--dry_run", "--k8s")]
+        config = parse_config(RLConfig, args, prog=PROG)
+        if k8s or config.slurm is not None or config.kubernetes is not None:
+            submit_to_scheduler(config, k8s, dry_run)
+            return
+        plan = plan_run(config, visible_gpus())
         if dry_run:
             print(describe(plan), end="")
             return

@@ -77,8 +77,10 @@ def assign_node_devices(
 ) -> DeviceAssignment:
     """One node of a multi-node run: `servers` inference servers, or `ranks` trainer ranks, or
     (an orchestrator's own pod) nothing on a GPU."""
+    if role == "orchestrator":
+        return DeviceAssignment([], [], 0)
     if gpus_per_node is None:
-        if visible and role != "orchestrator":
+        if visible:
             raise ConfigError(
                 f"{node} sees {len(visible)} GPU(s) ({', '.join(visible)}) but cluster.gpus_per_node is not "
                 "set: the other nodes' addresses depend on it, so give every node's GPU count"
@@ -92,9 +94,7 @@ def assign_node_devices(
     gpus = visible[: gpus_per_node or 0]
     if role == "inference":
         return DeviceAssignment(_server_gpus(gpus, servers), [], 0)
-    if role == "trainer":
-        return DeviceAssignment([], gpus, ranks)
-    return DeviceAssignment([], [], 0)
+    return DeviceAssignment([], gpus, ranks)
 
 
 def _default_split(

@@ -1,4 +1,4 @@
-"""`python -m tandem.launch.node @ cfg.toml [--node K|NAME] [--cluster.hosts a,b,...] [--key value ...]`
+"""`python -m tandem.launch.node @ cfg.toml [--node K|NAME] [--hold] [--cluster.hosts a,b,...] [--key value ...]`
 
 The node-local launcher of a run on several nodes: it starts this node's processes only, with
 every address derived from the cluster (tandem.launch.cluster). Under Slurm one runs on each
@@ -10,11 +10,15 @@ never joins, or a run directory the nodes do not share, fails there with the nod
 the run goes, a process failing on any node stops every node; the failing node names itself
 and the process, and leaves that line in run_dir/logs/<unit>/FAILED.
 
-A config for one machine (cluster.inference_nodes = 0) runs exactly as `rl` runs it.
+A config for one machine (cluster.inference_nodes = 0) runs exactly as `rl` runs it. `--hold`
+keeps the launcher alive after a successful run until it is stopped (a Kubernetes StatefulSet
+would restart a container that exits).
 """
 
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from tandem.cli import UserError, run_cli
@@ -32,23 +36,34 @@ LINGER_S = 3600.0
 """How long the node hosting the roll call waits, after its own end, for the others to report theirs."""
 
 
-def take_node(args: list[str]) -> tuple[str | None, list[str]]:
-    """`--node X` (or `--node=X`) out of argv; default SLURM_NODEID under srun."""
-    rest, node = [], os.environ.get("SLURM_NODEID")
+def take_node(args: list[str]) -> tuple[str | None, bool, list[str]]:
+    """`--node X` (or `--node=X`; default SLURM_NODEID under srun) and `--hold` out of argv."""
+    rest, node, hold = [], os.environ.get("SLURM_NODEID"), False
     i = 0
     while i < len(args):
-        if args[i] == "--node":
+        if args[i] == "--hold":
+            hold = True
+        elif args[i] == "--node":
             if i + 1 >= len(args):
                 raise ConfigError("--node needs a node number or a unit name (inference-0, trainer-1, ...)")
             node = args[i + 1]
             i += 2
             continue
-        if args[i].startswith("--node="):
+        elif args[i].startswith("--node="):
             node = args[i].partition("=")[2]
         else:
             rest.append(args[i])
         i += 1
-    return node, rest
+    return node, hold, rest
+
+
+def hold_until_stopped(say) -> None:
+    """Sleep until SIGTERM or SIGINT."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    say("the run finished; holding until stopped (--hold)")
+    stop.wait()
 
 
 def run_node(config: RLConfig, node: str | None) -> int:
@@ -98,10 +113,13 @@ def _supervise(plan: RunPlan, rollcall: RollCall, console: Console, prog: str) -
 
 def main(argv: Sequence[str] | None = None) -> None:
     def run() -> None:
-        node, args = take_node(list(sys.argv[1:] if argv is None else argv))
+        node, hold, args = take_node(list(sys.argv[1:] if argv is None else argv))
         code = run_node(parse_config(RLConfig, args, prog=PROG), node)
         if code:
             raise SystemExit(code)
+        if hold:
+            console = Console()
+            hold_until_stopped(lambda text: console.line(PROG, text))
 
     run_cli(run, PROG)
 

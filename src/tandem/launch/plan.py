@@ -194,6 +194,12 @@ def plan_run(config: RLConfig, visible_gpus: list[str], cores: int | None = None
     """Resolve `config` for one machine against the visible GPUs and CPU cores (default: this
     process's). Raises ConfigError (one line) on any inconsistency."""
     check_node_shapes(config)
+    if config.cluster.inference_nodes:
+        raise ConfigError(
+            f"cluster.inference_nodes = {config.cluster.inference_nodes}: a run on several nodes starts "
+            "through [slurm], [kubernetes] (--k8s), or one `python -m tandem.launch.node` per node "
+            "(docs/scaling.md)"
+        )
     dep = config.deployment
     devices = assign_devices(
         visible_gpus, dep.inference_gpus, dep.trainer_gpus, dep.inference_servers, dep.trainer_nproc

@@ -218,7 +218,7 @@ class Supervisor:
             if pending:
                 time.sleep(0.5)
         if spec.wait_for:
-            self.say(f"{len(spec.wait_for)} server(s) elsewhere are healthy; starting {spec.name}")
+            self.say(f"all {len(spec.wait_for)} server(s) are healthy; starting {spec.name}")
         return None
 
     def _watch(self) -> int:
