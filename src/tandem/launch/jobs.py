@@ -10,6 +10,7 @@ from typing import Any
 
 import tomli_w
 
+from tandem.config.base import SHARED_FIELDS
 from tandem.launch.cluster import is_multi_node, num_nodes, resolve_cluster, unshared_run_dir_warning
 from tandem.launch.config import RLConfig
 from tandem.launch.plan import plan_node, plan_run
@@ -34,7 +35,7 @@ def shared_dir_warning(config: RLConfig) -> str | None:
 def node_config_text(config: RLConfig, **changes: Any) -> str:
     """The config as the user gave it (fields they set, not defaults), with `changes` merged in:
     each node launcher resolves it itself, with the addresses it learns in the job."""
-    data = config.model_dump(mode="json", exclude_unset=True, exclude_none=True)
+    data = _without_spread(config.model_dump(mode="json", exclude_unset=True, exclude_none=True))
     for dotted, value in changes.items():
         section, _, key = dotted.rpartition(".")
         target = data.setdefault(section, {}) if section else data
@@ -43,6 +44,18 @@ def node_config_text(config: RLConfig, **changes: Any) -> str:
         else:
             target[key] = value
     return tomli_w.dumps(_without_empty_tables(data))
+
+
+def _without_spread(data: dict[str, Any]) -> dict[str, Any]:
+    """Drop the copies of top-level shared fields (run_dir, model, ...) that loading spread into
+    the sections: loading the text again spreads them anew, from a top level that may change."""
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            value = _without_spread(value)
+            value = {k: v for k, v in value.items() if not (k in SHARED_FIELDS and data.get(k) == v)}
+        out[key] = value
+    return out
 
 
 def _without_empty_tables(data: dict[str, Any]) -> dict[str, Any]:

@@ -41,9 +41,24 @@ def write_manifests(config: RLConfig, k8s: KubernetesConfig, say: Callable[[str]
     for name in FILES:
         (out / name).unlink(missing_ok=True)
     for name, docs in manifests.items():
-        (out / name).write_text(yaml.safe_dump_all(docs, sort_keys=False))
+        (out / name).write_text(yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False))
     say(f"wrote {len(manifests)} manifest files to {out}; start the run with: kubectl apply -f {out}")
     return out
+
+
+class _Dumper(yaml.SafeDumper):
+    """Plain YAML for people to read: no anchors, multi-line strings (the config) as blocks."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+_Dumper.add_representer(
+    str,
+    lambda dumper, text: dumper.represent_scalar(
+        "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None
+    ),
+)
 
 
 def render(config: RLConfig, k8s: KubernetesConfig) -> dict[str, list[dict[str, Any]]]:
