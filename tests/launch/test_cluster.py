@@ -37,7 +37,9 @@ def test_units_and_derived_addresses(tmp_path: Path) -> None:
     assert cluster.rdzv_endpoint == "train-a:29400" and cluster.rollcall_port == 29401
     assert cluster.weights_group_address == "train-a:29500"
 
-    own = resolve_cluster(config(tmp_path, **{"cluster.orchestrator_node": "own", "cluster.hosts": HOSTS + ["o"]}))
+    own = resolve_cluster(
+        config(tmp_path, **{"cluster.orchestrator_node": "own", "cluster.hosts": HOSTS + ["o"]})
+    )
     assert own.unit(4) == Unit("orchestrator") and own.host(Unit("orchestrator")) == "o"
     assert not any(u.with_orchestrator for u in own.units())
 
@@ -56,7 +58,9 @@ def test_each_node_starts_its_own_processes(tmp_path: Path) -> None:
     assert specs["inference_1"].health_url == "http://127.0.0.1:8001/health"
     assert specs["orchestrator"].wait_for == [f"{u}/health" for u in cluster.server_urls(2)]
     assert first.orchestrator.servers == cluster.server_urls(2) and first.orchestrator.num_ranks == 8
-    assert first.config_dir == run / "configs" / "inference-0" and first.log_dir == run / "logs" / "inference-0"
+    assert (
+        first.config_dir == run / "configs" / "inference-0" and first.log_dir == run / "logs" / "inference-0"
+    )
     assert sorted(first.files()) == ["inference_0", "inference_1", "orchestrator", "rl"]
 
     second = plan_node(cfg, cluster, cluster.unit(1), gpus)
@@ -104,7 +108,11 @@ def test_cpu_nodes(tmp_path: Path) -> None:
         ({"cluster.gpus_per_node": 8}, 4, "trainer-0 (train-a) sees 4 GPU(s) (0, 1, 2, 3), fewer than"),
         ({}, 2, "trainer-0 (train-a) sees 2 GPU(s) (0, 1) but cluster.gpus_per_node is not set"),
         ({"deployment.trainer_gpus": [0]}, 0, "deployment.trainer_gpus places processes on one machine"),
-        ({"cluster.hosts": ["a", "b"]}, 0, "cluster.hosts lists 2 host(s) (a, b) for 2 inference + 2 trainer"),
+        (
+            {"cluster.hosts": ["a", "b"]},
+            0,
+            "cluster.hosts lists 2 host(s) (a, b) for 2 inference + 2 trainer",
+        ),
         ({"inference.port": 29399, "cluster.servers_per_node": 2}, 0, "overlap the cluster's port(s) 29400"),
     ],
 )
@@ -125,8 +133,14 @@ def test_submit_time_checks_plan_every_node(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"cluster.inference_nodes": 0}, "cluster.trainer_nodes = 2, orchestrator_node = 'inference': several"),
-        ({"cluster.inference_nodes": 0, "cluster.trainer_nodes": 1, "cluster.servers_per_node": 2}, "use deployment"),
+        (
+            {"cluster.inference_nodes": 0},
+            "cluster.trainer_nodes = 2, orchestrator_node = 'inference': several",
+        ),
+        (
+            {"cluster.inference_nodes": 0, "cluster.trainer_nodes": 1, "cluster.servers_per_node": 2},
+            "use deployment",
+        ),
         ({}, "a run on several nodes starts through [slurm], [kubernetes] (--k8s), or one"),
     ],
 )
@@ -136,7 +150,9 @@ def test_one_machine_plans_refuse_cluster_settings(tmp_path: Path, overrides: di
 
 
 def test_weights_group_on_one_machine(tmp_path: Path) -> None:
-    cfg = config(tmp_path, **{"cluster.inference_nodes": 0, "cluster.trainer_nodes": 1, "cluster.hosts": None})
+    cfg = config(
+        tmp_path, **{"cluster.inference_nodes": 0, "cluster.trainer_nodes": 1, "cluster.hosts": None}
+    )
     plan = plan_run(cfg, [])
     assert plan.weights_group_address == "127.0.0.1:29500"
     assert {s.env.get("TANDEM_WEIGHTS_GROUP") for s in plan.specs()} == {"127.0.0.1:29500", None}

@@ -72,7 +72,9 @@ def test_manifests_validate_against_the_kubernetes_schemas(tmp_path: Path) -> No
     trainer = resources["StatefulSet", "tandem-rt-trainer"]
     assert trainer["spec"]["replicas"] == 2 and trainer["spec"]["serviceName"] == "tandem-rt-trainer"
     service = resources["Service", "tandem-rt-trainer"]["spec"]
-    assert service["clusterIP"] == "None" and service["selector"] == trainer["spec"]["selector"]["matchLabels"]
+    assert (
+        service["clusterIP"] == "None" and service["selector"] == trainer["spec"]["selector"]["matchLabels"]
+    )
     pod = trainer["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["command"][-3:] == ["--node", "trainer-$(POD_INDEX)", "--hold"]
@@ -80,13 +82,17 @@ def test_manifests_validate_against_the_kubernetes_schemas(tmp_path: Path) -> No
     assert {"name": "HF_HOME", "value": "/data/hf"} in container["env"]
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert mounts == {"run": "/data", "config": "/etc/tandem", "shm": "/dev/shm"}
-    assert {v["name"]: v for v in pod["volumes"]}["run"]["persistentVolumeClaim"]["claimName"] == "tandem-rt-run"
+    assert {v["name"]: v for v in pod["volumes"]}["run"]["persistentVolumeClaim"][
+        "claimName"
+    ] == "tandem-rt-run"
     inference = resources["StatefulSet", "tandem-rt-inference"]["spec"]["template"]["spec"]["containers"][0]
     assert [p["containerPort"] for p in inference["ports"]] == [8000, 8001, 8002, 8003]
     orchestrator = resources["Job", "tandem-rt-orchestrator"]["spec"]["template"]["spec"]
     assert "nvidia.com/gpu" not in orchestrator["containers"][0]["resources"]["limits"]
     (term,) = orchestrator["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    assert term["labelSelector"]["matchLabels"] == {"statefulset.kubernetes.io/pod-name": "tandem-rt-trainer-0"}
+    assert term["labelSelector"]["matchLabels"] == {
+        "statefulset.kubernetes.io/pod-name": "tandem-rt-trainer-0"
+    }
 
 
 def test_the_pods_config_plans_every_unit(tmp_path: Path) -> None:
@@ -96,14 +102,25 @@ def test_the_pods_config_plans_every_unit(tmp_path: Path) -> None:
     config = build_config(RLConfig, files=[tmp_path / "pods.toml"])
     assert str(config.run_dir) == "/data/runs/rt" and config.kubernetes is None
     cluster = resolve_cluster(config)
-    assert [u.name for u in cluster.units()] == ["inference-0", "inference-1", "trainer-0", "trainer-1", "orchestrator"]
+    assert [u.name for u in cluster.units()] == [
+        "inference-0",
+        "inference-1",
+        "trainer-0",
+        "trainer-1",
+        "orchestrator",
+    ]
     gpus = [str(i) for i in range(8)]
     orchestrator = plan_node(config, cluster, cluster.unit("orchestrator"), [])
     assert [s.name for s in orchestrator.specs()] == ["orchestrator"]
-    assert orchestrator.orchestrator.servers[4] == "http://tandem-rt-inference-1.tandem-rt-inference.default.svc:8000"
+    assert (
+        orchestrator.orchestrator.servers[4]
+        == "http://tandem-rt-inference-1.tandem-rt-inference.default.svc:8000"
+    )
     assert orchestrator.orchestrator.num_ranks == 16
     trainer = plan_node(config, cluster, cluster.unit("trainer-1"), gpus)
-    assert "--rdzv-endpoint=tandem-rt-trainer-0.tandem-rt-trainer.default.svc:29400" in trainer.specs()[0].argv
+    assert (
+        "--rdzv-endpoint=tandem-rt-trainer-0.tandem-rt-trainer.default.svc:29400" in trainer.specs()[0].argv
+    )
     assert [s.name for s in plan_node(config, cluster, cluster.unit("inference-0"), gpus).specs()] == [
         f"inference_{j}" for j in range(4)
     ]
@@ -123,8 +140,14 @@ def test_existing_claim_and_no_affinity(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        (CONFIG.replace('"runs/rt"', '"/scratch/rt"'), "run_dir /scratch/rt is not on the shared volume mounted"),
-        (CONFIG.replace("inference_nodes = 2", "inference_nodes = 0"), "inference and trainer run in pods of"),
+        (
+            CONFIG.replace('"runs/rt"', '"/scratch/rt"'),
+            "run_dir /scratch/rt is not on the shared volume mounted",
+        ),
+        (
+            CONFIG.replace("inference_nodes = 2", "inference_nodes = 0"),
+            "inference and trainer run in pods of",
+        ),
         (CONFIG + '[kubernetes]\nname = "Bad_Name"\n', "kubernetes.name 'Bad_Name': use lowercase letters"),
     ],
 )

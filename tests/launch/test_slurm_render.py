@@ -82,7 +82,10 @@ def test_multi_node_script_and_the_config_the_nodes_read(tmp_path: Path, monkeyp
     assert "# nodes 0..0 inference, 1..2 trainer.\n" in script
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in script
     launcher = f"{sys.executable} -m tandem.launch.node @ {folder / 'job.toml'}"
-    assert f'srun --nodes=3 --ntasks-per-node=1 --kill-on-bad-exit=1 {launcher} --cluster.hosts "$hosts"' in script
+    assert (
+        f'srun --nodes=3 --ntasks-per-node=1 --kill-on-bad-exit=1 {launcher} --cluster.hosts "$hosts"'
+        in script
+    )
 
     # what a node launcher does with it: the addresses come from the hosts the job found
     overrides = [("cluster.hosts", "n0,n1,n2")]
@@ -108,7 +111,9 @@ def test_user_template_extends_the_packaged_one(tmp_path: Path, monkeypatch) -> 
 def test_without_sbatch_a_clear_error(tmp_path: Path, monkeypatch, capsys) -> None:
     assert run_rl(["@", str(write_config(tmp_path))], monkeypatch, tmp_path) == 2
     err = capsys.readouterr().err
-    assert err.startswith("rl: error: the config has a [slurm] section but sbatch is not on this machine's PATH")
+    assert err.startswith(
+        "rl: error: the config has a [slurm] section but sbatch is not on this machine's PATH"
+    )
     assert "pass --dry-run to only write the script" in err
 
 
@@ -126,7 +131,9 @@ def test_without_sbatch_a_clear_error(tmp_path: Path, monkeypatch, capsys) -> No
         ('template = "/nowhere/x.j2"\n', "rl: error: slurm.template: no such file /nowhere/x.j2"),
     ],
 )
-def test_bad_input_fails_before_anything_is_written(tmp_path: Path, monkeypatch, capsys, extra, message) -> None:
+def test_bad_input_fails_before_anything_is_written(
+    tmp_path: Path, monkeypatch, capsys, extra, message
+) -> None:
     assert run_rl(["@", str(write_config(tmp_path, extra)), "--dry-run"], monkeypatch, tmp_path) == 2
     assert capsys.readouterr().err.strip() == message
     assert not (tmp_path / "run" / "slurm" / "job.sbatch").exists()

@@ -1,0 +1,144 @@
+"""`rl @ cfg.toml` with [slurm] against a real Slurm on localhost (slurm_cluster.py): the rendered
+script is submitted with sbatch and runs a 3-step CPU reverse-text RL run on one node, and on
+two nodes (inference + orchestrator on one, the trainer on the other); a failing process ends
+the job with a message naming its node and process."""
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from launch_helpers import free_port
+from slurm_cluster import LocalSlurm, missing_reason
+
+from tandem.models.tiny import build_tiny_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def slurm() -> Iterator[LocalSlurm]:
+    if reason := missing_reason():
+        pytest.skip(reason)
+    cluster = LocalSlurm()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("slurm_model") / "model"
+    return build_tiny_model(out=out, num_layers=2, hidden_size=64, head_dim=16, intermediate_size=128)
+
+
+def write_config(tmp_path: Path, model: Path, extra: str = "") -> Path:
+    path = tmp_path / "rl.toml"
+    path.write_text(
+        f"""
+seq_len = 96
+max_steps = 3
+run_dir = "{tmp_path / "run"}"
+[model]
+name = "{model}"
+[slurm]
+time = "00:15:00"
+exclusive = false
+env = {{ CUDA_VISIBLE_DEVICES = "" }}
+[deployment]
+startup_timeout_s = 240
+shutdown_grace_s = 5
+[inference]
+port = {free_port()}
+[orchestrator]
+batch_size = 4
+group_size = 2
+micro_batch_tokens = 256
+[orchestrator.sampling]
+max_tokens = 8
+[trainer.weights]
+keep = 2
+{extra}
+"""
+    )
+    return path
+
+
+def submit(slurm: LocalSlurm, config: Path) -> tuple[str, dict[str, str]]:
+    """`rl @ config` (it calls sbatch); the job id and its final state."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tandem.launch.cli", "@", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=slurm.env,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    match = re.search(r"\[rl\] submitted Slurm job (\d+) \((\d) node\(s\)\)", done.stdout)
+    assert match, done.stdout
+    return match.group(1), slurm.wait_job(match.group(1), timeout_s=480)
+
+
+def cluster_section(extra: str = "") -> str:
+    ports = f"rdzv_port = {free_port()}\nweights_group_port = {free_port()}\n"
+    return f"[cluster]\ninference_nodes = 1\ntrainer_nodes = 1\njoin_timeout_s = 120\n{ports}{extra}"
+
+
+def test_one_node_job_trains_three_steps(slurm: LocalSlurm, model: Path, tmp_path: Path) -> None:
+    job, state = submit(slurm, write_config(tmp_path, model))
+    run = tmp_path / "run"
+    output = (run / "logs" / f"slurm-{job}.out").read_text()
+    assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), output[-4000:]
+    assert (run / "weights" / "step_3" / "STABLE").is_file()
+    assert f"[rl] finished 3 steps; final weights: {run / 'weights' / 'step_3'}" in output
+    assert (run / "slurm" / "job.sbatch").is_file() and (run / "configs" / "trainer.toml").is_file()
+
+
+def test_two_node_job_derives_the_addresses(slurm: LocalSlurm, model: Path, tmp_path: Path) -> None:
+    job, state = submit(slurm, write_config(tmp_path, model, cluster_section()))
+    run = tmp_path / "run"
+    output = (run / "logs" / f"slurm-{job}.out").read_text()
+    assert (state["JobState"], state["ExitCode"], state["NumNodes"]) == ("COMPLETED", "0:0", "2"), output[
+        -4000:
+    ]
+    assert "tandem: node addresses 127.0.0.1,127.0.0.1" in output
+    assert "[rl trainer-0 (127.0.0.1)] all 2 nodes joined and share" in output
+    assert "[rl inference-0 (127.0.0.1)] all 1 server(s) are healthy; starting orchestrator" in output
+    assert (run / "weights" / "step_3" / "STABLE").is_file()
+    assert sorted(p.name for p in (run / "logs").iterdir() if p.is_dir()) == ["inference-0", "trainer-0"]
+    assert "step 3/3" in (run / "logs" / "trainer-0" / "trainer.log").read_text()
+
+
+def test_a_failing_process_ends_the_job_naming_node_and_process(
+    slurm: LocalSlurm, model: Path, tmp_path: Path
+) -> None:
+    # The trainer gives up on rollouts after 1 s, long before the server is up.
+    extra = cluster_section() + "[trainer]\nrollout_timeout_s = 1\n"
+    job, state = submit(slurm, write_config(tmp_path, model, extra))
+    run = tmp_path / "run"
+    output = (run / "logs" / f"slurm-{job}.out").read_text()
+    assert state["JobState"] == "FAILED" and state["ExitCode"] != "0:0", output[-4000:]
+    log = run / "logs" / "trainer-0" / "trainer.log"
+    assert f"tandem: rl trainer-0 (127.0.0.1): trainer failed: exit code 2 (log {log})" in output
+    assert re.search(
+        r"\[rl inference-0 \(127\.0\.0\.1\)\] stopping: trainer-0 \(127\.0\.0\.1\): trainer failed", output
+    )
+    assert not (run / "logs" / "inference-0" / "FAILED").exists()  # stopped for trainer-0, not failed
+
+
+def test_dry_run_without_submitting(slurm: LocalSlurm, model: Path, tmp_path: Path) -> None:
+    before = subprocess.run(["squeue", "-h"], capture_output=True, text=True, env=slurm.env).stdout
+    done = subprocess.run(
+        [sys.executable, "-m", "tandem.launch.cli", "@", str(write_config(tmp_path, model)), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**slurm.env, "PATH": os.environ["PATH"]},
+    )
+    assert done.returncode == 0 and "submit it with: sbatch" in done.stdout, done.stderr
+    assert subprocess.run(["squeue", "-h"], capture_output=True, text=True, env=slurm.env).stdout == before
