@@ -164,7 +164,9 @@ class KubernetesConfig(Section):
     """`rl @ cfg.toml --k8s` (or this section) renders manifests into `output_dir`."""
 
     image: str = Field("tandem:latest", description="Container image with tandem installed.")
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="When the nodes pull the image."
+    )
     namespace: str = Field("default", description="Namespace of every resource.")
     name: str | None = Field(
         None, description="Prefix of every resource's name; default: tandem-<run_dir's name>."

@@ -163,7 +163,8 @@ class RollCall:
         return next(u for u in self.cluster.units() if u.role == "orchestrator" or u.with_orchestrator)
 
     def linger(self, timeout_s: float) -> None:
-        """On the hosting node: keep the board until every node has posted (at most `timeout_s`)."""
+        """On the hosting node: keep the board until every node that joined has posted how it
+        ended (at most `timeout_s`)."""
         if not self.hosting or self.store is None:
             return
         deadline = time.monotonic() + timeout_s
@@ -173,7 +174,10 @@ class RollCall:
             pending = [
                 u.name
                 for u in self.cluster.units()
-                if not any(self.store.check([f"{state}/{u.name}"]) for state in ("done", "failed", "stopped"))
+                if self.store.check([f"joined/{u.name}"])
+                and not any(
+                    self.store.check([f"{state}/{u.name}"]) for state in ("done", "failed", "stopped")
+                )
             ]
             if not pending:
                 return
