@@ -3,17 +3,16 @@ script is submitted with sbatch and runs a 3-step CPU reverse-text RL run on one
 two nodes (inference + orchestrator on one, the trainer on the other); a failing process ends
 the job with a message naming its node and process."""
 
-import os
 import re
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from launch_helpers import free_port
+from launch_helpers import free_port, tiny_rl_config
 from slurm_cluster import LocalSlurm, missing_reason
 
+from tandem.launch.cli import main
 from tandem.models.tiny import build_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -38,49 +37,20 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def write_config(tmp_path: Path, model: Path, extra: str = "") -> Path:
+    slurm = '[slurm]\ntime = "00:15:00"\nexclusive = false\nenv = { CUDA_VISIBLE_DEVICES = "" }\n'
     path = tmp_path / "rl.toml"
-    path.write_text(
-        f"""
-seq_len = 96
-max_steps = 3
-run_dir = "{tmp_path / "run"}"
-[model]
-name = "{model}"
-[slurm]
-time = "00:15:00"
-exclusive = false
-env = {{ CUDA_VISIBLE_DEVICES = "" }}
-[deployment]
-startup_timeout_s = 240
-shutdown_grace_s = 5
-[inference]
-port = {free_port()}
-[orchestrator]
-batch_size = 4
-group_size = 2
-micro_batch_tokens = 256
-[orchestrator.sampling]
-max_tokens = 8
-[trainer.weights]
-keep = 2
-{extra}
-"""
-    )
+    path.write_text(tiny_rl_config(model, tmp_path / "run", max_steps=3, extra=slurm + extra))
     return path
 
 
-def submit(slurm: LocalSlurm, config: Path) -> tuple[str, dict[str, str]]:
-    """`rl @ config` (it calls sbatch); the job id and its final state."""
-    done = subprocess.run(
-        [sys.executable, "-m", "tandem.launch.cli", "@", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=slurm.env,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    match = re.search(r"\[rl\] submitted Slurm job (\d+) \((\d) node\(s\)\)", done.stdout)
-    assert match, done.stdout
+def submit(slurm: LocalSlurm, config: Path, capsys: pytest.CaptureFixture) -> tuple[str, dict[str, str]]:
+    """`rl @ config` (in this process; it calls sbatch); the job id and the job's final state."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SLURM_CONF", slurm.env["SLURM_CONF"])
+        main(["@", str(config)])
+    out = capsys.readouterr().out
+    match = re.search(r"\[rl\] submitted Slurm job (\d+) \((\d) node\(s\)\)", out)
+    assert match, out
     return match.group(1), slurm.wait_job(match.group(1), timeout_s=480)
 
 
@@ -89,8 +59,8 @@ def cluster_section(extra: str = "") -> str:
     return f"[cluster]\ninference_nodes = 1\ntrainer_nodes = 1\njoin_timeout_s = 120\n{ports}{extra}"
 
 
-def test_one_node_job_trains_three_steps(slurm: LocalSlurm, model: Path, tmp_path: Path) -> None:
-    job, state = submit(slurm, write_config(tmp_path, model))
+def test_one_node_job_trains_three_steps(slurm: LocalSlurm, model: Path, tmp_path: Path, capsys) -> None:
+    job, state = submit(slurm, write_config(tmp_path, model), capsys)
     run = tmp_path / "run"
     output = (run / "logs" / f"slurm-{job}.out").read_text()
     assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), output[-4000:]
@@ -99,8 +69,8 @@ def test_one_node_job_trains_three_steps(slurm: LocalSlurm, model: Path, tmp_pat
     assert (run / "slurm" / "job.sbatch").is_file() and (run / "configs" / "trainer.toml").is_file()
 
 
-def test_two_node_job_derives_the_addresses(slurm: LocalSlurm, model: Path, tmp_path: Path) -> None:
-    job, state = submit(slurm, write_config(tmp_path, model, cluster_section()))
+def test_two_node_job_derives_the_addresses(slurm: LocalSlurm, model: Path, tmp_path: Path, capsys) -> None:
+    job, state = submit(slurm, write_config(tmp_path, model, cluster_section()), capsys)
     run = tmp_path / "run"
     output = (run / "logs" / f"slurm-{job}.out").read_text()
     assert (state["JobState"], state["ExitCode"], state["NumNodes"]) == ("COMPLETED", "0:0", "2"), output[
@@ -115,11 +85,11 @@ def test_two_node_job_derives_the_addresses(slurm: LocalSlurm, model: Path, tmp_
 
 
 def test_a_failing_process_ends_the_job_naming_node_and_process(
-    slurm: LocalSlurm, model: Path, tmp_path: Path
+    slurm: LocalSlurm, model: Path, tmp_path: Path, capsys
 ) -> None:
     # The trainer gives up on rollouts after 1 s, long before the server is up.
     extra = cluster_section() + "[trainer]\nrollout_timeout_s = 1\n"
-    job, state = submit(slurm, write_config(tmp_path, model, extra))
+    job, state = submit(slurm, write_config(tmp_path, model, extra), capsys)
     run = tmp_path / "run"
     output = (run / "logs" / f"slurm-{job}.out").read_text()
     assert state["JobState"] == "FAILED" and state["ExitCode"] != "0:0", output[-4000:]
@@ -131,14 +101,11 @@ def test_a_failing_process_ends_the_job_naming_node_and_process(
     assert not (run / "logs" / "inference-0" / "FAILED").exists()  # stopped for trainer-0, not failed
 
 
-def test_dry_run_without_submitting(slurm: LocalSlurm, model: Path, tmp_path: Path) -> None:
+def test_dry_run_without_submitting(
+    slurm: LocalSlurm, model: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    monkeypatch.setenv("SLURM_CONF", slurm.env["SLURM_CONF"])
     before = subprocess.run(["squeue", "-h"], capture_output=True, text=True, env=slurm.env).stdout
-    done = subprocess.run(
-        [sys.executable, "-m", "tandem.launch.cli", "@", str(write_config(tmp_path, model)), "--dry-run"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**slurm.env, "PATH": os.environ["PATH"]},
-    )
-    assert done.returncode == 0 and "submit it with: sbatch" in done.stdout, done.stderr
+    main(["@", str(write_config(tmp_path, model)), "--dry-run"])
+    assert "submit it with: sbatch" in capsys.readouterr().out
     assert subprocess.run(["squeue", "-h"], capture_output=True, text=True, env=slurm.env).stdout == before

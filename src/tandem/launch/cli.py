@@ -20,7 +20,7 @@ from tandem.config.loader import parse_config, to_toml
 from tandem.launch.config import KubernetesConfig, RLConfig
 from tandem.launch.devices import visible_gpus
 from tandem.launch.plan import RunPlan, plan_run
-from tandem.launch.supervisor import Console, Supervisor
+from tandem.launch.supervisor import Console
 from tandem.models.loading import check_model_source
 
 PROG = "rl"
@@ -71,15 +71,7 @@ def latest_weights(run_dir: Path) -> Path | None:
 def launch(plan: RunPlan) -> int:
     preflight(plan)
     plan.write_configs()
-    console = Console()
-    supervisor = Supervisor(
-        plan.specs(),
-        plan.log_dir,
-        startup_timeout_s=plan.config.deployment.startup_timeout_s,
-        shutdown_grace_s=plan.config.deployment.shutdown_grace_s,
-        console=console,
-        prog=PROG,
-    )
+    supervisor = plan.supervisor(Console(), PROG)
     supervisor.say(f"run_dir {plan.config.run_dir}; configs in {plan.config_dir}")
     code = supervisor.run()
     if code == 0:

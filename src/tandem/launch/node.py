@@ -29,7 +29,7 @@ from tandem.launch.config import RLConfig
 from tandem.launch.devices import visible_gpus
 from tandem.launch.plan import RunPlan, plan_node, plan_run
 from tandem.launch.rollcall import RollCall
-from tandem.launch.supervisor import Console, Supervisor, record_failure
+from tandem.launch.supervisor import Console, record_failure
 
 PROG = "rl node"
 LINGER_S = 3600.0
@@ -91,15 +91,7 @@ def run_node(config: RLConfig, node: str | None) -> int:
 
 def _supervise(plan: RunPlan, rollcall: RollCall, console: Console, prog: str) -> int:
     plan.write_configs()
-    supervisor = Supervisor(
-        plan.specs(),
-        plan.log_dir,
-        startup_timeout_s=plan.config.deployment.startup_timeout_s,
-        shutdown_grace_s=plan.config.deployment.shutdown_grace_s,
-        console=console,
-        prog=prog,
-        peer_event=rollcall.event,
-    )
+    supervisor = plan.supervisor(console, prog, peer_event=rollcall.event)
     supervisor.say(f"configs in {plan.config_dir}, logs in {plan.log_dir}")
     code = 1
     try:

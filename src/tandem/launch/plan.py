@@ -9,6 +9,7 @@ node resolves the whole run the same way and starts only its own processes.
 
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -20,7 +21,7 @@ from tandem.inference.config import InferenceConfig
 from tandem.launch.cluster import Cluster, Unit, check_node_shapes, servers_per_node, trainer_ranks_per_node
 from tandem.launch.config import RLConfig
 from tandem.launch.devices import DeviceAssignment, assign_devices, assign_node_devices
-from tandem.launch.supervisor import ProcessSpec
+from tandem.launch.supervisor import Console, ProcessSpec, Supervisor
 from tandem.orchestrator.config import OrchestratorConfig
 from tandem.trainer.rl.config import RLTrainerConfig
 
@@ -131,6 +132,20 @@ class RunPlan:
                 )
             )
         return specs
+
+    def supervisor(
+        self, console: Console, prog: str, peer_event: Callable[[], tuple[str, str] | None] | None = None
+    ) -> Supervisor:
+        """The supervisor of this plan's processes, with the deployment's timeouts."""
+        return Supervisor(
+            self.specs(),
+            self.log_dir,
+            startup_timeout_s=self.config.deployment.startup_timeout_s,
+            shutdown_grace_s=self.config.deployment.shutdown_grace_s,
+            console=console,
+            prog=prog,
+            peer_event=peer_event,
+        )
 
     def trainer_runner(self) -> list[str]:
         """How this node starts its trainer ranks: python, torchrun --standalone, or a torchrun
