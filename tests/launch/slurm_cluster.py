@@ -1,5 +1,5 @@
-"""A real Slurm on localhost for tests: munged, slurmctld and two slurmd daemons (two nodes of
-one machine, told apart by `slurmd -N`), all private to one temporary directory.
+"""A real Slurm on localhost for tests: munged, slurmctld and three slurmd daemons (three nodes
+of one machine, told apart by `slurmd -N`), all private to one temporary directory.
 
 Needs Debian's slurm-wlm and munge packages (.ci/run installs them) and root (slurmd runs jobs
 as their users). Everything started here is stopped by `stop()`.
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo")
-NODES = ("tnode1", "tnode2")
+NODES = ("tnode1", "tnode2", "tnode3")
 END_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL")
 
 

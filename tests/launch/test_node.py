@@ -1,12 +1,15 @@
 """The node launcher's command line: a node whose peer never joins fails naming it, and leaves
 the failure where a batch job's end reads it; a wrong or missing --node is one clear line."""
 
+import os
+import signal
+import threading
 from pathlib import Path
 
 import pytest
 from launch_helpers import free_port
 
-from tandem.launch.node import main
+from tandem.launch.node import hold_until_stopped, main
 
 
 def node_launcher(tmp_path: Path, capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
@@ -54,3 +57,12 @@ def test_wrong_or_missing_node(tmp_path: Path, capsys, monkeypatch) -> None:
     )
     monkeypatch.setenv("SLURM_NODEID", "7")  # under srun the node number comes from Slurm
     assert node_launcher(tmp_path, capsys)[1] == "rl node: error: --node 7: the cluster has nodes 0..1"
+
+
+def test_hold_ends_on_sigterm() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    said: list[str] = []
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    hold_until_stopped(said.append)
+    assert said == ["the run finished; holding until stopped (--hold)", "stopped"]
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back

@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tandem.cli import UserError, run_cli
 from tandem.config.loader import ConfigError, parse_config
@@ -57,13 +57,17 @@ def take_node(args: list[str]) -> tuple[str | None, bool, list[str]]:
     return node, hold, rest
 
 
-def hold_until_stopped(say) -> None:
+def hold_until_stopped(say: Callable[[str], None]) -> None:
     """Sleep until SIGTERM or SIGINT."""
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     say("the run finished; holding until stopped (--hold)")
-    stop.wait()
+    try:
+        stop.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    say("stopped")
 
 
 def run_node(config: RLConfig, node: str | None) -> int:
