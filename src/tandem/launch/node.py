@@ -73,7 +73,12 @@ def hold_until_stopped(say: Callable[[str], None]) -> None:
 def run_node(config: RLConfig, node: str | None) -> int:
     """Start this node's share of the run and supervise it to the end; the exit code."""
     if not is_multi_node(config):
-        return launch(plan_run(config, visible_gpus()))
+        plan = plan_run(config, visible_gpus())
+        try:
+            return launch(plan)
+        except (ConfigError, UserError) as e:
+            record_failure(plan.log_dir, f"rl: {e}")
+            raise
     if node is None:
         raise ConfigError("which node is this? pass --node K (node number) or --node NAME (e.g. trainer-0)")
     cluster = resolve_cluster(config)
