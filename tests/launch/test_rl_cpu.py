@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from launch_helpers import alive, free_port
+from launch_helpers import alive, tiny_rl_config
 
 from tandem.models.tiny import build_tiny_model
 from tandem.monitor.metrics import read_metrics
@@ -20,28 +20,7 @@ def test_rl_runs_two_steps_on_cpu(tmp_path: Path) -> None:
         out=tmp_path / "model", num_layers=2, hidden_size=64, head_dim=16, intermediate_size=128
     )
     run = tmp_path / "run"
-    (tmp_path / "rl.toml").write_text(
-        f"""
-seq_len = 96
-max_steps = 2
-run_dir = "{run}"
-[model]
-name = "{model}"
-[deployment]
-startup_timeout_s = 240
-shutdown_grace_s = 5
-[inference]
-port = {free_port()}
-[orchestrator]
-batch_size = 4
-group_size = 2
-micro_batch_tokens = 256
-[orchestrator.sampling]
-max_tokens = 8
-[trainer.weights]
-keep = 2
-"""
-    )
+    (tmp_path / "rl.toml").write_text(tiny_rl_config(model, run, max_steps=2))
     result = subprocess.run(
         [sys.executable, "-m", "tandem.launch.cli", "@", str(tmp_path / "rl.toml")],
         capture_output=True,

@@ -1,4 +1,7 @@
-"""`uv run rl @ examples/reverse_text/rl.toml [--resume] [--dry-run]`: one RL run on one machine.
+"""`uv run rl @ examples/reverse_text/rl.toml [--resume] [--dry-run] [--k8s]`: one RL run.
+
+On one machine by default. With a [slurm] section it renders an sbatch script and submits it;
+with --k8s or a [kubernetes] section it renders Kubernetes manifests (docs/scaling.md).
 
 Checks everything it can first (launch/preflight.py; also under --dry-run), in one line per
 problem and without importing torch. Then writes the resolved per-process configs to
@@ -13,13 +16,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from tandem.cli import run_cli
+from tandem.cli import UserError, run_cli
 from tandem.config.loader import parse_config, to_toml
-from tandem.launch.config import RLConfig
+from tandem.launch.config import KubernetesConfig, RLConfig
 from tandem.launch.devices import visible_gpus
 from tandem.launch.plan import RunPlan, plan_run
 from tandem.launch.preflight import preflight
-from tandem.launch.supervisor import Console, Supervisor
+from tandem.launch.supervisor import Console
 
 PROG = "rl"
 
@@ -44,15 +47,7 @@ def latest_weights(run_dir: Path) -> Path | None:
 def launch(plan: RunPlan) -> int:
     preflight(plan, create=True)
     plan.write_configs()
-    console = Console()
-    supervisor = Supervisor(
-        plan.specs(),
-        plan.log_dir,
-        startup_timeout_s=plan.config.deployment.startup_timeout_s,
-        shutdown_grace_s=plan.config.deployment.shutdown_grace_s,
-        console=console,
-        prog=PROG,
-    )
+    supervisor = plan.supervisor(Console(), PROG)
     supervisor.say(f"run_dir {plan.config.run_dir}; configs in {plan.config_dir}")
     code = supervisor.run()
     if code == 0:
@@ -64,12 +59,36 @@ def launch(plan: RunPlan) -> int:
     return code
 
 
+def submit_to_scheduler(config: RLConfig, k8s: bool, dry_run: bool) -> None:
+    """Hand the run to Slurm (sbatch) or write Kubernetes manifests; nothing starts here."""
+    console = Console()
+
+    def say(text: str) -> None:
+        console.line(PROG, text)
+
+    if config.slurm is not None and (k8s or config.kubernetes is not None):
+        raise UserError("the config has both [slurm] and [kubernetes] (or --k8s): choose one")
+    if config.slurm is not None:
+        from tandem.launch.slurm import submit
+
+        submit(config, config.slurm, dry_run, say)
+    else:
+        from tandem.launch.kubernetes import write_manifests
+
+        write_manifests(config, config.kubernetes or KubernetesConfig(), say)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     def run() -> None:
         args = list(sys.argv[1:] if argv is None else argv)
         dry_run = any(a in ("--dry-run", "--dry_run") for a in args)
-        args = [a for a in args if a not in ("--dry-run", "--dry_run")]
-        plan = plan_run(parse_config(RLConfig, args, prog=PROG), visible_gpus())
+        k8s = "--k8s" in args
+        args = [a for a in args if a not in ("--dry-run", "--dry_run", "--k8s")]
+        config = parse_config(RLConfig, args, prog=PROG)
+        if k8s or config.slurm is not None or config.kubernetes is not None:
+            submit_to_scheduler(config, k8s, dry_run)
+            return
+        plan = plan_run(config, visible_gpus())
         if dry_run:
             preflight(plan, create=False)
             print(describe(plan), end="")
