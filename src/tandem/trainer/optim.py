@@ -14,15 +14,23 @@ from tandem.trainer.config import OptimConfig
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     """AdamW over trainable parameters; weight decay on parameters with ≥ 2 dimensions only.
 
-    foreach, not fused: on an H200 (torch 2.11) fused AdamW left FSDP2's DTensor parameters
-    unchanged in tests/gpu/test_models_cuda.py (the loss stayed the same to the last digit)."""
+    Fused (one kernel per step) on CUDA when every parameter lives on one device mesh; foreach
+    otherwise: fused AdamW takes a single mesh per call, and expert-parallel weights live on
+    another mesh than the dense ones (models/parallelism.py)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
+    meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}
+    fused = all(p.is_cuda for p in params) and len(meshes) <= 1
     return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=True
+        [g for g in groups if g["params"]],
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        fused=fused,
+        foreach=not fused,
     )
 
 
