@@ -23,11 +23,12 @@ from collections.abc import Callable, Sequence
 
 from tandem.cli import UserError, run_cli
 from tandem.config.loader import ConfigError, parse_config
-from tandem.launch.cli import launch, preflight
+from tandem.launch.cli import launch
 from tandem.launch.cluster import is_multi_node, resolve_cluster
 from tandem.launch.config import RLConfig
 from tandem.launch.devices import visible_gpus
 from tandem.launch.plan import RunPlan, plan_node, plan_run
+from tandem.launch.preflight import preflight
 from tandem.launch.rollcall import RollCall
 from tandem.launch.supervisor import Console, record_failure
 
@@ -88,7 +89,7 @@ def run_node(config: RLConfig, node: str | None) -> int:
     console = Console()
     rollcall = RollCall(cluster, unit, lambda text: console.line(prog, text))
     try:
-        preflight(plan)
+        preflight(plan, create=True)
         rollcall.join(config.run_dir, config.cluster.join_timeout_s)
     except (ConfigError, UserError) as e:
         record_failure(plan.log_dir, f"{prog}: {e}")
