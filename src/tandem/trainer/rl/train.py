@@ -1,8 +1,8 @@
 """The RL loop: rollouts/step_N → importance-weighted loss → AdamW step → weights/step_{N+1}.
 
 Policy version = optimizer steps taken. The base model is version 0; trainer step N (0-based)
-reads `rollouts/step_N/rank_R.bin`, takes one optimizer step and publishes version N+1 as
-`weights/step_{N+1}`. Metrics of step N are logged with `step = N`, the same number the
+reads `rollouts/step_N/rank_R.bin`, takes one optimizer step and publishes version N+1 by the
+weight transport (`weights/step_{N+1}` on disk, or streamed from memory: weight_publisher.py). Metrics of step N are logged with `step = N`, the same number the
 orchestrator uses for the rollouts it wrote, so rewards and losses line up.
 
 Each rank reads its own micro-batches (the orchestrator balanced them and gave every rank the
@@ -10,6 +10,7 @@ same count). Micro-batch losses are divided by the step's global loss-token coun
 averages gradients over ranks, so each rank scales its loss by world_size to get the sum.
 """
 
+import contextlib
 import time
 from typing import Any
 
@@ -34,8 +35,8 @@ from tandem.trainer.parallel import (
 )
 from tandem.trainer.rl.config import RLTrainerConfig
 from tandem.trainer.rl.loss import LossInputs, LossStats, build_objective, policy_loss
+from tandem.trainer.weight_publisher import PolicyPublisher
 from tandem.transport.rollouts import MicroBatch, RolloutError, prune_steps, read_rank
-from tandem.transport.weights import publish_weights
 
 
 def load_policy(cfg: RLTrainerConfig, source: str, world: World) -> nn.Module:
@@ -157,10 +158,12 @@ def _train(cfg: RLTrainerConfig, world: World) -> dict[str, Any]:
         if world.is_main:
             print(f"trainer: resumed from {resume_from} (next step {start})", flush=True)
 
+    publisher = PolicyPublisher(cfg.weights, cfg.run_dir, tokenizer, world, cfg.max_steps)
+    publisher.start(model, start)
     metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl", "trainer", enabled=world.is_main)
     progress = TrainingProgress(cfg.max_steps, start, log_interval=1, enabled=world.is_main)
     stats: dict[str, Any] = {}
-    with metrics, progress:
+    with metrics, progress, contextlib.closing(publisher):
         for step in range(start, cfg.max_steps):
             wait_start = time.monotonic()
             micro_batches = read_rank(
@@ -171,7 +174,7 @@ def _train(cfg: RLTrainerConfig, world: World) -> dict[str, Any]:
             stats = train_step(model, objective, optimizer, micro_batches, step, cfg, world)
             scheduler.step()
             compute_s = time.monotonic() - compute_start
-            publish_weights(model, tokenizer, cfg.run_dir, step + 1, world, cfg.weights.keep)
+            publisher.publish(model, step + 1)
             checkpoint_now = bool(cfg.ckpt.interval) and (step + 1) % cfg.ckpt.interval == 0
             if checkpoint_now:
                 save_checkpoint(

@@ -1,0 +1,210 @@
+"""Trainer side of the in-memory transports: stream one policy version to every server.
+
+Every trainer rank holds a `WeightSender` and calls `send` with the same tensors (the full tensors
+of `tandem.trainer.weight_stream.iter_hf_weights`, formed one layer at a time by a collective, so
+every rank must iterate to the end). Rank 0 packs them into buckets and broadcasts each to the
+servers of the broadcast group; a rank with colocated servers packs into the two buffers it shares
+with them and tells them when each is full. Two buffers alternate, so packing bucket k+1 overlaps
+sending bucket k. Nothing larger than one bucket is ever held beyond the model itself.
+"""
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict
+
+import torch
+
+from tandem.transport.shared_buffers import SharedBuffers
+from tandem.transport.weight_buckets import TensorSpec, bucket_layout, slot_bytes
+from tandem.transport.weight_link import (
+    Link,
+    LinkError,
+    LinkSettings,
+    Route,
+    TransferError,
+    TransferRefused,
+    broadcast,
+    deadline,
+    device_id,
+    indices,
+    make_plan,
+    new_group,
+    sync,
+)
+
+SLOTS = 2
+
+
+class WeightSender:
+    def __init__(
+        self, settings: LinkSettings, num_servers: int, rank: int, world_size: int, device: torch.device
+    ) -> None:
+        self.settings = settings
+        self.num_servers = num_servers
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.side = "trainer" if world_size == 1 else f"trainer rank {rank}"
+        self.link: Link | None = None
+        self.group = None
+        self.shared: SharedBuffers | None = None
+        self.local: list[torch.Tensor] = []
+        self.routes: list[Route] = []
+        self.consumers: list[int] = []  # servers colocated with this rank
+        self.dtype = torch.float32
+
+    # ---- start ------------------------------------------------------------------------------
+
+    def connect(self, specs_for: Callable[[torch.dtype], list[TensorSpec]]) -> torch.dtype:
+        """Meet every server (collective over the trainer's ranks); returns the serving dtype.
+
+        `specs_for(dtype)` gives the tensors an update will carry; it sizes the shared buffers."""
+        s = self.settings
+        self.link = link = Link(s, self.side, master=self.rank == 0)
+        link.put_json(f"trainer/{self.rank}", {"device": device_id(self.device)})
+        until = deadline(s.connect_timeout_s)
+        servers = [f"server/{i}" for i in range(self.num_servers)]
+        if self.rank == 0:
+            link.wait(servers, until, lambda m: f"server(s) {indices(m)} did not join the weight group at {s.address} within {s.connect_timeout_s:g} s (weights.connect_timeout_s)")  # fmt: skip
+            ranks = [f"trainer/{r}" for r in range(self.world_size)]
+            link.wait(ranks, until, lambda m: f"trainer rank(s) {indices(m)} did not join the weight group")
+            try:
+                plan = make_plan([link.get_json(k) for k in servers], [link.get_json(k) for k in ranks])
+            except LinkError as e:
+                link.put_json("plan", {"error": str(e)})
+                raise
+            dtype = getattr(torch, plan["dtype"])
+            plan["slot_bytes"] = slot_bytes(bucket_layout(specs_for(dtype), s.bucket_bytes))
+            link.put_json("plan", plan)
+        else:
+            link.wait(["plan"], until, lambda _: "trainer rank 0 did not publish the weight plan")
+            plan = link.get_json("plan")
+            if "error" in plan:
+                raise LinkError(plan["error"])
+        self.dtype = getattr(torch, plan["dtype"])
+        self.routes = [Route(**r) for r in plan["routes"]]
+        self.consumers = [
+            i for i, r in enumerate(self.routes) if r.transport == "colocated" and r.trainer_rank == self.rank
+        ]
+        if self.consumers:
+            self.shared = SharedBuffers(SLOTS, plan["slot_bytes"], self.device)
+            link.put(f"slots/{self.rank}", self.shared.handle)
+        if self.rank == 0 and plan["group_size"]:
+            self.group = new_group(link, 0, plan["group_size"], self.device)
+        if self.rank == 0:
+            joined = [f"joined/{i}" for i in range(self.num_servers)]
+            link.wait(joined, until, lambda m: f"server(s) {indices(m)} did not open their weight route")
+        return self.dtype
+
+    def describe(self) -> str:
+        return ", ".join(
+            f"server {i}: {r.transport}" + (f" from rank {r.trainer_rank}" if r.transport == "colocated" else "")
+            for i, r in enumerate(self.routes)
+        )
+
+    # ---- one update -------------------------------------------------------------------------
+
+    def send(
+        self,
+        version: int,
+        specs: list[TensorSpec],
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        announce: Callable[[int], None] = lambda _: None,
+    ) -> None:
+        """Stream policy `version` to every server and return once all hold it (collective).
+
+        Rank 0 offers `specs`, then calls `announce(version)` (the orchestrator then asks the servers
+        to receive). Raises TransferRefused when a server's model does not fit the specs (no server
+        changed), TransferTimeout when a side did not answer within `transfer_timeout_s`."""
+        assert self.link is not None, "connect() first"
+        link, s = self.link, self.settings
+        until = deadline(s.transfer_timeout_s)
+        wait_s = f"{s.transfer_timeout_s:g} s (weights.transfer_timeout_s)"
+        what = f"policy version {version}"
+        if self.rank == 0:
+            link.put_json(f"offer/{version}", {"specs": [x.to_json() for x in specs], "bucket_bytes": s.bucket_bytes})
+            announce(version)
+            ready = [f"ready/{version}/{i}" for i in range(self.num_servers)]
+            link.wait(ready, until, lambda m: f"{what}: server(s) {indices(m)} did not start receiving within {wait_s}; is the orchestrator running?")  # fmt: skip
+            refusals = [f"server {i}: {r}" for i, k in enumerate(ready) if (r := link.get(k).decode())]
+            link.put(f"go/{version}", "; ".join(refusals))
+            if refusals:
+                raise TransferRefused(f"{self.side}: the servers refused {what}: {'; '.join(refusals)}")
+        else:
+            link.wait([f"go/{version}"], until, lambda _: f"{what}: rank 0 did not start the transfer within {wait_s}")  # fmt: skip
+            if refusal := link.get(f"go/{version}").decode():
+                raise TransferRefused(f"{self.side}: the servers refused {what}: {refusal}")
+        self._stream(version, specs, tensors, until)
+        waited_for = range(self.num_servers) if self.rank == 0 else self.consumers
+        done = [f"done/{version}/{i}" for i in waited_for]
+        link.wait(done, until, lambda m: f"{what}: server(s) {indices(m)} did not finish receiving within {wait_s}")  # fmt: skip
+        failures = [f"server {k.rsplit('/', 1)[-1]}: {e}" for k in done if (e := link.get(k).decode())]
+        if failures:
+            raise TransferError(f"{self.side}: {what} failed on the servers: {'; '.join(failures)}")
+        if self.rank == 0:
+            self._forget(version)
+
+    def _stream(
+        self, version: int, specs: list[TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]], until: float
+    ) -> None:
+        layout = bucket_layout(specs, self.settings.bucket_bytes)
+        sends = self.rank == 0 and self.group is not None
+        if not (sends or self.consumers):
+            for _ in tensors:  # the gather is collective: take part, keep nothing
+                pass
+            return
+        slots = self._slots(slot_bytes(layout))
+        pending: list = [None] * SLOTS
+        stream = iter(tensors)
+        for k, bucket in enumerate(layout):
+            slot = k % SLOTS
+            if pending[slot] is not None:
+                pending[slot].wait()
+                pending[slot] = None
+            if self.consumers and k >= SLOTS:
+                self._wait_freed(version, k - SLOTS, until)
+            flat = slots[slot][: bucket.nbytes].view(bucket.dtype)
+            for spec, offset in zip(bucket.specs, bucket.offsets, strict=True):
+                name, tensor = next(stream, (None, None))
+                if name != spec.name or tensor is None or tensor.shape != spec.shape or tensor.dtype != spec.dtype:
+                    got = "nothing" if tensor is None else f"{name} {list(tensor.shape)} {tensor.dtype}"
+                    raise TransferError(f"{self.side}: the weight stream yielded {got} where its specs say {spec.name} {spec.describe()}")  # fmt: skip
+                flat[offset : offset + spec.numel].copy_(tensor.reshape(-1))
+            if sends:
+                pending[slot] = broadcast(self.group, slots[slot][: bucket.nbytes])
+            if self.consumers:
+                sync(self.device)
+                self.link.put(f"filled/{version}/{self.rank}/{k}", "")
+        if next(stream, None) is not None:
+            raise TransferError(f"{self.side}: the weight stream yielded more tensors than its {len(specs)} specs")
+        for work in pending:
+            if work is not None:
+                work.wait()
+
+    def _slots(self, nbytes: int) -> list[torch.Tensor]:
+        if self.shared is not None:
+            if self.shared.tensors[0].numel() < nbytes:
+                raise TransferError(f"{self.side}: a bucket of {nbytes} bytes does not fit the shared buffers sized at start")  # fmt: skip
+            return self.shared.tensors
+        if not self.local or self.local[0].numel() < nbytes:
+            self.local = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(SLOTS)]
+        return self.local
+
+    def _wait_freed(self, version: int, bucket: int, until: float) -> None:
+        keys = [f"freed/{version}/{i}/{bucket}" for i in self.consumers]
+        self.link.wait(keys, until, lambda m: f"policy version {version}: colocated server(s) {indices([k.rsplit('/', 1)[0] for k in m])} did not copy bucket {bucket} in time")  # fmt: skip
+
+    def _forget(self, version: int) -> None:
+        """Delete the keys of a finished update (the store would otherwise grow every step)."""
+        keys = [f"offer/{version}", f"go/{version}"]
+        for i in range(self.num_servers):
+            keys += [f"ready/{version}/{i}", f"done/{version}/{i}"]
+        self.link.delete(keys)
+
+    def close(self) -> None:
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
+
+    def routes_as_dicts(self) -> list[dict]:
+        return [asdict(r) for r in self.routes]
