@@ -1,4 +1,6 @@
-"""The whole `rl` command on CPU: a real inference server, orchestrator and trainer, two steps."""
+"""The whole `rl` command on CPU: real inference servers, orchestrator and trainer, two steps; with
+the default transport (auto: colocated through shared memory on one host) and with a 2-rank FSDP
+trainer broadcasting (gloo) to two servers."""
 
 import os
 import re
@@ -10,6 +12,8 @@ import pytest
 from launch_helpers import alive, free_port
 
 from tandem.models.tiny import build_tiny_model
+from tandem.monitor.metrics import read_metrics
+from tandem.transport.weights import stable_versions
 
 pytestmark = pytest.mark.slow
 
@@ -56,6 +60,7 @@ keep = 2
         and "[trainer] step 2/2" in out
         and "[orchestrator] step 2/2" in out
     )
+    assert "trainer: weights by auto (server 0: colocated from rank 0" in out
     assert f"final weights: {run / 'weights' / 'step_2'}" in out
     assert (run / "weights" / "step_2" / "STABLE").is_file()
     assert sorted(p.name for p in (run / "configs").iterdir()) == [
@@ -68,3 +73,52 @@ keep = 2
     assert "Uvicorn running" in (run / "logs" / "inference.log").read_text()
     pids = [int(p) for p in re.findall(r"started \w+ \(pid (\d+)\)", out)]
     assert len(pids) == 3 and not any(alive(p) for p in pids)
+
+
+def test_two_rank_trainer_broadcasts_to_two_servers(tmp_path: Path) -> None:
+    model = build_tiny_model(
+        out=tmp_path / "model", num_layers=2, hidden_size=64, head_dim=16, intermediate_size=128
+    )
+    run = tmp_path / "run"
+    (tmp_path / "rl.toml").write_text(
+        f"""
+seq_len = 96
+max_steps = 2
+run_dir = "{run}"
+[model]
+name = "{model}"
+[deployment]
+inference_servers = 2
+trainer_nproc = 2
+startup_timeout_s = 240
+shutdown_grace_s = 5
+[weights]
+transport = "broadcast"
+transfer_timeout_s = 120
+[inference]
+port = {free_port()}
+[orchestrator]
+batch_size = 8
+group_size = 2
+micro_batch_tokens = 256
+max_async_level = 0
+[orchestrator.sampling]
+max_tokens = 8
+"""
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "tandem.launch.cli", "@", str(tmp_path / "rl.toml")],
+        capture_output=True,
+        text=True,
+        timeout=480,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert "trainer: weights by broadcast (server 0: broadcast, server 1: broadcast" in out
+    for i in range(2):
+        assert "received policy version 2 (broadcast group rank" in (run / "logs" / f"inference_{i}.log").read_text()
+    trainer = read_metrics(run / "metrics.jsonl", "trainer")
+    assert [r["step"] for r in trainer] == [0, 1]
+    assert all(r["mismatch_kl"] <= 1e-6 and r["staleness"] == 0 for r in trainer), trainer
+    assert stable_versions(run) == [2]

@@ -19,6 +19,7 @@ from tandem.launch.devices import visible_gpus
 from tandem.launch.plan import RunPlan, plan_run
 from tandem.launch.supervisor import Console, Supervisor
 from tandem.models.loading import check_model_source
+from tandem.transport.weights import clear_offer
 
 PROG = "rl"
 
@@ -46,17 +47,17 @@ def preflight(plan: RunPlan) -> None:
                 f"{plan.config.run_dir} already holds rollouts up to step {done[-1]}: pass --resume to "
                 "continue that run, or choose another run_dir"
             )
-    for cfg in plan.inference:
+    taken = [(cfg.host, cfg.port, "deployment.inference_ports / inference.port") for cfg in plan.inference]
+    if plan.trainer.weights.in_memory:
+        taken.append((plan.trainer.weights.host, plan.trainer.weights.port, "weights.port"))
+    for host, port, setting in taken:
         with socket.socket() as probe:
-            probe.setsockopt(
-                socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
-            )  # as the server will: TIME_WAIT is free
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers will: TIME_WAIT is free
             try:
-                probe.bind((cfg.host, cfg.port))
+                probe.bind((host, port))
             except OSError as e:
                 raise UserError(
-                    f"port {cfg.port} on {cfg.host} is taken ({e.strerror}); stop what uses it or set "
-                    "deployment.inference_ports / inference.port"
+                    f"port {port} on {host} is taken ({e.strerror}); stop what uses it or set {setting}"
                 ) from None
 
 
@@ -68,6 +69,7 @@ def latest_weights(run_dir: Path) -> Path | None:
 def launch(plan: RunPlan) -> int:
     preflight(plan)
     plan.write_configs()
+    clear_offer(plan.config.run_dir)  # an earlier run's in-memory offer is void: its trainer is gone
     console = Console()
     supervisor = Supervisor(
         plan.specs(),

@@ -7,6 +7,7 @@ clear line at start rather than a hang later.
 """
 
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from tandem.launch.devices import DeviceAssignment, assign_devices
 from tandem.launch.supervisor import ProcessSpec
 from tandem.orchestrator.config import OrchestratorConfig
 from tandem.trainer.rl.config import RLTrainerConfig
+from tandem.transport.config import WeightsConfig
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -33,6 +35,9 @@ DERIVED_FROM = {
     "resume": "the top-level resume (--resume)",
     "servers": "inference.port / deployment.inference_ports",
     "num_ranks": "deployment.trainer_nproc",
+    "weights.transport": "the top-level weights.transport",
+    "weights.host": "the top-level weights.host",
+    "weights.port": "the top-level weights.port (a free port when 0)",
 }
 """Where the launcher takes each field it owns from (named in errors)."""
 
@@ -129,6 +134,45 @@ def server_url(cfg: InferenceConfig) -> str:
     return f"http://{host}:{cfg.port}"
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def weight_group_address(config: RLConfig) -> tuple[str, int]:
+    """Where trainer rank 0 hosts the weight group's store. One machine: 127.0.0.1 (or the given
+    host) and the given port, else a free one. (A multi-node deployment derives this instead.)"""
+    return config.weights.host, config.weights.port or free_port(config.weights.host)
+
+
+def check_transport(weights: WeightsConfig, devices: DeviceAssignment) -> None:
+    """Refuse, before anything starts, a transport the device split cannot carry."""
+    if not weights.in_memory:
+        return
+    for i, gpus in enumerate(devices.inference):
+        if len(gpus) > 1:
+            raise ConfigError(
+                f"weights.transport = {weights.transport}: inference server {i} has {len(gpus)} GPUs; the "
+                "in-memory transports feed one GPU per server (use filesystem for tensor-parallel servers)"
+            )
+    if not devices.on_gpu:
+        return
+    rank0 = devices.trainer[0]
+    for i, gpus in enumerate(devices.inference):
+        shared = set(gpus) & set(devices.trainer)
+        if weights.transport == "broadcast" and rank0 in gpus:
+            raise ConfigError(
+                f"weights.transport = broadcast: inference server {i} shares GPU {rank0} with trainer rank 0, "
+                "and NCCL cannot broadcast between two processes on one GPU; use colocated or auto"
+            )
+        if weights.transport == "colocated" and not shared:
+            raise ConfigError(
+                f"weights.transport = colocated: inference server {i} (GPU {', '.join(gpus)}) shares no GPU "
+                f"with the trainer ({', '.join(devices.trainer)}); use broadcast or auto"
+            )
+
+
 def plan_run(config: RLConfig, visible_gpus: list[str], cores: int | None = None) -> RunPlan:
     """Resolve `config` against the visible GPUs and CPU cores (default: this process's).
 
@@ -145,6 +189,12 @@ def plan_run(config: RLConfig, visible_gpus: list[str], cores: int | None = None
             f"deployment.inference_ports: {len(ports)} port(s) for {num_servers} inference server(s)"
         )
 
+    check_transport(config.weights, devices)
+    if config.weights.in_memory:
+        host, port = weight_group_address(config)
+        config = _update("", config, {"weights": {"host": host, "port": port}})
+    link = {k: getattr(config.weights, k) for k in ("transport", "host", "port")}
+
     shared = {
         "model": config.model,
         "seq_len": config.seq_len,
@@ -154,7 +204,12 @@ def plan_run(config: RLConfig, visible_gpus: list[str], cores: int | None = None
     owned = {"run_dir": config.run_dir}
     inference = _fill(config.inference, "inference", shared, owned)
     inference = _update("inference", inference, _inference_defaults(config, devices))
-    per_server = [_update("inference", inference, {"port": p}) for p in ports]
+    per_server = [
+        _with_weights(
+            "inference", _update("inference", inference, {"port": p}), config, link | {"server_index": i}
+        )
+        for i, p in enumerate(ports)
+    ]
 
     owned_jobs = owned | {"resume": config.resume}
     servers = [server_url(c) for c in per_server]
@@ -166,10 +221,14 @@ def plan_run(config: RLConfig, visible_gpus: list[str], cores: int | None = None
     )
     if inference.api_key and orchestrator.client.api_key is None:
         orchestrator = _update("orchestrator", orchestrator, {"client": {"api_key": inference.api_key}})
+    orchestrator = _with_weights("orchestrator", orchestrator, config, link)
     trainer = _fill(config.trainer, "trainer", shared, owned_jobs)
+    trainer = _with_weights("trainer", trainer, config, link | {"num_servers": num_servers})
+    inference = per_server[0]
     _check_agreement(inference, orchestrator, trainer)
 
     resolved = _update("", config, {"inference": inference, "orchestrator": orchestrator, "trainer": trainer})
+
     threads = cpu_threads(config, devices, cores or usable_cores())
     return RunPlan(resolved, devices, per_server, orchestrator, trainer, threads)
 
@@ -193,6 +252,21 @@ def _fill(section: M, name: str, shared: dict[str, Any], owned: dict[str, Any]) 
             )
         updates[key] = value
     return _update(name, section, updates)
+
+
+def _with_weights(name: str, section: M, config: RLConfig, owned: dict[str, Any]) -> M:
+    """The section's weights: the top-level [weights] with the section's own keys over it, and the
+    fields the launcher owns. A section that sets the transport or the address differently is an
+    error; num_servers and server_index are always the launcher's."""
+    own = section.weights.model_dump(exclude_unset=True)  # type: ignore[attr-defined]
+    for key, value in owned.items():
+        if f"weights.{key}" in DERIVED_FROM and key in own and own[key] != value:
+            raise ConfigError(
+                f"{name}.weights.{key} = {own[key]!r} conflicts with {value!r}, which the launcher derives "
+                f"from {DERIVED_FROM['weights.' + key]}; set that instead"
+            )
+    merged = deep_merge(config.weights.model_dump(), own) | owned
+    return _update(name, section, {"weights": merged})
 
 
 def _inference_defaults(config: RLConfig, devices: DeviceAssignment) -> dict[str, Any]:
@@ -232,7 +306,7 @@ def _check_agreement(
             "differ; set max_steps once at the top level"
         )
     keep, lag = trainer.weights.keep, orchestrator.max_async_level
-    if keep and keep <= lag:
+    if not trainer.weights.in_memory and keep and keep <= lag:
         raise ConfigError(
             f"trainer.weights.keep ({keep}) must exceed orchestrator.max_async_level ({lag}), or be 0 (keep all)"
         )
