@@ -198,7 +198,13 @@ class Link:
                 raise dist.DistStoreError("deadline passed")
             self.store.wait(keys, timedelta(seconds=remaining))
         except (RuntimeError, dist.DistError):
-            missing = [k for k in keys if not self.store.check([k])]
+            try:
+                missing = [k for k in keys if not self.store.check([k])]
+            except (RuntimeError, dist.DistError):
+                raise TransferError(
+                    f"{self.side}: {problem(keys)}: lost the weight group's store at {self.settings.address} "
+                    "(trainer rank 0 hosts it: did the trainer exit?)"
+                ) from None
             if not missing:
                 return
             raise TransferTimeout(f"{self.side}: {problem(missing)}") from None

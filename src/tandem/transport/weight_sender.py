@@ -15,7 +15,7 @@ from dataclasses import asdict
 import torch
 
 from tandem.transport.shared_buffers import SharedBuffers
-from tandem.transport.weight_buckets import TensorSpec, bucket_layout, slot_bytes
+from tandem.transport.weight_buckets import Bucket, TensorSpec, bucket_layout, slot_bytes
 from tandem.transport.weight_link import (
     Link,
     LinkError,
@@ -121,7 +121,9 @@ class WeightSender:
         until = deadline(s.transfer_timeout_s)
         wait_s = f"{s.transfer_timeout_s:g} s (weights.transfer_timeout_s)"
         what = f"policy version {version}"
+        layout = bucket_layout(specs, s.bucket_bytes)
         if self.rank == 0:
+            self._forget(version, len(layout))  # keys left by an earlier attempt at this version
             link.put_json(f"offer/{version}", {"specs": [x.to_json() for x in specs], "bucket_bytes": s.bucket_bytes})
             announce(version)
             ready = [f"ready/{version}/{i}" for i in range(self.num_servers)]
@@ -134,7 +136,7 @@ class WeightSender:
             link.wait([f"go/{version}"], until, lambda _: f"{what}: rank 0 did not start the transfer within {wait_s}")  # fmt: skip
             if refusal := link.get(f"go/{version}").decode():
                 raise TransferRefused(f"{self.side}: the servers refused {what}: {refusal}")
-        self._stream(version, specs, tensors, until)
+        self._stream(version, layout, tensors, until)
         waited_for = range(self.num_servers) if self.rank == 0 else self.consumers
         done = [f"done/{version}/{i}" for i in waited_for]
         link.wait(done, until, lambda m: f"{what}: server(s) {indices(m)} did not finish receiving within {wait_s}")  # fmt: skip
@@ -142,12 +144,11 @@ class WeightSender:
         if failures:
             raise TransferError(f"{self.side}: {what} failed on the servers: {'; '.join(failures)}")
         if self.rank == 0:
-            self._forget(version)
+            self._forget(version, len(layout))
 
     def _stream(
-        self, version: int, specs: list[TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]], until: float
+        self, version: int, layout: list[Bucket], tensors: Iterable[tuple[str, torch.Tensor]], until: float
     ) -> None:
-        layout = bucket_layout(specs, self.settings.bucket_bytes)
         sends = self.rank == 0 and self.group is not None
         if not (sends or self.consumers):
             for _ in tensors:  # the gather is collective: take part, keep nothing
@@ -176,7 +177,7 @@ class WeightSender:
                 sync(self.device)
                 self.link.put(f"filled/{version}/{self.rank}/{k}", "")
         if next(stream, None) is not None:
-            raise TransferError(f"{self.side}: the weight stream yielded more tensors than its {len(specs)} specs")
+            raise TransferError(f"{self.side}: the weight stream yielded more tensors than its specs")
         for work in pending:
             if work is not None:
                 work.wait()
@@ -194,11 +195,14 @@ class WeightSender:
         keys = [f"freed/{version}/{i}/{bucket}" for i in self.consumers]
         self.link.wait(keys, until, lambda m: f"policy version {version}: colocated server(s) {indices([k.rsplit('/', 1)[0] for k in m])} did not copy bucket {bucket} in time")  # fmt: skip
 
-    def _forget(self, version: int) -> None:
-        """Delete the keys of a finished update (the store would otherwise grow every step)."""
+    def _forget(self, version: int, buckets: int) -> None:
+        """Delete the keys of one update (the store would otherwise grow every step)."""
         keys = [f"offer/{version}", f"go/{version}"]
-        for i in range(self.num_servers):
+        for i, route in enumerate(self.routes):
             keys += [f"ready/{version}/{i}", f"done/{version}/{i}"]
+            if route.transport == "colocated":
+                keys += [f"filled/{version}/{route.trainer_rank}/{k}" for k in range(buckets)]
+                keys += [f"freed/{version}/{i}/{k}" for k in range(buckets)]
         self.link.delete(keys)
 
     def close(self) -> None:
