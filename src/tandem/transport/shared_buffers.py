@@ -74,9 +74,10 @@ class OpenedBuffers:
             nbytes, names = rest
             for name in names:
                 segment = shared_memory.SharedMemory(name=name)
-                # The owner removes the segment; this process's resource tracker must not (Python
-                # < 3.13 registers every segment it opens and unlinks it when the process exits).
-                resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+                if not name.startswith(f"tandem-weights-{os.getpid()}-"):
+                    # The owner removes the segment; this process's resource tracker must not
+                    # (Python < 3.13 registers every segment it opens and unlinks it at exit).
+                    resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
                 self._segments.append(segment)
             self.tensors = [torch.frombuffer(s.buf, dtype=torch.uint8)[:nbytes] for s in self._segments]
 
