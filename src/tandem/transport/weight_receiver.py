@@ -79,7 +79,7 @@ class WeightReceiver:
 
     def connect(self) -> None:
         s = self.settings
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # this thread's device, for NCCL
         self.link = link = Link(s, self.side, master=False)
         info = {"transport": self.transport, "device": device_id(self.device), "dtype": _name(self.dtype)}
