@@ -90,7 +90,9 @@ class Server:
     log: Path
 
     @classmethod
-    def start(cls, name: str, model: Path, gpu: str | None, transport: str, link_port: int, work: Path, dtype: str):
+    def start(
+        cls, name: str, model: Path, gpu: str | None, transport: str, link_port: int, work: Path, dtype: str
+    ):
         port = free_port()
         command = [
             sys.executable, "-m", "tandem.inference.cli",
@@ -235,9 +237,15 @@ def bench_shape(shape: str, args: argparse.Namespace, work: Path) -> list[dict]:
     two_gpus = cuda and torch.cuda.device_count() >= 2
     model = build_model(shape, work / "model", device)
     links = {"colocated": free_port(), "broadcast": free_port()}
-    servers = {"colocated": Server.start("colocated", model, "0" if cuda else None, "colocated", links["colocated"], work, dtype)}  # fmt: skip
+    servers = {
+        "colocated": Server.start(
+            "colocated", model, "0" if cuda else None, "colocated", links["colocated"], work, dtype
+        )
+    }
     if two_gpus or not cuda:
-        servers["broadcast"] = Server.start("broadcast", model, "1" if cuda else None, "broadcast", links["broadcast"], work, dtype)  # fmt: skip
+        servers["broadcast"] = Server.start(
+            "broadcast", model, "1" if cuda else None, "broadcast", links["broadcast"], work, dtype
+        )
     rows = []
     trainer = None
     try:
@@ -247,12 +255,18 @@ def bench_shape(shape: str, args: argparse.Namespace, work: Path) -> list[dict]:
         tokenizer = train_tokenizer()
         params = sum(p.numel() for p in trainer.model.parameters())
         plan = [("filesystem", servers["colocated"], work / "fs", free_port(), args.fs_updates)]
-        plan += [(t, servers[t], work / t, links[t], args.updates) for t in ("colocated", "broadcast") if t in servers]
+        plan += [
+            (t, servers[t], work / t, links[t], args.updates)
+            for t in ("colocated", "broadcast")
+            if t in servers
+        ]
         version = 1
         for transport, server, run_dir, port, updates in plan:
             publisher = trainer.publisher(transport, port, run_dir, tokenizer)
             publisher.start(trainer.model, 0)
-            timings = asyncio.run(measure(trainer, publisher, server, transport, run_dir, version, updates, args))
+            timings = asyncio.run(
+                measure(trainer, publisher, server, transport, run_dir, version, updates, args)
+            )
             publisher.close()
             version += updates + 1
             rows.append(row(shape, params, transport, timings, dtype))
@@ -297,7 +311,9 @@ def print_row(r: dict, flush: bool = False) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--shapes", default="0.6b,1.7b", help=f"Comma-separated, of {', '.join(SHAPES)}.")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--updates", type=int, default=5, help="Timed updates per in-memory transport.")
@@ -305,7 +321,14 @@ def main() -> None:
     parser.add_argument("--poll-ms", type=float, default=2.0, help="The orchestrator's poll interval.")
     parser.add_argument("--busy", type=int, default=0, help="Streaming requests kept running per server.")
     args = parser.parse_args()
-    print(f"device {args.device}" + (f" ({torch.cuda.get_device_name()}, {torch.cuda.device_count()} GPU(s))" if args.device == "cuda" else ""))  # fmt: skip
+    print(
+        f"device {args.device}"
+        + (
+            f" ({torch.cuda.get_device_name()}, {torch.cuda.device_count()} GPU(s))"
+            if args.device == "cuda"
+            else ""
+        )
+    )
     print("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS), flush=True)
     rows = []
     for shape in args.shapes.split(","):

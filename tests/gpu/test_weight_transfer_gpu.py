@@ -25,7 +25,13 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-PROMPT = {"prompt": [5, 9, 14, 20, 3], "max_tokens": 12, "temperature": 0, "logprobs": 1, "return_token_ids": True}
+PROMPT = {
+    "prompt": [5, 9, 14, 20, 3],
+    "max_tokens": 12,
+    "temperature": 0,
+    "logprobs": 1,
+    "return_token_ids": True,
+}
 BUCKET_BYTES = 1 << 20  # several buckets even for the tiny model: both buffers take turns
 
 
@@ -47,10 +53,19 @@ def gpu_name(index: int) -> str:
     return visible.split(",")[index].strip() if visible else str(index)
 
 
-def check_transfer_equals_disk(transport: str, server_gpu: int, models: dict[str, Path], tmp_path: Path) -> None:
+def check_transfer_equals_disk(
+    transport: str, server_gpu: int, models: dict[str, Path], tmp_path: Path
+) -> None:
     port = free_port()
     args = ["--model.name", str(models["a"]), "--model.dtype", "bfloat16", "--model.device", "cuda"]
-    args += ["--engine.max_num_seqs", "8", "--engine.kv_cache_memory_gb", "1", "--engine.max_model_len", "256"]
+    args += [
+        "--engine.max_num_seqs",
+        "8",
+        "--engine.kv_cache_memory_gb",
+        "1",
+        "--engine.max_model_len",
+        "256",
+    ]
     args += ["--weights.transport", transport, "--weights.port", str(port), "--weights.bucket_mb", "1"]
     settings = LinkSettings("127.0.0.1", port, 60.0, 300.0, BUCKET_BYTES)
     model = AutoModelForCausalLM.from_pretrained(models["b"], dtype=torch.float32).cuda()
@@ -59,9 +74,13 @@ def check_transfer_equals_disk(transport: str, server_gpu: int, models: dict[str
         sender = WeightSender(settings, 1, 0, 1, torch.device("cuda", 0))
         assert sender.connect(lambda dtype: hf_weight_specs(model, dtype)) == torch.bfloat16
         before = completion(server.url)
-        httpx.post(server.url + "/update_weights", json={"path": str(models["b"])}, timeout=60).raise_for_status()
+        httpx.post(
+            server.url + "/update_weights", json={"path": str(models["b"])}, timeout=60
+        ).raise_for_status()
         from_disk = completion(server.url)
-        httpx.post(server.url + "/update_weights", json={"path": str(models["a"])}, timeout=60).raise_for_status()
+        httpx.post(
+            server.url + "/update_weights", json={"path": str(models["a"])}, timeout=60
+        ).raise_for_status()
         assert completion(server.url) == before != from_disk
 
         dtype = sender.dtype

@@ -14,7 +14,15 @@ import openai
 import pytest
 import torch
 from server_process import free_port
-from test_vllm_backend import API_KEY, LOGPROB_ATOL, STARTUP_TIMEOUT_S, VLLM_PYTHON, Reference, greedy_completion, needs_vllm
+from test_vllm_backend import (
+    API_KEY,
+    LOGPROB_ATOL,
+    STARTUP_TIMEOUT_S,
+    VLLM_PYTHON,
+    Reference,
+    greedy_completion,
+    needs_vllm,
+)
 from transformers import AutoModelForCausalLM
 
 from tandem.models.tiny import build_tiny_model
@@ -73,7 +81,9 @@ def linked(
     sender.close()
 
 
-def transfer(url: str, sender: WeightSender, version: int, model: torch.nn.Module) -> tuple[httpx.Response, list]:
+def transfer(
+    url: str, sender: WeightSender, version: int, model: torch.nn.Module
+) -> tuple[httpx.Response, list]:
     failure: list[BaseException] = []
 
     def send() -> None:
@@ -115,5 +125,8 @@ def test_broadcast_updates_vllm(linked: tuple[Any, WeightSender], models: dict[s
     headers = {"Authorization": f"Bearer {API_KEY}"}
     late = httpx.post(server.url + "/update_weights", json={"step": 9}, headers=headers, timeout=120)
     assert late.status_code == 504
-    assert f"server 0: policy version 9: the trainer offered nothing within {TRANSFER_TIMEOUT_S:g} s" in late.text
+    assert (
+        f"server 0: policy version 9: the trainer offered nothing within {TRANSFER_TIMEOUT_S:g} s"
+        in late.text
+    )
     assert httpx.get(server.url + "/health").json()["weight_version"] == 5

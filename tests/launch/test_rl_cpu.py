@@ -117,7 +117,10 @@ max_tokens = 8
     assert result.returncode == 0, out[-4000:]
     assert "trainer: weights by broadcast (server 0: broadcast, server 1: broadcast" in out
     for i in range(2):
-        assert "received policy version 2 (broadcast group rank" in (run / "logs" / f"inference_{i}.log").read_text()
+        assert (
+            "received policy version 2 (broadcast group rank"
+            in (run / "logs" / f"inference_{i}.log").read_text()
+        )
     trainer = read_metrics(run / "metrics.jsonl", "trainer")
     assert [r["step"] for r in trainer] == [0, 1]
     assert all(r["mismatch_kl"] <= 1e-6 and r["staleness"] == 0 for r in trainer), trainer

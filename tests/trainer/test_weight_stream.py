@@ -12,7 +12,9 @@ from tandem.trainer.weight_stream import hf_weight_specs, iter_hf_weights
 
 
 def test_full_tensors_per_layer_with_matching_specs(tmp_path: Path) -> None:
-    path = build_tiny_model(out=tmp_path / "m", num_layers=2, hidden_size=64, head_dim=16, intermediate_size=128)
+    path = build_tiny_model(
+        out=tmp_path / "m", num_layers=2, hidden_size=64, head_dim=16, intermediate_size=128
+    )
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
     world = init_distributed("cpu")
     try:

@@ -24,7 +24,13 @@ from tandem.transport.weights import offered_version, stable_versions
 
 TEMPERATURE = 0.8
 STEPS = 3
-LONG = {"prompt": [5, 9, 14], "max_tokens": 200, "ignore_eos": True, "temperature": 0, "return_token_ids": True}
+LONG = {
+    "prompt": [5, 9, 14],
+    "max_tokens": 200,
+    "ignore_eos": True,
+    "temperature": 0,
+    "return_token_ids": True,
+}
 
 
 def wait_for_offer(run_dir: Path, version: int, timeout_s: float = 120) -> None:
@@ -83,7 +89,11 @@ def test_broadcast_and_colocated_keep_servers_equal_to_trainer(tmp_path: Path) -
         trainer = threading.Thread(target=run_trainer, daemon=True)
         trainer.start()
         for step in range(STEPS):
-            samples = [s for i, url in enumerate(urls) for s in sample_from_server(url, 1, 4, TEMPERATURE, 16, seed=2 * step + i)]  # fmt: skip
+            samples = [
+                s
+                for i, url in enumerate(urls)
+                for s in sample_from_server(url, 1, 4, TEMPERATURE, 16, seed=2 * step + i)
+            ]
             assert {s.policy_version for s in samples} == {step}
             write_rollouts(run_dir, step, samples, TEMPERATURE)
             wait_for_offer(run_dir, step + 1)
@@ -92,7 +102,10 @@ def test_broadcast_and_colocated_keep_servers_equal_to_trainer(tmp_path: Path) -
                 in_flight = pool.submit(httpx.post, urls[1] + "/v1/completions", json=LONG, timeout=120)
                 wait_until_generating(urls[1])
                 assert httpx.post(urls[1] + "/pause").status_code == 200
-            updates = [pool.submit(httpx.post, u + "/update_weights", json={"step": step + 1}, timeout=120) for u in urls]  # fmt: skip
+            updates = [
+                pool.submit(httpx.post, u + "/update_weights", json={"step": step + 1}, timeout=120)
+                for u in urls
+            ]
             for answer in (u.result() for u in updates):
                 assert answer.status_code == 200 and answer.json()["weight_version"] == step + 1, answer.text
             if in_flight is not None:

@@ -45,7 +45,9 @@ def server(transport: str, device: str, dtype: str = "bfloat16") -> dict:
 
 def test_plan_routes_auto_by_device() -> None:
     trainers = [{"device": "cuda:A"}, {"device": "cuda:B"}]
-    plan = make_plan([server("auto", "cuda:B"), server("auto", "cuda:C"), server("broadcast", "cuda:D")], trainers)
+    plan = make_plan(
+        [server("auto", "cuda:B"), server("auto", "cuda:C"), server("broadcast", "cuda:D")], trainers
+    )
     assert plan["routes"] == [
         {"transport": "colocated", "trainer_rank": 1, "group_rank": 0},
         {"transport": "broadcast", "trainer_rank": 0, "group_rank": 1},

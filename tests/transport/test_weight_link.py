@@ -26,7 +26,13 @@ from tandem.transport.weight_receiver import WeightReceiver
 from tandem.transport.weight_sender import WeightSender
 
 TIMEOUT_S = 3.0
-PROMPT = {"prompt": [5, 9, 14, 20, 3], "max_tokens": 8, "temperature": 0, "logprobs": 1, "return_token_ids": True}
+PROMPT = {
+    "prompt": [5, 9, 14, 20, 3],
+    "max_tokens": 8,
+    "temperature": 0,
+    "logprobs": 1,
+    "return_token_ids": True,
+}
 
 
 @pytest.fixture(scope="module")
@@ -117,15 +123,24 @@ def test_mismatch_is_refused_and_the_old_weights_stay_live(models: dict[str, Pat
     with linked_server(models["a"], "broadcast") as server:
         live = server.completion()
         for model, dtype, problem in [
-            (hf(models["wide"]), torch.float32, "model.embed_tokens.weight is [512, 128] float32, the model has [512, 256] float32"),
+            (
+                hf(models["wide"]),
+                torch.float32,
+                "model.embed_tokens.weight is [512, 128] float32, the model has [512, 256] float32",
+            ),
             (hf(models["b"]), torch.float64, "is [512, 256] float64, the model has [512, 256] float32"),
-        ]:  # fmt: skip
+        ]:
             answer, failure = server.transfer(1, model, dtype)
             assert answer is not None and answer.status_code == 400, answer.text
             message = answer.json()["error"]["message"]
-            assert "server 0: policy version 1 does not fit this server's model" in message and problem in message
+            assert (
+                "server 0: policy version 1 does not fit this server's model" in message
+                and problem in message
+            )
             assert "the old weights stay live" in message
-            assert isinstance(failure, TransferRefused) and "the servers refused policy version 1" in str(failure)
+            assert isinstance(failure, TransferRefused) and "the servers refused policy version 1" in str(
+                failure
+            )
             assert server.completion() == live
             assert httpx.get(server.url + "/health").json()["weight_version"] == 0
         answer, failure = server.transfer(1, hf(models["b"]))  # the link still works
@@ -143,7 +158,10 @@ def test_each_side_times_out_naming_itself_and_the_step(models: dict[str, Path])
 
         _, failure = server.transfer(6, hf(models["b"]), ask=False)
         assert isinstance(failure, TransferTimeout)
-        assert f"trainer: policy version 6: server(s) 0 did not start receiving within {TIMEOUT_S:g} s" in str(failure)
+        assert (
+            f"trainer: policy version 6: server(s) 0 did not start receiving within {TIMEOUT_S:g} s"
+            in str(failure)
+        )
         assert server.completion() == live
 
 
@@ -178,7 +196,9 @@ def test_a_transfer_broken_midway_takes_the_server_out(models: dict[str, Path]) 
         thread.start()
         answer = httpx.post(server.url + "/update_weights", json={"step": 3}, timeout=60)
         thread.join(timeout=60)
-        assert failure and "the trainer crashed" in str(failure[0]) and not isinstance(failure[0], TransferError)
+        assert (
+            failure and "the trainer crashed" in str(failure[0]) and not isinstance(failure[0], TransferError)
+        )
         assert answer.status_code == 503
         message = answer.json()["error"]["message"]
         assert "server 0: policy version 3: trainer rank 0 did not fill bucket" in message

@@ -68,7 +68,9 @@ def http_server(app: "ASGIApp", config: InferenceConfig) -> "uvicorn.Server":
     )
 
 
-def start_receiver(config: InferenceConfig, device: "torch.device", dtype: "torch.dtype") -> "WeightReceiver | None":
+def start_receiver(
+    config: InferenceConfig, device: "torch.device", dtype: "torch.dtype"
+) -> "WeightReceiver | None":
     """With an in-memory weight transport: join the trainer's weight link in the background."""
     if not config.weights.in_memory:
         return None

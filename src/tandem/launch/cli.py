@@ -52,7 +52,9 @@ def preflight(plan: RunPlan) -> None:
         taken.append((plan.trainer.weights.host, plan.trainer.weights.port, "weights.port"))
     for host, port, setting in taken:
         with socket.socket() as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers will: TIME_WAIT is free
+            probe.setsockopt(
+                socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+            )  # as the servers will: TIME_WAIT is free
             try:
                 probe.bind((host, port))
             except OSError as e:

@@ -12,6 +12,7 @@ by the owner on close.
 Imports only torch and the standard library: vLLM's worker extension uses it too.
 """
 
+import contextlib
 import os
 import pickle
 from multiprocessing import resource_tracker, shared_memory
@@ -90,7 +91,5 @@ class OpenedBuffers:
 
 def _close(segment: shared_memory.SharedMemory) -> None:
     """Unmap a segment; one still referenced by a live tensor view stays mapped until exit."""
-    try:
+    with contextlib.suppress(BufferError):
         segment.close()
-    except BufferError:
-        pass

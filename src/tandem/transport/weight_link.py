@@ -33,7 +33,7 @@ import json
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -69,7 +69,11 @@ class LinkSettings:
                 "(the rl launcher picks a free one)"
             )
         return cls(
-            weights.host, weights.port, weights.transfer_timeout_s, weights.connect_timeout_s, weights.bucket_bytes
+            weights.host,
+            weights.port,
+            weights.transfer_timeout_s,
+            weights.connect_timeout_s,
+            weights.bucket_bytes,
         )
 
 
@@ -149,7 +153,7 @@ def make_plan(servers: list[dict], trainers: list[dict]) -> dict:
         group_rank += 1
         routes.append(Route("broadcast", group_rank=group_rank))
     return {
-        "routes": [r.__dict__ for r in routes],
+        "routes": [asdict(r) for r in routes],
         "group_size": group_rank + 1 if group_rank else 0,
         "dtype": dtypes.pop(),
     }

@@ -68,7 +68,9 @@ class WeightReceiver:
 
     def start(self) -> None:
         """Join the weight link in a background thread (it waits for the trainer)."""
-        self._thread = threading.Thread(target=self._connect_reporting, name="tandem-weight-link", daemon=True)
+        self._thread = threading.Thread(
+            target=self._connect_reporting, name="tandem-weight-link", daemon=True
+        )
         self._thread.start()
 
     def _connect_reporting(self) -> None:
@@ -134,14 +136,22 @@ class WeightReceiver:
         t = self.settings.transfer_timeout_s
         until = deadline(t)
         what = f"policy version {version}"
-        link.wait([f"offer/{version}"], until, lambda _: f"{what}: the trainer offered nothing within {t:g} s (weights.transfer_timeout_s)")  # fmt: skip
+        link.wait(
+            [f"offer/{version}"],
+            until,
+            lambda _: f"{what}: the trainer offered nothing within {t:g} s (weights.transfer_timeout_s)",
+        )
         offer = link.get_json(f"offer/{version}")
         specs = [TensorSpec.from_json(item) for item in offer["specs"]]
         problem = spec_mismatch(specs, expected, optional)
         link.put(f"ready/{version}/{self.index}", problem or "")
         if problem:
             raise TransferRefused(f"{self.side}: {what} does not fit this server's model: {problem}")
-        link.wait([f"go/{version}"], until, lambda _: f"{what}: the trainer did not start the transfer within {t:g} s")  # fmt: skip
+        link.wait(
+            [f"go/{version}"],
+            until,
+            lambda _: f"{what}: the trainer did not start the transfer within {t:g} s",
+        )
         if refusal := link.get(f"go/{version}").decode():
             raise TransferRefused(f"{self.side}: the trainer abandoned {what}: {refusal}")
         return Transfer(self, version, bucket_layout(specs, offer["bucket_bytes"]), until)
@@ -177,7 +187,7 @@ class Transfer:
                 yield from self._broadcast()
             sync(receiver.device)
         except Exception as e:
-            link.put(done, f"{type(e).__name__}: {e}" or "failed")
+            link.put(done, f"{type(e).__name__}: {e}")
             raise
         link.put(done, "")
 
@@ -193,7 +203,9 @@ class Transfer:
             try:
                 pending[k % SLOTS].wait()
             except RuntimeError as e:
-                raise TransferError(f"{receiver.side}: policy version {self.version}: bucket {k + 1} of {len(layout)} did not arrive: {e}") from None  # fmt: skip
+                raise TransferError(
+                    f"{receiver.side}: policy version {self.version}: bucket {k + 1} of {len(layout)} did not arrive: {e}"
+                ) from None
             yield from bucket.views(slots[k % SLOTS])
             if k + SLOTS < len(layout):
                 pending[k % SLOTS] = post(k + SLOTS)
@@ -203,7 +215,13 @@ class Transfer:
         assert receiver.buffers is not None and receiver.route is not None and link is not None
         rank = receiver.route.trainer_rank
         for k, bucket in enumerate(self.layout):
-            link.wait([f"filled/{self.version}/{rank}/{k}"], self.until, lambda _, k=k: f"policy version {self.version}: trainer rank {rank} did not fill bucket {k + 1} of {len(self.layout)} in time")  # fmt: skip
+            link.wait(
+                [f"filled/{self.version}/{rank}/{k}"],
+                self.until,
+                lambda _, k=k: (
+                    f"policy version {self.version}: trainer rank {rank} did not fill bucket {k + 1} of {len(self.layout)} in time"
+                ),
+            )
             yield from bucket.views(receiver.buffers.tensors[k % SLOTS])
             sync(receiver.device)
             link.put(f"freed/{self.version}/{receiver.index}/{k}", "")

@@ -8,9 +8,7 @@ with them and tells them when each is full. Two buffers alternate, so packing bu
 sending bucket k. Nothing larger than one bucket is ever held beyond the model itself.
 """
 
-import time
-from collections.abc import Callable, Iterable
-from dataclasses import asdict
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -59,23 +57,11 @@ class WeightSender:
         """Meet every server (collective over the trainer's ranks); returns the serving dtype.
 
         `specs_for(dtype)` gives the tensors an update will carry; it sizes the shared buffers."""
-        s = self.settings
-        self.link = link = Link(s, self.side, master=self.rank == 0)
+        self.link = link = Link(self.settings, self.side, master=self.rank == 0)
         link.put_json(f"trainer/{self.rank}", {"device": device_id(self.device)})
-        until = deadline(s.connect_timeout_s)
-        servers = [f"server/{i}" for i in range(self.num_servers)]
+        until = deadline(self.settings.connect_timeout_s)
         if self.rank == 0:
-            link.wait(servers, until, lambda m: f"server(s) {indices(m)} did not join the weight group at {s.address} within {s.connect_timeout_s:g} s (weights.connect_timeout_s)")  # fmt: skip
-            ranks = [f"trainer/{r}" for r in range(self.world_size)]
-            link.wait(ranks, until, lambda m: f"trainer rank(s) {indices(m)} did not join the weight group")
-            try:
-                plan = make_plan([link.get_json(k) for k in servers], [link.get_json(k) for k in ranks])
-            except LinkError as e:
-                link.put_json("plan", {"error": str(e)})
-                raise
-            dtype = getattr(torch, plan["dtype"])
-            plan["slot_bytes"] = slot_bytes(bucket_layout(specs_for(dtype), s.bucket_bytes))
-            link.put_json("plan", plan)
+            plan = self._plan(specs_for, until)
         else:
             link.wait(["plan"], until, lambda _: "trainer rank 0 did not publish the weight plan")
             plan = link.get_json("plan")
@@ -89,16 +75,42 @@ class WeightSender:
         if self.consumers:
             self.shared = SharedBuffers(SLOTS, plan["slot_bytes"], self.device)
             link.put(f"slots/{self.rank}", self.shared.handle)
-        if self.rank == 0 and plan["group_size"]:
-            self.group = new_group(link, 0, plan["group_size"], self.device)
         if self.rank == 0:
+            if plan["group_size"]:
+                self.group = new_group(link, 0, plan["group_size"], self.device)
             joined = [f"joined/{i}" for i in range(self.num_servers)]
             link.wait(joined, until, lambda m: f"server(s) {indices(m)} did not open their weight route")
         return self.dtype
 
+    def _plan(self, specs_for: Callable[[torch.dtype], list[TensorSpec]], until: float) -> dict:
+        """Rank 0: wait for every server and rank, route them, size the buffers; publish the plan."""
+        link, s = self.link, self.settings
+        assert link is not None
+        servers = [f"server/{i}" for i in range(self.num_servers)]
+        late = f"within {s.connect_timeout_s:g} s (weights.connect_timeout_s)"
+        link.wait(
+            servers,
+            until,
+            lambda m: f"server(s) {indices(m)} did not join the weight group at {s.address} {late}",
+        )
+        ranks = [f"trainer/{r}" for r in range(self.world_size)]
+        link.wait(
+            ranks, until, lambda m: f"trainer rank(s) {indices(m)} did not join the weight group {late}"
+        )
+        try:
+            plan = make_plan([link.get_json(k) for k in servers], [link.get_json(k) for k in ranks])
+        except LinkError as e:
+            link.put_json("plan", {"error": str(e)})
+            raise
+        specs = specs_for(getattr(torch, plan["dtype"]))
+        plan["slot_bytes"] = slot_bytes(bucket_layout(specs, s.bucket_bytes))
+        link.put_json("plan", plan)
+        return plan
+
     def describe(self) -> str:
         return ", ".join(
-            f"server {i}: {r.transport}" + (f" from rank {r.trainer_rank}" if r.transport == "colocated" else "")
+            f"server {i}: {r.transport}"
+            + (f" from rank {r.trainer_rank}" if r.transport == "colocated" else "")
             for i, r in enumerate(self.routes)
         )
 
@@ -117,34 +129,56 @@ class WeightSender:
         to receive). Raises TransferRefused when a server's model does not fit the specs (no server
         changed), TransferTimeout when a side did not answer within `transfer_timeout_s`."""
         assert self.link is not None, "connect() first"
-        link, s = self.link, self.settings
-        until = deadline(s.transfer_timeout_s)
-        wait_s = f"{s.transfer_timeout_s:g} s (weights.transfer_timeout_s)"
-        what = f"policy version {version}"
-        layout = bucket_layout(specs, s.bucket_bytes)
+        until = deadline(self.settings.transfer_timeout_s)
+        layout = bucket_layout(specs, self.settings.bucket_bytes)
         if self.rank == 0:
             self._forget(version, len(layout))  # keys left by an earlier attempt at this version
-            link.put_json(f"offer/{version}", {"specs": [x.to_json() for x in specs], "bucket_bytes": s.bucket_bytes})
-            announce(version)
-            ready = [f"ready/{version}/{i}" for i in range(self.num_servers)]
-            link.wait(ready, until, lambda m: f"{what}: server(s) {indices(m)} did not start receiving within {wait_s}; is the orchestrator running?")  # fmt: skip
-            refusals = [f"server {i}: {r}" for i, k in enumerate(ready) if (r := link.get(k).decode())]
-            link.put(f"go/{version}", "; ".join(refusals))
-            if refusals:
-                raise TransferRefused(f"{self.side}: the servers refused {what}: {'; '.join(refusals)}")
+            self._offer(version, specs, announce, until)
         else:
-            link.wait([f"go/{version}"], until, lambda _: f"{what}: rank 0 did not start the transfer within {wait_s}")  # fmt: skip
-            if refusal := link.get(f"go/{version}").decode():
-                raise TransferRefused(f"{self.side}: the servers refused {what}: {refusal}")
+            self.link.wait(
+                [f"go/{version}"], until, lambda _: self._late(version, "rank 0 did not start the transfer")
+            )
+            if refusal := self.link.get(f"go/{version}").decode():
+                raise TransferRefused(f"{self.side}: the servers refused policy version {version}: {refusal}")
         self._stream(version, layout, tensors, until)
         waited_for = range(self.num_servers) if self.rank == 0 else self.consumers
         done = [f"done/{version}/{i}" for i in waited_for]
-        link.wait(done, until, lambda m: f"{what}: server(s) {indices(m)} did not finish receiving within {wait_s}")  # fmt: skip
-        failures = [f"server {k.rsplit('/', 1)[-1]}: {e}" for k in done if (e := link.get(k).decode())]
+        self.link.wait(
+            done, until, lambda m: self._late(version, f"server(s) {indices(m)} did not finish receiving")
+        )
+        failures = [f"server {k.rsplit('/', 1)[-1]}: {e}" for k in done if (e := self.link.get(k).decode())]
         if failures:
-            raise TransferError(f"{self.side}: {what} failed on the servers: {'; '.join(failures)}")
+            raise TransferError(
+                f"{self.side}: policy version {version} failed on the servers: {'; '.join(failures)}"
+            )
         if self.rank == 0:
             self._forget(version, len(layout))
+
+    def _offer(
+        self, version: int, specs: list[TensorSpec], announce: Callable[[int], None], until: float
+    ) -> None:
+        """Rank 0: offer, wait until every server accepted or refused, then go (or abandon)."""
+        link = self.link
+        assert link is not None
+        offer = {"specs": [spec.to_json() for spec in specs], "bucket_bytes": self.settings.bucket_bytes}
+        link.put_json(f"offer/{version}", offer)
+        announce(version)
+        ready = [f"ready/{version}/{i}" for i in range(self.num_servers)]
+
+        def late(missing: list[str]) -> str:
+            what = f"server(s) {indices(missing)} did not start receiving"
+            return self._late(version, what) + "; is the orchestrator running?"
+
+        link.wait(ready, until, late)
+        refusals = [f"server {i}: {r}" for i, key in enumerate(ready) if (r := link.get(key).decode())]
+        link.put(f"go/{version}", "; ".join(refusals))
+        if refusals:
+            raise TransferRefused(
+                f"{self.side}: the servers refused policy version {version}: {'; '.join(refusals)}"
+            )
+
+    def _late(self, version: int, what: str) -> str:
+        return f"policy version {version}: {what} within {self.settings.transfer_timeout_s:g} s (weights.transfer_timeout_s)"
 
     def _stream(
         self, version: int, layout: list[Bucket], tensors: Iterable[tuple[str, torch.Tensor]], until: float
@@ -166,10 +200,7 @@ class WeightSender:
                 self._wait_freed(version, k - SLOTS, until)
             flat = slots[slot][: bucket.nbytes].view(bucket.dtype)
             for spec, offset in zip(bucket.specs, bucket.offsets, strict=True):
-                name, tensor = next(stream, (None, None))
-                if name != spec.name or tensor is None or tensor.shape != spec.shape or tensor.dtype != spec.dtype:
-                    got = "nothing" if tensor is None else f"{name} {list(tensor.shape)} {tensor.dtype}"
-                    raise TransferError(f"{self.side}: the weight stream yielded {got} where its specs say {spec.name} {spec.describe()}")  # fmt: skip
+                tensor = self._next(stream, spec)
                 flat[offset : offset + spec.numel].copy_(tensor.reshape(-1))
             if sends:
                 pending[slot] = broadcast(self.group, slots[slot][: bucket.nbytes])
@@ -182,10 +213,22 @@ class WeightSender:
             if work is not None:
                 work.wait()
 
+    def _next(self, stream: Iterator[tuple[str, torch.Tensor]], spec: TensorSpec) -> torch.Tensor:
+        """The stream's next tensor, which must be the one `spec` announced."""
+        name, tensor = next(stream, (None, None))
+        if tensor is None or name != spec.name or tensor.shape != spec.shape or tensor.dtype != spec.dtype:
+            got = "nothing" if tensor is None else f"{name} {list(tensor.shape)} {tensor.dtype}"
+            raise TransferError(
+                f"{self.side}: the weight stream yielded {got} where its specs say {spec.name} {spec.describe()}"
+            )
+        return tensor
+
     def _slots(self, nbytes: int) -> list[torch.Tensor]:
         if self.shared is not None:
             if self.shared.tensors[0].numel() < nbytes:
-                raise TransferError(f"{self.side}: a bucket of {nbytes} bytes does not fit the shared buffers sized at start")  # fmt: skip
+                raise TransferError(
+                    f"{self.side}: a bucket of {nbytes} bytes does not fit the shared buffers sized at start"
+                )
             return self.shared.tensors
         if not self.local or self.local[0].numel() < nbytes:
             self.local = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(SLOTS)]
@@ -193,7 +236,13 @@ class WeightSender:
 
     def _wait_freed(self, version: int, bucket: int, until: float) -> None:
         keys = [f"freed/{version}/{i}/{bucket}" for i in self.consumers]
-        self.link.wait(keys, until, lambda m: f"policy version {version}: colocated server(s) {indices([k.rsplit('/', 1)[0] for k in m])} did not copy bucket {bucket} in time")  # fmt: skip
+        self.link.wait(
+            keys,
+            until,
+            lambda m: (
+                f"policy version {version}: colocated server(s) {indices([k.rsplit('/', 1)[0] for k in m])} did not copy bucket {bucket} in time"
+            ),
+        )
 
     def _forget(self, version: int, buckets: int) -> None:
         """Delete the keys of one update (the store would otherwise grow every step)."""
@@ -209,6 +258,3 @@ class WeightSender:
         if self.shared is not None:
             self.shared.close()
             self.shared = None
-
-    def routes_as_dicts(self) -> list[dict]:
-        return [asdict(r) for r in self.routes]

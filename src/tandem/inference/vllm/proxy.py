@@ -239,7 +239,9 @@ class VLLMFront:
                 raise APIError(status, message, "step" if status == 400 else None)
             self.versions.advance(version)
         self.counters.weight_updates_total += 1
-        log.info("received policy version %d (%s, %.3f s)", version, results[0]["route"], results[0]["seconds"])
+        log.info(
+            "received policy version %d (%s, %.3f s)", version, results[0]["route"], results[0]["seconds"]
+        )
         return {"weight_version": version, "transport": results[0]["route"]}
 
     async def pause(self) -> dict:

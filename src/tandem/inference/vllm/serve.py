@@ -78,7 +78,9 @@ def connect_weights(config: InferenceConfig, upstream: str, key: str) -> None:
         timeout=config.vllm.admin_timeout_s + 30,
     )
     if response.status_code != 200:
-        raise UserError(f"vLLM could not join the weight link ({response.status_code}): {response.text[:300]}")
+        raise UserError(
+            f"vLLM could not join the weight link ({response.status_code}): {response.text[:300]}"
+        )
     if problems := [r["error"] for r in response.json()["results"] if not r.get("ok")]:
         raise UserError(f"weights.transport = {w.transport}: {problems[0]}")
     log.info("weights by %s: vLLM joins the trainer at %s:%d", w.transport, w.host, w.port)

@@ -116,14 +116,21 @@ class TandemWorkerExtension:
         server's [weights] fields: transport, host, port, server_index, timeouts, bucket_bytes."""
         if self._tandem_reference_spec() is None:
             start = self.vllm_config.model_config.model  # type: ignore[attr-defined]
-            return {"ok": False, "error": f"in-memory weight transports need a local checkpoint directory to check updates against; the server started from {start!r}"}  # fmt: skip
+            problem = "in-memory weight transports need a local checkpoint directory to check updates against"
+            return {"ok": False, "error": f"{problem}; the server started from {start!r}"}
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         device = next(model.parameters()).device
         settings = LinkSettings(
-            link["host"], link["port"], link["transfer_timeout_s"], link["connect_timeout_s"], link["bucket_bytes"]
+            link["host"],
+            link["port"],
+            link["transfer_timeout_s"],
+            link["connect_timeout_s"],
+            link["bucket_bytes"],
         )
         dtype = self.vllm_config.model_config.dtype  # type: ignore[attr-defined]
-        self._tandem_receiver = WeightReceiver(settings, link["server_index"], link["transport"], device, dtype)
+        self._tandem_receiver = WeightReceiver(
+            settings, link["server_index"], link["transport"], device, dtype
+        )
         self._tandem_receiver.start()
         return {"ok": True}
 
