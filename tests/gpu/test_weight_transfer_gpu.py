@@ -7,17 +7,15 @@ processes of one group on one GPU). Run with `pytest tests/gpu -m gpu`.
 """
 
 import os
-import threading
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 from server_process import free_port, start_server
-from transformers import AutoModelForCausalLM
+from weight_link_helpers import hf, send_while, transfer_models
 
-from tandem.models.tiny import build_tiny_model
-from tandem.trainer.weight_stream import hf_weight_specs, iter_hf_weights
+from tandem.trainer.weight_stream import hf_weight_specs
 from tandem.transport.weight_link import LinkSettings
 from tandem.transport.weight_sender import WeightSender
 
@@ -32,18 +30,21 @@ PROMPT = {
     "logprobs": 1,
     "return_token_ids": True,
 }
-BUCKET_BYTES = 1 << 20  # several buckets even for the tiny model: both buffers take turns
+BUCKET_BYTES = 1 << 20  # the tiny model in several buckets: both buffers take turns
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("gpu_link")
-    return {"a": build_tiny_model(out=root / "a", seed=0), "b": build_tiny_model(out=root / "b", seed=1)}
+    return transfer_models(tmp_path_factory.mktemp("gpu_link"))
 
 
 def completion(url: str) -> tuple[list[int], list[float]]:
     choice = httpx.post(url + "/v1/completions", json=PROMPT, timeout=60).json()["choices"][0]
     return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
+def load(url: str, path: Path) -> None:
+    httpx.post(url + "/update_weights", json={"path": str(path)}, timeout=60).raise_for_status()
 
 
 def gpu_name(index: int) -> str:
@@ -57,39 +58,26 @@ def check_transfer_equals_disk(
     transport: str, server_gpu: int, models: dict[str, Path], tmp_path: Path
 ) -> None:
     port = free_port()
-    args = ["--model.name", str(models["a"]), "--model.dtype", "bfloat16", "--model.device", "cuda"]
-    args += [
-        "--engine.max_num_seqs",
-        "8",
-        "--engine.kv_cache_memory_gb",
-        "1",
-        "--engine.max_model_len",
-        "256",
-    ]
-    args += ["--weights.transport", transport, "--weights.port", str(port), "--weights.bucket_mb", "1"]
+    args = [
+        "--model.name", str(models["a"]), "--model.dtype", "bfloat16", "--model.device", "cuda",
+        "--engine.max_num_seqs", "8", "--engine.kv_cache_memory_gb", "1", "--engine.max_model_len", "256",
+        "--weights.transport", transport, "--weights.port", str(port),
+    ]  # fmt: skip
     settings = LinkSettings("127.0.0.1", port, 60.0, 300.0, BUCKET_BYTES)
-    model = AutoModelForCausalLM.from_pretrained(models["b"], dtype=torch.float32).cuda()
+    model = hf(models["b"], "cuda")
     env = {"CUDA_VISIBLE_DEVICES": gpu_name(server_gpu)}
     with start_server(args, tmp_path / "server.log", timeout_s=300, env=env) as server:
         sender = WeightSender(settings, 1, 0, 1, torch.device("cuda", 0))
         assert sender.connect(lambda dtype: hf_weight_specs(model, dtype)) == torch.bfloat16
         before = completion(server.url)
-        httpx.post(
-            server.url + "/update_weights", json={"path": str(models["b"])}, timeout=60
-        ).raise_for_status()
+        load(server.url, models["b"])
         from_disk = completion(server.url)
-        httpx.post(
-            server.url + "/update_weights", json={"path": str(models["a"])}, timeout=60
-        ).raise_for_status()
+        load(server.url, models["a"])
         assert completion(server.url) == before != from_disk
 
-        dtype = sender.dtype
-        send = threading.Thread(
-            target=sender.send, args=(1, hf_weight_specs(model, dtype), iter_hf_weights(model, dtype))
-        )
-        send.start()
-        answer = httpx.post(server.url + "/update_weights", json={"step": 1}, timeout=120)
-        send.join(timeout=120)
+        post = lambda: httpx.post(server.url + "/update_weights", json={"step": 1}, timeout=120)  # noqa: E731
+        answer, failure = send_while(sender, 1, model, post)
+        assert failure is None and answer is not None, failure
         assert answer.status_code == 200 and answer.json()["weight_version"] == 1, answer.text
         assert completion(server.url) == from_disk  # the same bf16 tensors reached the engine
         sender.close()

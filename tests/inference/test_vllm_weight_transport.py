@@ -3,7 +3,6 @@ trainer side is this test (a WeightSender over gloo fed by iter_hf_weights). A t
 match transformers on the new weights; an offer of other shapes is refused with the old weights
 live; a step nobody sends times out naming the server and the step. One vLLM start (50-150 s)."""
 
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -23,10 +22,9 @@ from test_vllm_backend import (
     greedy_completion,
     needs_vllm,
 )
-from transformers import AutoModelForCausalLM
+from weight_link_helpers import hf, send_while, transfer_models
 
-from tandem.models.tiny import build_tiny_model
-from tandem.trainer.weight_stream import hf_weight_specs, iter_hf_weights
+from tandem.trainer.weight_stream import hf_weight_specs
 from tandem.transport.weight_link import LinkSettings, TransferRefused
 from tandem.transport.weight_sender import WeightSender
 
@@ -36,16 +34,7 @@ TRANSFER_TIMEOUT_S = 10.0
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("vllm_link_models")
-    return {
-        "a": build_tiny_model(out=root / "a", seed=0),
-        "b": build_tiny_model(out=root / "b", seed=1),
-        "wide": build_tiny_model(out=root / "wide", hidden_size=128, head_dim=32, intermediate_size=256),
-    }
-
-
-def hf(path: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return transfer_models(tmp_path_factory.mktemp("vllm_link_models"))
 
 
 @pytest.fixture(scope="module")
@@ -84,20 +73,10 @@ def linked(
 def transfer(
     url: str, sender: WeightSender, version: int, model: torch.nn.Module
 ) -> tuple[httpx.Response, list]:
-    failure: list[BaseException] = []
-
-    def send() -> None:
-        try:
-            sender.send(version, hf_weight_specs(model, torch.float32), iter_hf_weights(model, torch.float32))
-        except BaseException as e:  # returned to the test
-            failure.append(e)
-
-    thread = threading.Thread(target=send)
-    thread.start()
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    answer = httpx.post(url + "/update_weights", json={"step": version}, headers=headers, timeout=120)
-    thread.join(timeout=120)
-    return answer, failure
+    post = lambda: httpx.post(url + "/update_weights", json={"step": version}, headers=headers, timeout=120)  # noqa: E731
+    answer, failure = send_while(sender, version, model, post)
+    return answer, [failure] if failure else []
 
 
 def test_broadcast_updates_vllm(linked: tuple[Any, WeightSender], models: dict[str, Path]) -> None:

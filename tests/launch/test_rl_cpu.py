@@ -18,7 +18,8 @@ from tandem.transport.weights import stable_versions
 pytestmark = pytest.mark.slow
 
 
-def test_rl_runs_two_steps_on_cpu(tmp_path: Path) -> None:
+def run_rl(tmp_path: Path, *overrides: str) -> tuple[str, Path]:
+    """`rl` on a tiny model for two steps; returns its output and the run directory."""
     model = build_tiny_model(
         out=tmp_path / "model", num_layers=2, hidden_size=64, head_dim=16, intermediate_size=128
     )
@@ -41,12 +42,10 @@ group_size = 2
 micro_batch_tokens = 256
 [orchestrator.sampling]
 max_tokens = 8
-[trainer.weights]
-keep = 2
 """
     )
     result = subprocess.run(
-        [sys.executable, "-m", "tandem.launch.cli", "@", str(tmp_path / "rl.toml")],
+        [sys.executable, "-m", "tandem.launch.cli", "@", str(tmp_path / "rl.toml"), *overrides],
         capture_output=True,
         text=True,
         timeout=480,
@@ -54,7 +53,11 @@ keep = 2
     )
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
+    return out, run
 
+
+def test_rl_runs_two_steps_on_cpu(tmp_path: Path) -> None:
+    out, run = run_rl(tmp_path, "--trainer.weights.keep", "2")
     assert (
         "[rl] inference is healthy" in out
         and "[trainer] step 2/2" in out
@@ -76,45 +79,12 @@ keep = 2
 
 
 def test_two_rank_trainer_broadcasts_to_two_servers(tmp_path: Path) -> None:
-    model = build_tiny_model(
-        out=tmp_path / "model", num_layers=2, hidden_size=64, head_dim=16, intermediate_size=128
+    out, run = run_rl(
+        tmp_path,
+        *("--deployment.inference_servers", "2", "--deployment.trainer_nproc", "2"),
+        *("--weights.transport", "broadcast", "--weights.transfer_timeout_s", "120"),
+        *("--orchestrator.batch_size", "8", "--orchestrator.max_async_level", "0"),
     )
-    run = tmp_path / "run"
-    (tmp_path / "rl.toml").write_text(
-        f"""
-seq_len = 96
-max_steps = 2
-run_dir = "{run}"
-[model]
-name = "{model}"
-[deployment]
-inference_servers = 2
-trainer_nproc = 2
-startup_timeout_s = 240
-shutdown_grace_s = 5
-[weights]
-transport = "broadcast"
-transfer_timeout_s = 120
-[inference]
-port = {free_port()}
-[orchestrator]
-batch_size = 8
-group_size = 2
-micro_batch_tokens = 256
-max_async_level = 0
-[orchestrator.sampling]
-max_tokens = 8
-"""
-    )
-    result = subprocess.run(
-        [sys.executable, "-m", "tandem.launch.cli", "@", str(tmp_path / "rl.toml")],
-        capture_output=True,
-        text=True,
-        timeout=480,
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
-    )
-    out = result.stdout + result.stderr
-    assert result.returncode == 0, out[-4000:]
     assert "trainer: weights by broadcast (server 0: broadcast, server 1: broadcast" in out
     for i in range(2):
         assert (

@@ -14,12 +14,11 @@ import httpx
 import pytest
 import torch
 from server_process import free_port, serve_in_thread
-from transformers import AutoModelForCausalLM
+from weight_link_helpers import hf, send_while, transfer_models
 
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine import AsyncEngine
 from tandem.inference.server import build_app
-from tandem.models.tiny import build_tiny_model
 from tandem.trainer.weight_stream import hf_weight_specs, iter_hf_weights
 from tandem.transport.weight_link import LinkSettings, TransferError, TransferRefused, TransferTimeout
 from tandem.transport.weight_receiver import WeightReceiver
@@ -37,16 +36,7 @@ PROMPT = {
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("models")
-    return {
-        "a": build_tiny_model(out=root / "a", seed=0),
-        "b": build_tiny_model(out=root / "b", seed=1),
-        "wide": build_tiny_model(out=root / "wide", hidden_size=128, head_dim=32, intermediate_size=256),
-    }
-
-
-def hf(path: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return transfer_models(tmp_path_factory.mktemp("models"))
 
 
 @dataclass
@@ -68,20 +58,8 @@ class Linked:
         self, version: int, model: torch.nn.Module, dtype: torch.dtype = torch.float32, ask: bool = True
     ) -> tuple[httpx.Response | None, BaseException | None]:
         """Send `model` as `version` while (with `ask`) the server is told to receive it."""
-        failure: list[BaseException] = []
-
-        def send() -> None:
-            try:
-                self.sender.send(version, hf_weight_specs(model, dtype), iter_hf_weights(model, dtype))
-            except BaseException as e:  # returned to the test
-                failure.append(e)
-
-        thread = threading.Thread(target=send)
-        thread.start()
-        answer = httpx.post(self.url + "/update_weights", json={"step": version}, timeout=60) if ask else None
-        thread.join(timeout=60)
-        assert not thread.is_alive(), "the sender did not return"
-        return answer, failure[0] if failure else None
+        post = lambda: httpx.post(self.url + "/update_weights", json={"step": version}, timeout=60)  # noqa: E731
+        return send_while(self.sender, version, model, post if ask else None, dtype)
 
 
 @contextmanager
