@@ -41,7 +41,8 @@ class PolicyPublisher:
             self.sender = WeightSender(settings, cfg.num_servers, world.rank, world.size, world.device)
 
     def start(self, model: nn.Module, version: int) -> None:
-        """Meet the servers (in-memory transports); a resumed run then sends its current version."""
+        """Meet the servers (in-memory transports); a resumed run then sends its current version:
+        the servers start from the base model."""
         if self.sender is None:
             return
         sender = self.sender
@@ -50,7 +51,7 @@ class PolicyPublisher:
         dtype = _guarded(lambda: sender.connect(lambda d: hf_weight_specs(model, d)))
         if self.world.is_main:
             print(f"trainer: weights by {self.cfg.transport} ({sender.describe()}; {dtype})", flush=True)
-        if version > 0:
+        if 0 < version < self.max_steps:  # (a finished run has nothing left to train, nobody to take it)
             self._send(model, version)
 
     def publish(self, model: nn.Module, version: int) -> None:
