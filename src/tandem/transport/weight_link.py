@@ -196,10 +196,8 @@ class Link:
     def wait(self, keys: list[str], deadline: float, problem: Callable[[list[str]], str]) -> None:
         """Until every key exists or `deadline` (time.monotonic()) passes; then a TransferTimeout
         whose message is `problem(missing keys)`, prefixed with this side's name."""
-        remaining = deadline - time.monotonic()
+        remaining = max(deadline - time.monotonic(), 0.001)
         try:
-            if remaining <= 0:
-                raise dist.DistStoreError("deadline passed")
             self.store.wait(keys, timedelta(seconds=remaining))
         except (RuntimeError, dist.DistError):
             try:
