@@ -45,13 +45,15 @@ def start_server(
     timeout_s: float = 120.0,
     threads: str | None = None,
     entry: tuple[str, ...] = ("-m", "tandem.inference.cli"),
+    env: dict[str, str] | None = None,
 ) -> Iterator[RunningServer]:
     """Run `inference ARGS --port P` in a subprocess until /health answers; stop it afterwards.
 
     `threads` sets the server's OMP_NUM_THREADS (default: the caller's, else 2); `entry` is what
-    python runs (`("-c", code)` for a server with an injected fault)."""
+    python runs (`("-c", code)` for a server with an injected fault); `env` adds variables."""
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": threads or os.environ.get("OMP_NUM_THREADS", "2")}
+    threads = threads or os.environ.get("OMP_NUM_THREADS", "2")
+    env = {**os.environ, "OMP_NUM_THREADS": threads, **(env or {})}
     with log_path.open("w") as log:
         process = subprocess.Popen(
             [sys.executable, *entry, *args, "--port", str(port)],

@@ -151,7 +151,15 @@ def test_gpu_placement_and_colocation(tmp_path: Path) -> None:
         ({"orchestrator.max_steps": 9}, "orchestrator.max_steps (9) and trainer.max_steps (3) differ"),
         ({"model.name": ""}, "model.name is empty"),
         ({"trainer.model.name": "other"}, "same checkpoint"),
-        ({"trainer.weights.keep": 1}, "trainer.weights.keep (1) must exceed"),
+        (
+            {"weights.transport": "filesystem", "trainer.weights.keep": 1},
+            "trainer.weights.keep (1) must exceed",
+        ),
+        (
+            {"trainer.weights.transport": "filesystem"},
+            "trainer.weights.transport = 'filesystem' conflicts with 'auto'",
+        ),
+        ({"inference.weights.port": 3}, "inference.weights.port = 3 conflicts with"),
         ({"deployment.shutdown_grace_s": 60}, "deployment.shutdown_grace_s"),
         ({"deployment.inference_ports": [9000, 9001]}, "2 port(s) for 1 inference server"),
         ({"deployment.colour": True}, "unknown key 'deployment.colour'"),
@@ -161,6 +169,48 @@ def test_validation_is_one_clear_line(tmp_path: Path, overrides: dict, message: 
     with pytest.raises(ConfigError, match=re.escape(message)) as error:
         plan_run(config(tmp_path, **overrides), [])
     assert "\n" not in str(error.value)
+
+
+def test_weight_transport_reaches_every_process(tmp_path: Path) -> None:
+    plan = plan_run(config(tmp_path, **{"deployment.inference_servers": 2, "weights.bucket_mb": 64}), [])
+    sections = [*plan.inference, plan.orchestrator, plan.trainer]
+    assert {(s.weights.transport, s.weights.host, s.weights.port, s.weights.bucket_mb) for s in sections} == {
+        ("auto", "127.0.0.1", plan.config.weights.port, 64)
+    }
+    assert plan.config.weights.port > 0 and plan.trainer.weights.num_servers == 2
+    assert [c.weights.server_index for c in plan.inference] == [0, 1]
+    given = plan_run(config(tmp_path, **{"weights.port": 29123}), [])
+    assert given.trainer.weights.port == given.inference[0].weights.port == 29123
+    on_disk = plan_run(config(tmp_path, **{"weights.transport": "filesystem"}), [])
+    assert on_disk.trainer.weights.transport == "filesystem" and on_disk.trainer.weights.port == 0
+
+
+@pytest.mark.parametrize(
+    ("visible", "overrides", "message"),
+    [
+        (1, {"weights.transport": "broadcast"}, "inference server 0 shares GPU 0 with trainer rank 0"),
+        (
+            2,
+            {"weights.transport": "colocated"},
+            "inference server 0 (GPU 0) shares no GPU with the trainer (1)",
+        ),
+        (
+            2,
+            {
+                "deployment.inference_gpus": ["0", "1"],
+                "deployment.inference_servers": 1,
+                "deployment.trainer_gpus": ["0"],
+            },
+            "inference server 0 has 2 GPUs; the in-memory transports feed one GPU per server",
+        ),
+    ],
+)
+def test_transport_the_devices_cannot_carry(
+    visible: int, overrides: dict, message: str, tmp_path: Path
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        plan_run(config(tmp_path, **overrides), gpus(visible))
+    plan_run(config(tmp_path, **{**overrides, "weights.transport": "filesystem"}), gpus(visible))
 
 
 def test_written_configs_load_back(tmp_path: Path) -> None:

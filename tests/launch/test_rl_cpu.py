@@ -1,4 +1,6 @@
-"""The whole `rl` command on CPU: a real inference server, orchestrator and trainer, two steps."""
+"""The whole `rl` command on CPU: real inference servers, orchestrator and trainer, two steps; with
+the default transport (auto: colocated through shared memory on one host), a resume before the
+first checkpoint, and a 2-rank FSDP trainer broadcasting (gloo) to two servers."""
 
 import os
 import re
@@ -11,31 +13,39 @@ from launch_helpers import alive, tiny_rl_config
 
 from tandem.models.tiny import build_tiny_model
 from tandem.monitor.metrics import read_metrics
+from tandem.transport.weights import stable_versions
 
 pytestmark = pytest.mark.slow
+ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 
-def test_rl_runs_two_steps_on_cpu(tmp_path: Path) -> None:
+def run_rl(tmp_path: Path, *overrides: str) -> tuple[str, Path]:
+    """`rl` on a tiny model for two steps; returns its output and the run directory."""
     model = build_tiny_model(
         out=tmp_path / "model", num_layers=2, hidden_size=64, head_dim=16, intermediate_size=128
     )
     run = tmp_path / "run"
     (tmp_path / "rl.toml").write_text(tiny_rl_config(model, run, max_steps=2))
     result = subprocess.run(
-        [sys.executable, "-m", "tandem.launch.cli", "@", str(tmp_path / "rl.toml")],
+        [sys.executable, "-m", "tandem.launch.cli", "@", str(tmp_path / "rl.toml"), *overrides],
         capture_output=True,
         text=True,
         timeout=480,
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        env=ENV,
     )
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
+    return out, run
 
+
+def test_rl_runs_two_steps_on_cpu(tmp_path: Path) -> None:
+    out, run = run_rl(tmp_path)
     assert (
         "[rl] inference is healthy" in out
         and "[trainer] step 2/2" in out
         and "[orchestrator] step 2/2" in out
     )
+    assert "trainer: weights by auto (server 0: colocated from rank 0" in out
     assert f"final weights: {run / 'weights' / 'step_2'}" in out
     assert (run / "weights" / "step_2" / "STABLE").is_file()
     assert sorted(p.name for p in (run / "configs").iterdir()) == [
@@ -52,12 +62,30 @@ def test_rl_runs_two_steps_on_cpu(tmp_path: Path) -> None:
     # Stopped before its first checkpoint (none are configured): a fresh start into the same
     # run_dir is refused in one line, --resume trains again from step 0, with repeats marked.
     launch = [sys.executable, "-m", "tandem.launch.cli", "@", str(tmp_path / "rl.toml"), "--max_steps", "3"]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    fresh = subprocess.run(launch, capture_output=True, text=True, timeout=120, env=env)
+    fresh = subprocess.run(launch, capture_output=True, text=True, timeout=120, env=ENV)
     assert fresh.returncode == 2 and "pass --resume to continue that run (from step 0" in fresh.stderr
-    resumed = subprocess.run([*launch, "--resume"], capture_output=True, text=True, timeout=480, env=env)
+    resumed = subprocess.run([*launch, "--resume"], capture_output=True, text=True, timeout=480, env=ENV)
     out = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, out[-4000:]
     assert "training again from step 0" in out and "[trainer] step 3/3" in out
     trainer = read_metrics(run / "metrics.jsonl", "trainer")
     assert [(r["step"], r.get("attempt", 1)) for r in trainer] == [(0, 1), (1, 1), (0, 2), (1, 2), (2, 1)]
+
+
+def test_two_rank_trainer_broadcasts_to_two_servers(tmp_path: Path) -> None:
+    out, run = run_rl(
+        tmp_path,
+        *("--deployment.inference_servers", "2", "--deployment.trainer_nproc", "2"),
+        *("--weights.transport", "broadcast", "--weights.transfer_timeout_s", "120"),
+        *("--orchestrator.batch_size", "8", "--orchestrator.max_async_level", "0"),
+    )
+    assert "trainer: weights by broadcast (server 0: broadcast, server 1: broadcast" in out
+    for i in range(2):
+        assert (
+            "received policy version 2 (broadcast group rank"
+            in (run / "logs" / f"inference_{i}.log").read_text()
+        )
+    trainer = read_metrics(run / "metrics.jsonl", "trainer")
+    assert [r["step"] for r in trainer] == [0, 1]
+    assert all(r["mismatch_kl"] <= 1e-6 and r["staleness"] == 0 for r in trainer), trainer
+    assert stable_versions(run) == [2]

@@ -16,8 +16,11 @@ from tandem.config.loader import parse_config
 from tandem.inference.config import InferenceConfig
 
 if TYPE_CHECKING:
+    import torch
     import uvicorn
     from starlette.types import ASGIApp
+
+    from tandem.transport.weight_receiver import WeightReceiver
 
 PROG = "inference"
 
@@ -65,12 +68,34 @@ def http_server(app: "ASGIApp", config: InferenceConfig) -> "uvicorn.Server":
     )
 
 
+def start_receiver(
+    config: InferenceConfig, device: "torch.device", dtype: "torch.dtype"
+) -> "WeightReceiver | None":
+    """With an in-memory weight transport: join the trainer's weight link in the background."""
+    if not config.weights.in_memory:
+        return None
+    from tandem.transport.weight_link import LinkError, LinkSettings
+    from tandem.transport.weight_receiver import WeightReceiver
+
+    try:
+        settings = LinkSettings.of(config.weights)
+    except LinkError as e:
+        raise UserError(str(e)) from None
+    receiver = WeightReceiver(settings, config.weights.server_index, config.weights.transport, device, dtype)
+    receiver.start()
+    logging.getLogger("tandem.inference").info(
+        "weights by %s: joining the trainer at %s", config.weights.transport, settings.address
+    )
+    return receiver
+
+
 def serve_native(config: InferenceConfig) -> None:
     from tandem.inference.engine import AsyncEngine
     from tandem.inference.server import build_app
 
     engine = AsyncEngine(config)
-    app = build_app(engine, engine.tokenizer, config)
+    receiver = start_receiver(config, engine.core.device, engine.core.dtype)
+    app = build_app(engine, engine.tokenizer, config, receiver)
     freeze_heap()
     log = logging.getLogger("tandem.inference")
     log.info(

@@ -7,6 +7,7 @@ from pydantic import Field
 
 from tandem.config.base import ModelConfig, Section
 from tandem.inference.vllm.config import VLLMConfig
+from tandem.transport.config import WeightsConfig
 
 
 class EngineConfig(Section):
@@ -53,3 +54,6 @@ class InferenceConfig(Section):
     access_log: bool = Field(False, description="Log every HTTP request (uvicorn's access log).")
     engine: EngineConfig = EngineConfig()
     vllm: VLLMConfig = VLLMConfig()
+    weights: WeightsConfig = Field(
+        WeightsConfig(), description="How new weights arrive (transport and where the trainer is)."
+    )

@@ -197,7 +197,9 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class UpdateWeightsRequest(APIModel):
-    """POST /update_weights: a Hugging Face safetensors directory, or step N of the run directory."""
+    """POST /update_weights: a Hugging Face safetensors directory (`path`), or policy version N of
+    the run (`step`) by the server's weight transport: run_dir/weights/step_N with `filesystem`,
+    received from the trainer with `broadcast` or `colocated`."""
 
     model_config = ConfigDict(extra="forbid")
 

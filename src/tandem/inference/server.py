@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -33,6 +33,10 @@ from tandem.inference.protocol import (
     UpdateWeightsRequest,
 )
 from tandem.inference.responses import ResponseBuilder, TokenTexts
+from tandem.transport.weight_link import LinkError, TransferError, TransferRefused
+
+if TYPE_CHECKING:
+    from tandem.transport.weight_receiver import WeightReceiver
 
 log = logging.getLogger("tandem.inference")
 T = TypeVar("T")
@@ -140,8 +144,12 @@ async def wait_for_resume(resumed: asyncio.Event, counters: ServerCounters, time
 class Server:
     """State shared by the routes: the engine, the tokenizer, pause gate, counters."""
 
-    def __init__(self, engine: Engine, tokenizer: Any, config: InferenceConfig) -> None:
+    def __init__(
+        self, engine: Engine, tokenizer: Any, config: InferenceConfig, receiver: "WeightReceiver | None"
+    ) -> None:
         self.engine = engine
+        self.receiver = receiver
+        self.broken: str | None = None  # set when a failed transfer left the weights mixing versions
         self.tokenizer = tokenizer
         self.config = config
         self.model_name = config.served_model_name or config.model.name
@@ -215,6 +223,8 @@ class Server:
     # --- pause gate -----------------------------------------------------------------------------
 
     async def wait_until_resumed(self) -> None:
+        if self.broken is not None:
+            raise APIError(503, self.broken)
         await wait_for_resume(self.resumed, self.counters, self.config.pause_timeout_s)
 
     # --- generation -------------------------------------------------------------------------------
@@ -326,9 +336,25 @@ class Server:
             raise APIError(400, "'step' needs the server to know the run directory (set run_dir)", "step")
         return self.config.run_dir / "weights" / f"step_{req.step}"
 
+    async def receive_weights(self, version: int) -> int:
+        """Policy `version` over the in-memory transport; errors as API errors naming the step."""
+        assert self.receiver is not None
+        try:
+            return await self.engine.receive_weights(self.receiver, version)
+        except TransferRefused as e:
+            raise APIError(400, f"{e}; the old weights stay live", "step") from None
+        except (TransferError, LinkError) as e:
+            if getattr(e, "partial", False):
+                self.broken = f"{e}; the weights now mix two versions: this server must be restarted"
+                raise APIError(503, self.broken) from None
+            raise APIError(504, f"{e}; the old weights stay live") from None
 
-def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAPI:
-    server = Server(engine, tokenizer, config)
+
+def build_app(
+    engine: Engine, tokenizer: Any, config: InferenceConfig, receiver: "WeightReceiver | None" = None
+) -> FastAPI:
+    """`receiver`: the in-memory weight transport; then `{"step": N}` updates receive version N by it."""
+    server = Server(engine, tokenizer, config, receiver)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -345,10 +371,13 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
     async def health() -> dict:
         if engine.dead_reason is not None:
             raise APIError(503, f"the engine thread died: {engine.dead_reason}")
+        if server.broken is not None:
+            raise APIError(503, server.broken)
         return {
             "status": "ok",
             "weight_version": engine.weight_version,
             "paused": not server.resumed.is_set(),
+            "weights": receiver.describe() if receiver is not None else "filesystem",
         }
 
     @app.get("/v1/models")
@@ -406,6 +435,12 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
 
     @app.post("/update_weights")
     async def update_weights(req: UpdateWeightsRequest) -> dict:
+        if req.step is not None and receiver is not None:
+            async with server.update_lock:
+                version = await server.receive_weights(req.step)
+            server.counters.weight_updates_total += 1
+            log.info("received policy version %d (%s)", version, receiver.describe())
+            return {"weight_version": version, "transport": receiver.describe()}
         path = server.weights_path(req)
         async with server.update_lock:
             try:

@@ -23,6 +23,7 @@ from tandem.launch.devices import visible_gpus
 from tandem.launch.plan import RunPlan, plan_run
 from tandem.launch.preflight import preflight
 from tandem.launch.supervisor import Console
+from tandem.transport.weights import clear_offer
 
 PROG = "rl"
 
@@ -47,6 +48,7 @@ def latest_weights(run_dir: Path) -> Path | None:
 def launch(plan: RunPlan) -> int:
     preflight(plan, create=True)
     plan.write_configs()
+    clear_offer(plan.config.run_dir)  # an earlier run's in-memory offer is void: its trainer is gone
     supervisor = plan.supervisor(Console(), PROG)
     supervisor.say(f"run_dir {plan.config.run_dir}; configs in {plan.config_dir}")
     code = supervisor.run()

@@ -9,6 +9,7 @@ from tandem.config.base import ModelConfig, Section
 from tandem.inference.config import InferenceConfig
 from tandem.orchestrator.config import OrchestratorConfig
 from tandem.trainer.rl.config import RLTrainerConfig
+from tandem.transport.config import WeightsConfig
 
 
 class DeploymentConfig(Section):
@@ -214,6 +215,12 @@ class RLConfig(Section):
     )
     kubernetes: KubernetesConfig | None = Field(
         None, description="Run on Kubernetes: `rl` renders manifests to apply with kubectl."
+    )
+    weights: WeightsConfig = Field(
+        WeightsConfig(transport="auto"),
+        description="How weights travel from the trainer to the servers; written once for all processes "
+        "(a process's own [<process>.weights] may add to it). The launcher sets host, port (a free one "
+        "unless given), num_servers and server_index.",
     )
     inference: InferenceConfig = InferenceConfig()
     orchestrator: OrchestratorConfig = OrchestratorConfig()

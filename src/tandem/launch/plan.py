@@ -8,6 +8,7 @@ node resolves the whole run the same way and starts only its own processes.
 """
 
 import os
+import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from tandem.launch.devices import DeviceAssignment, assign_devices, assign_node_
 from tandem.launch.supervisor import Console, ProcessSpec, Supervisor
 from tandem.orchestrator.config import OrchestratorConfig
 from tandem.trainer.rl.config import RLTrainerConfig
+from tandem.transport.config import WeightsConfig
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -36,6 +38,9 @@ DERIVED_FROM = {
     "resume": "the top-level resume (--resume)",
     "servers": "inference.port / deployment.inference_ports",
     "num_ranks": "deployment.trainer_nproc",
+    "weights.transport": "the top-level weights.transport",
+    "weights.host": "the top-level weights.host (several nodes: the first trainer node)",
+    "weights.port": "the top-level weights.port (a free port when 0; several nodes: cluster.weights_group_port)",
 }
 """Where the launcher takes each field it owns from (named in errors)."""
 
@@ -67,13 +72,6 @@ class RunPlan:
     def runs_orchestrator(self) -> bool:
         return self.unit is None or self.unit.role == "orchestrator" or self.unit.with_orchestrator
 
-    @property
-    def weights_group_address(self) -> str:
-        """Where the weight-transfer group between trainer rank 0 and the servers rendezvous."""
-        if self.cluster is not None:
-            return self.cluster.weights_group_address
-        return f"127.0.0.1:{self.config.cluster.weights_group_port}"
-
     def files(self) -> dict[str, str]:
         """run_dir/configs/[<unit>/]<name>.toml → its text (this node's processes only)."""
         texts = {f"inference_{i}": to_toml(c) for i, c in enumerate(self.inference)}
@@ -95,14 +93,13 @@ class RunPlan:
     def specs(self) -> list[ProcessSpec]:
         """The processes to start here, servers first, each pinned to its devices."""
         python = sys.executable
-        weights = {"TANDEM_WEIGHTS_GROUP": self.weights_group_address}
         specs = []
         for i, (cfg, gpus) in enumerate(zip(self.inference, self.devices.inference, strict=True)):
             specs.append(
                 ProcessSpec(
                     f"inference_{i}" if len(self.inference) > 1 else "inference",
                     [python, "-m", INFERENCE_MODULE, "@", str(self.config_dir / f"inference_{i}.toml")],
-                    env={"CUDA_VISIBLE_DEVICES": ",".join(gpus)} | self._threads() | weights,
+                    env={"CUDA_VISIBLE_DEVICES": ",".join(gpus)} | self._threads(),
                     role="service",
                     health_url=f"{local_url(cfg)}/health",
                 )
@@ -118,7 +115,7 @@ class RunPlan:
                         "@",
                         str(self.config_dir / "trainer.toml"),
                     ],
-                    env={"CUDA_VISIBLE_DEVICES": ",".join(self.devices.trainer)} | self._threads() | weights,
+                    env={"CUDA_VISIBLE_DEVICES": ",".join(self.devices.trainer)} | self._threads(),
                 )
             )
         if self.runs_orchestrator:
@@ -225,10 +222,17 @@ def plan_run(config: RLConfig, visible_gpus: list[str], cores: int | None = None
         raise ConfigError(
             f"deployment.inference_ports: {len(ports)} port(s) for {num_servers} inference server(s)"
         )
+    check_transport(config.weights, devices)
+    config, link = _weight_link(config, weight_group_address(config))
     inference = _inference_section(config, devices.colocated)
-    per_server = [_update("inference", inference, {"port": p}) for p in ports]
+    per_server = [
+        _with_weights(
+            "inference", _update("inference", inference, {"port": p}), config, link | {"server_index": i}
+        )
+        for i, p in enumerate(ports)
+    ]
     servers = [local_url(c) for c in per_server]
-    resolved, orchestrator, trainer = _jobs(config, inference, servers, devices.trainer_nproc)
+    resolved, orchestrator, trainer = _jobs(config, per_server, servers, devices.trainer_nproc, link)
     threads = cpu_threads(config, devices, cores or usable_cores())
     return RunPlan(resolved, devices, per_server, orchestrator, trainer, threads)
 
@@ -247,12 +251,88 @@ def plan_node(
     inference = _inference_section(config, colocated=False)
     if "host" not in config.inference.model_fields_set:  # other nodes must reach the servers
         inference = _update("inference", inference, {"host": "0.0.0.0"})
+    host, port = cluster.weights_group_address.rsplit(":", 1)
+    config, link = _weight_link(config, (host, int(port)))
     here = cluster.server_ports(servers) if unit.role == "inference" else []
-    per_server = [_update("inference", inference, {"port": p}) for p in here]
+    first = (
+        unit.index * servers if unit.role == "inference" else 0
+    )  # global index of this node's first server
+    per_server = [
+        _with_weights(
+            "inference",
+            _update("inference", inference, {"port": p}),
+            config,
+            link | {"server_index": first + i},
+        )
+        for i, p in enumerate(here)
+    ]
     num_ranks = ranks * cluster.config.trainer_nodes
-    resolved, orchestrator, trainer = _jobs(config, inference, cluster.server_urls(servers), num_ranks)
+    urls = cluster.server_urls(servers)
+    resolved, orchestrator, trainer = _jobs(config, per_server or [inference], urls, num_ranks, link)
     threads = cpu_threads(config, devices, cores or usable_cores())
     return RunPlan(resolved, devices, per_server, orchestrator, trainer, threads, unit, cluster)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def weight_group_address(config: RLConfig) -> tuple[str, int]:
+    """Where trainer rank 0 hosts the weight group's store on one machine: weights.host (default
+    127.0.0.1) and weights.port, else a free one. Several nodes take the cluster's address."""
+    return config.weights.host, config.weights.port or free_port(config.weights.host)
+
+
+def _weight_link(config: RLConfig, address: tuple[str, int]) -> tuple[RLConfig, dict[str, Any]]:
+    """The config with the weight group's address filled in (in-memory transports), and the
+    weights fields every process must agree on."""
+    if config.weights.in_memory:
+        config = _update("", config, {"weights": {"host": address[0], "port": address[1]}})
+    return config, {k: getattr(config.weights, k) for k in ("transport", "host", "port")}
+
+
+def check_transport(weights: WeightsConfig, devices: DeviceAssignment) -> None:
+    """Refuse, before anything starts, a transport the device split cannot carry."""
+    if not weights.in_memory:
+        return
+    for i, gpus in enumerate(devices.inference):
+        if len(gpus) > 1:
+            raise ConfigError(
+                f"weights.transport = {weights.transport}: inference server {i} has {len(gpus)} GPUs; the "
+                "in-memory transports feed one GPU per server (use filesystem for tensor-parallel servers)"
+            )
+    if not devices.on_gpu:
+        return
+    rank0 = devices.trainer[0]
+    for i, gpus in enumerate(devices.inference):
+        shared = set(gpus) & set(devices.trainer)
+        if weights.transport == "broadcast" and rank0 in gpus:
+            raise ConfigError(
+                f"weights.transport = broadcast: inference server {i} shares GPU {rank0} with trainer rank 0, "
+                "and NCCL cannot broadcast between two processes on one GPU; use colocated or auto"
+            )
+        if weights.transport == "colocated" and not shared:
+            raise ConfigError(
+                f"weights.transport = colocated: inference server {i} (GPU {', '.join(gpus)}) shares no GPU "
+                f"with the trainer ({', '.join(devices.trainer)}); use broadcast or auto"
+            )
+
+
+def _with_weights(name: str, section: M, config: RLConfig, owned: dict[str, Any]) -> M:
+    """The section's weights: the top-level [weights] with the section's own keys over it, and the
+    fields the launcher owns. A section that sets the transport or the address differently is an
+    error; num_servers and server_index are always the launcher's."""
+    own = section.weights.model_dump(exclude_unset=True)  # type: ignore[attr-defined]
+    for key, value in owned.items():
+        if f"weights.{key}" in DERIVED_FROM and key in own and own[key] != value:
+            raise ConfigError(
+                f"{name}.weights.{key} = {own[key]!r} conflicts with {value!r}, which the launcher derives "
+                f"from {DERIVED_FROM['weights.' + key]}; set that instead"
+            )
+    merged = deep_merge(config.weights.model_dump(), own) | owned
+    return _update(name, section, {"weights": merged})
 
 
 def _inference_section(config: RLConfig, colocated: bool) -> InferenceConfig:
@@ -261,17 +341,24 @@ def _inference_section(config: RLConfig, colocated: bool) -> InferenceConfig:
 
 
 def _jobs(
-    config: RLConfig, inference: InferenceConfig, servers: list[str], num_ranks: int
+    config: RLConfig,
+    per_server: list[InferenceConfig],
+    servers: list[str],
+    num_ranks: int,
+    link: dict[str, Any],
 ) -> tuple[RLConfig, OrchestratorConfig, RLTrainerConfig]:
     """The orchestrator's and trainer's sections, checked against the servers', and the resolved
     whole (what run_dir/configs/rl.toml holds)."""
+    inference = per_server[0]
     shared, owned = _shared(config), {"run_dir": config.run_dir, "resume": config.resume}
     orchestrator = _fill(
         config.orchestrator, "orchestrator", shared, owned | {"servers": servers, "num_ranks": num_ranks}
     )
     if inference.api_key and orchestrator.client.api_key is None:
         orchestrator = _update("orchestrator", orchestrator, {"client": {"api_key": inference.api_key}})
+    orchestrator = _with_weights("orchestrator", orchestrator, config, link)
     trainer = _fill(config.trainer, "trainer", shared, owned)
+    trainer = _with_weights("trainer", trainer, config, link | {"num_servers": len(servers)})
     _check_agreement(inference, orchestrator, trainer)
     resolved = _update("", config, {"inference": inference, "orchestrator": orchestrator, "trainer": trainer})
     return resolved, orchestrator, trainer
@@ -344,7 +431,7 @@ def _check_agreement(
             "differ; set max_steps once at the top level"
         )
     keep, lag = trainer.weights.keep, orchestrator.max_async_level
-    if keep and keep <= lag:
+    if not trainer.weights.in_memory and keep and keep <= lag:
         raise ConfigError(
             f"trainer.weights.keep ({keep}) must exceed orchestrator.max_async_level ({lag}), or be 0 (keep all)"
         )

@@ -150,13 +150,22 @@ class InferenceClient:
                 delay = min(2 * delay, MAX_BACKOFF)
         raise AssertionError("unreachable")
 
-    async def post(self, path: str, body: dict | None = None) -> dict:
+    async def post(self, path: str, body: dict | None = None, retry: bool = True) -> dict:
         async def call() -> dict:
             response = await self.http.post(path, json=body or {})
             response.raise_for_status()
             return response.json() if response.content else {}
 
-        return await self.with_retries(f"POST {path}", call)
+        if retry:
+            return await self.with_retries(f"POST {path}", call)
+        import openai
+
+        try:
+            return await call()
+        except Exception as e:
+            if isinstance(e, openai.APIStatusError | httpx.HTTPStatusError) or is_retryable(e):
+                raise RequestRejected(f"{self.base_url} failed POST {path}: {describe(e)}") from None
+            raise
 
     async def connect(self) -> str:
         """Check the server answers and learn the model name it serves; returns that name."""
@@ -225,6 +234,11 @@ class InferenceClient:
         """Have the server load a weights directory; returns the version it now serves."""
         return int((await self.post("/update_weights", {"path": str(path)}))["weight_version"])
 
+    async def receive_weights(self, version: int) -> int:
+        """Have the server receive policy `version` from the trainer (in-memory transports); returns
+        the version it now serves. Not retried: the trainer streams each version once."""
+        return int((await self.post("/update_weights", {"step": version}, retry=False))["weight_version"])
+
     async def close(self) -> None:
         await self.http.aclose()
         await self.openai.close()
@@ -261,6 +275,10 @@ class ServerPool:
 
     async def update_weights(self, path: Path) -> list[int]:
         return list(await asyncio.gather(*(c.update_weights(path) for c in self.clients)))
+
+    async def receive_weights(self, version: int) -> list[int]:
+        """All servers at once: the trainer streams to all of them together."""
+        return list(await asyncio.gather(*(c.receive_weights(version) for c in self.clients)))
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients))

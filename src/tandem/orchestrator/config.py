@@ -7,6 +7,7 @@ from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from tandem.config.base import ModelConfig, Section
+from tandem.transport.config import WeightsConfig
 
 
 class SamplingConfig(Section):
@@ -74,17 +75,6 @@ class ClientConfig(Section):
     api_key: str | None = Field(None, description="Bearer key, when the servers were started with one.")
     max_concurrent_groups: int = Field(
         256, gt=0, description="Most group requests in flight at once, over all servers."
-    )
-
-
-class WeightsConfig(Section):
-    """How new policy weights reach the servers."""
-
-    poll_interval: float = Field(
-        0.05, gt=0, description="Seconds between scans for weights/step_N/STABLE (a directory listing)."
-    )
-    wait_timeout: float = Field(
-        3600.0, gt=0, description="Seconds to wait for weights that max_async_level requires, then fail."
     )
 
 

@@ -2,8 +2,8 @@
 policy, collect a batch of scored groups, pack it per trainer rank and write rollouts/step_N.
 
 Nothing here waits for the trainer except the `max_async_level` gate, so with level k the
-orchestrator runs up to k steps ahead of training. A background task pushes every newly
-published `weights/step_N` to all servers as soon as its STABLE marker appears.
+orchestrator runs up to k steps ahead of training. A background task moves all servers to every
+newly published version as soon as it appears (weights.py), through the last one.
 """
 
 import asyncio
@@ -125,6 +125,8 @@ class Orchestrator:
             await supervise(self.steps(start), self.policy.watch())
             if self.cfg.eval.interval > 0:
                 await supervise(self.final_eval(), self.policy.watch())
+            elif self.cfg.weights.in_memory:  # the trainer waits for the servers to take every version
+                await self.policy.wait_for(self.cfg.max_steps, self.cfg.max_steps, 0)
         finally:
             await self.pool.close()
             self.metrics.close()

@@ -1,8 +1,12 @@
 """Policy versions: keep every server on the newest published weights, and gate steps on them.
 
-The trainer publishes policy version N as `run_dir/weights/step_N/` and writes `STABLE` into it
-last. Version 0 is the initial model the servers start with. Rollouts for step N may only be
-generated once the servers serve a version >= N - max_async_level (docs/async.md).
+With `transport = filesystem` the trainer publishes policy version N as `run_dir/weights/step_N/`
+and writes `STABLE` into it last; the servers are told to load the newest such directory. With an
+in-memory transport the trainer offers version N (`run_dir/weights/OFFERED`) and waits; the
+servers are told to receive it (`{"step": N}`), and the trainer streams it to them. Either way
+this class decides when a server changes weights. Version 0 is the initial model the servers start
+with. Rollouts for step N may only be generated once the servers serve a version >= N -
+max_async_level (docs/async.md).
 """
 
 import asyncio
@@ -13,7 +17,7 @@ from pathlib import Path
 from tandem.cli import UserError
 from tandem.orchestrator.client import RequestRejected, ServerPool
 from tandem.orchestrator.config import WeightsConfig
-from tandem.transport.weights import STABLE, latest_version, weights_dir
+from tandem.transport.weights import STABLE, latest_version, offer_path, offered_version, weights_dir
 
 log = logging.getLogger(__name__)
 
@@ -32,21 +36,35 @@ class PolicySync:
         self.version = version
         self.lock = asyncio.Lock()
 
+    def available(self) -> int | None:
+        """The newest version the trainer has made available."""
+        if self.cfg.in_memory:
+            return offered_version(self.run_dir)
+        return latest_version(self.run_dir)
+
+    def marker(self, version: int) -> Path:
+        """The file whose appearance makes `version` available (named in timeouts)."""
+        return offer_path(self.run_dir) if self.cfg.in_memory else weights_dir(self.run_dir, version) / STABLE
+
     async def sync(self) -> int:
-        """Load the newest STABLE weights onto every server if they are newer; returns the version."""
+        """Move every server to the newest available version if it is newer; returns the version."""
         async with self.lock:
-            latest = latest_version(self.run_dir)
+            latest = self.available()
             if latest is None or latest <= self.version:
                 return self.version
-            path = weights_dir(self.run_dir, latest)
             start = time.perf_counter()
             try:
-                served = await self.pool.update_weights(path)
+                if self.cfg.in_memory:
+                    source = f"the {self.cfg.transport} transport"
+                    served = await self.pool.receive_weights(latest)
+                else:
+                    source = str(weights_dir(self.run_dir, latest))
+                    served = await self.pool.update_weights(weights_dir(self.run_dir, latest))
             except RequestRejected as e:
                 raise UserError(f"the servers could not load policy version {latest}: {e}") from None
             if any(v != latest for v in served):
                 raise UserError(
-                    f"servers report weight versions {served} after loading {path}; expected {latest} "
+                    f"servers report weight versions {served} after loading {source}; expected {latest} "
                     "(the server must take the policy version from the weights directory)"
                 )
             log.info("servers now serve policy version %d (%.2fs)", latest, time.perf_counter() - start)
@@ -60,7 +78,7 @@ class PolicySync:
             waited = time.perf_counter() - start
             if waited > self.cfg.wait_timeout:
                 raise WeightsTimeout(
-                    f"waited {waited:.0f}s for {weights_dir(self.run_dir, version) / STABLE}: step {step} "
+                    f"waited {waited:.0f}s for {self.marker(version)}: step {step} "
                     f"needs policy version >= {version} (max_async_level {max_async_level}); is the trainer running?"
                 )
             await asyncio.sleep(self.cfg.poll_interval)

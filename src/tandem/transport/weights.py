@@ -2,6 +2,9 @@
 
     run_dir/weights/step_N/           a Hugging Face model (safetensors, config, tokenizer)
     run_dir/weights/step_N/STABLE     written last: {"version": N}
+    run_dir/weights/OFFERED           {"version": N}: the newest version the trainer offers over an
+                                      in-memory transport (broadcast, colocated); the orchestrator
+                                      then has the servers receive it (docs/weights.md)
 
 `step_N` holds policy version N, the weights after N optimizer steps. Version 0 is the
 configured base model itself and is not published. The directory is written under a temporary
@@ -24,6 +27,7 @@ if TYPE_CHECKING:  # the readers (orchestrator, servers) need not import torch f
     from tandem.trainer.parallel import World
 
 STABLE = "STABLE"
+OFFERED = "OFFERED"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -56,6 +60,31 @@ def wait_for_version(run_dir: Path, version: int, timeout_s: float, poll_s: floa
             raise TimeoutError(f"timed out after {timeout_s:g}s waiting for {path / STABLE}")
         time.sleep(poll_s)
     return path
+
+
+def offer_path(run_dir: Path) -> Path:
+    return Path(run_dir) / "weights" / OFFERED
+
+
+def write_offer(run_dir: Path, version: int) -> None:
+    path = offer_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{OFFERED}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"version": version}))
+    tmp.replace(path)
+
+
+def offered_version(run_dir: Path) -> int | None:
+    """The newest version offered in memory, or None (nothing offered yet)."""
+    try:
+        return int(json.loads(offer_path(run_dir).read_text())["version"])
+    except (FileNotFoundError, ValueError, KeyError):
+        return None
+
+
+def clear_offer(run_dir: Path) -> None:
+    """Forget an earlier run's offer: a resumed run's trainer starts a new weight link."""
+    offer_path(run_dir).unlink(missing_ok=True)
 
 
 def publish_weights(

@@ -8,7 +8,10 @@ scheduling, the KV cache, the model and sampling.
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+    from tandem.transport.weight_receiver import WeightReceiver
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -98,6 +101,11 @@ class Engine(Protocol):
         """Load a Hugging Face safetensors directory between engine steps; returns the new version
         (`version`, else N of a `step_N` directory, else the old version + 1).
         Raises WeightLoadError and keeps the old weights on any problem."""
+        ...
+
+    async def receive_weights(self, receiver: "WeightReceiver", version: int) -> int:
+        """Receive policy `version` over an in-memory transport between engine steps; returns it.
+        Raises the transport's TransferError (TransferRefused: nothing changed)."""
         ...
 
     async def pause(self) -> None: ...

@@ -7,6 +7,7 @@ just finished prefilling, appends tokens, and finishes samples that hit a stop c
 
 import itertools
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -357,7 +358,9 @@ class EngineCore:
         self._touched = dict(held)
         return out
 
-    def apply_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+    def apply_weights(
+        self, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
         apply_checkpoint(self.model, tensors)
         self.blocks.reset_prefix_cache()
         self.weight_version = version

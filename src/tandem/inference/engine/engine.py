@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine.api import (
@@ -35,7 +35,10 @@ from tandem.inference.engine.api import (
     WeightLoadError,
 )
 from tandem.inference.engine.core import EngineCore
-from tandem.inference.engine.weights import read_checkpoint, version_from_path
+from tandem.inference.engine.weights import parameter_specs, read_checkpoint, version_from_path
+
+if TYPE_CHECKING:
+    from tandem.transport.weight_receiver import WeightReceiver
 
 IDLE_WAIT_S = 0.05
 # How long a thread may hold the GIL while another waits for it (Python's default is 5 ms). The
@@ -55,7 +58,8 @@ class AsyncEngine:
         self.paused = False
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
-        self._pending_update: tuple[dict, int, Future] | None = None
+        # a weight update waiting for the engine thread: what gives its tensors, its version, its caller
+        self._pending_update: tuple[Callable[[], Any], int, Future] | None = None
         self._stopping = False
         self._error: BaseException | None = None
         self.on_death: Callable[[], None] | None = None
@@ -121,7 +125,19 @@ class AsyncEngine:
         if version is None:
             version = self.core.weight_version + 1
         done: Future = Future()
-        await self._call(lambda: self._queue_update(tensors, version, done))
+        await self._call(lambda: self._queue_update(lambda: tensors, version, done))
+        return await asyncio.wrap_future(done)
+
+    async def receive_weights(self, receiver: "WeightReceiver", version: int) -> int:
+        """Receive policy `version` over the in-memory weight transport, between steps as
+        `update_weights` loads. Raises the transfer's error; a refused transfer changes nothing."""
+
+        def begin() -> Any:
+            expected, optional = parameter_specs(self.core.model)
+            return receiver.begin(version, expected, optional)
+
+        done: Future = Future()
+        await self._call(lambda: self._queue_update(begin, version, done))
         return await asyncio.wrap_future(done)
 
     async def pause(self) -> None:
@@ -165,7 +181,7 @@ class AsyncEngine:
     async def _call(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.wrap_future(self._submit(fn))
 
-    def _queue_update(self, tensors: dict, version: int, done: Future) -> None:
+    def _queue_update(self, tensors: Callable[[], Any], version: int, done: Future) -> None:
         if self._pending_update is not None:  # a newer checkpoint replaces one not yet applied
             replaced = WeightLoadError(f"replaced by version {version} before it was applied")
             self._pending_update[2].set_exception(replaced)
@@ -182,7 +198,7 @@ class AsyncEngine:
         tensors, version, done = self._pending_update
         self._pending_update = None
         try:
-            self.core.apply_weights(tensors, version)
+            self.core.apply_weights(tensors(), version)
         except Exception as e:
             done.set_exception(e)
         else:

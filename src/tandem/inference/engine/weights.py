@@ -1,17 +1,24 @@
-"""Load a Hugging Face safetensors directory into the live model, all or nothing.
+"""Load new weights into the live model: a Hugging Face safetensors directory, or the tensors of
+an in-memory transfer (tandem.transport.weight_receiver).
 
 `read_checkpoint` runs off the engine thread: it opens every file, checks names, shapes and
 dtypes against the model and converts to the model's dtype. Only a checkpoint that passed all
-checks reaches `apply_checkpoint`, which copies it in between two engine steps.
+checks reaches `apply_checkpoint`, which copies it in between two engine steps. A transfer is
+checked by its handshake against `parameter_specs` before its first tensor arrives; its tensors
+reach `apply_checkpoint` as they come, so a transfer that fails midway leaves the model mixing
+two versions (its error is then marked `partial`).
 """
 
 import re
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from tandem.inference.engine.api import WeightLoadError
+from tandem.transport.weight_buckets import TensorSpec
+from tandem.transport.weight_link import TransferError
 
 
 def expected_parameters(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
@@ -56,11 +63,28 @@ def read_checkpoint(path: Path, model: torch.nn.Module) -> dict[str, torch.Tenso
     return tensors
 
 
-def apply_checkpoint(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+def parameter_specs(model: torch.nn.Module) -> tuple[dict[str, TensorSpec], frozenset[str]]:
+    """What a transfer must carry: every tensor's name, shape and dtype; and the names it may omit."""
+    params, optional = expected_parameters(model)
+    specs = {name: TensorSpec(name, tuple(t.shape), t.dtype) for name, t in params.items()}
+    return specs, frozenset(optional)
+
+
+def apply_checkpoint(
+    model: torch.nn.Module, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+) -> None:
+    """Copy checked tensors (a mapping, or (name, tensor) pairs as a transfer yields them) into the model."""
     params, _ = expected_parameters(model)
-    with torch.no_grad():
-        for name, tensor in tensors.items():
-            params[name].copy_(tensor, non_blocking=True)
+    pairs = tensors.items() if isinstance(tensors, Mapping) else tensors
+    copied = 0
+    try:
+        with torch.no_grad():
+            for name, tensor in pairs:
+                params[name].copy_(tensor, non_blocking=True)
+                copied += 1
+    except TransferError as e:
+        e.partial = copied > 0
+        raise
     if any(p.is_cuda for p in params.values()):
         torch.cuda.synchronize()
 

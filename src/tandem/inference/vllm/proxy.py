@@ -9,7 +9,8 @@ its own 4xx in the same error shape), with three additions:
   while the request ran (vLLM finishes in-flight requests on the new weights, as the native
   engine's `finish_old` mode does).
 The admin endpoints are tandem's: /update_weights calls the worker extension through vLLM's
-/collective_rpc, /pause and /resume call vLLM's (in-flight requests are kept, not aborted), and
+/collective_rpc (loading a directory, or with an in-memory transport receiving `step` N from the
+trainer; the worker joins the trainer's weight link when the front starts), /pause and /resume call vLLM's (in-flight requests are kept, not aborted), and
 /metrics passes vLLM's metrics through after tandem's own.
 """
 
@@ -33,7 +34,8 @@ from tandem.inference.server import GENERATION_PATHS, Gatekeeper, Server, SSERes
 
 log = logging.getLogger("tandem.inference.vllm")
 LOAD_METHOD = "tandem_load_weights"
-"""The worker extension's method (tandem.inference.vllm.worker_extension)."""
+RECEIVE_METHOD = "tandem_receive_weights"
+"""The worker extension's methods (tandem.inference.vllm.worker_extension)."""
 VLLM_GAUGES = {
     "tandem_requests_running": "vllm:num_requests_running",
     "tandem_requests_waiting": "vllm:num_requests_waiting",
@@ -189,7 +191,22 @@ class VLLMFront:
             raise APIError(400, "'step' needs the server to know the run directory (set run_dir)", "step")
         return (self.config.run_dir / "weights" / f"step_{req.step}").resolve()
 
+    async def rpc(self, method: str, args: list, timeout_s: float) -> list[dict]:
+        """Call a worker-extension method on every vLLM worker; their results."""
+        body = {"method": method, "args": args, "timeout": timeout_s}
+        response = await self.call("POST", "/collective_rpc", json=body, timeout=timeout_s + 30)
+        if response.status_code != 200:
+            log.error("vLLM failed in %s: %s", method, response.text[:2000])
+            raise APIError(
+                500,
+                f"vLLM failed in {method} ({response.status_code}: {response.text[:300]}); "
+                "the served weights may be partly updated",
+            )
+        return response.json()["results"]
+
     async def update_weights(self, req: UpdateWeightsRequest) -> dict:
+        if req.step is not None and self.config.weights.in_memory:
+            return await self.receive_weights(req.step)
         path = self.weights_path(req)
         async with self.admin_lock:
             version = req.version
@@ -197,18 +214,8 @@ class VLLMFront:
                 version = version_from_path(path)
             if version is None:
                 version = self.versions.current + 1
-            rpc = {"method": LOAD_METHOD, "args": [str(path)], "timeout": self.config.vllm.admin_timeout_s}
-            response = await self.call(
-                "POST", "/collective_rpc", json=rpc, timeout=self.config.vllm.admin_timeout_s + 30
-            )
-            if response.status_code != 200:
-                log.error("vLLM failed to load %s: %s", path, response.text[:2000])
-                raise APIError(
-                    500,
-                    f"vLLM failed while loading weights from {path} ({response.status_code}: "
-                    f"{response.text[:300]}); the served weights may be partly updated",
-                )
-            refused = [r["error"] for r in response.json()["results"] if not r.get("ok")]
+            results = await self.rpc(LOAD_METHOD, [str(path)], self.config.vllm.admin_timeout_s)
+            refused = [r["error"] for r in results if not r.get("ok")]
             if refused:
                 raise APIError(
                     400, f"cannot load weights from {path}: {refused[0]}; the old weights stay live", "path"
@@ -217,6 +224,25 @@ class VLLMFront:
         self.counters.weight_updates_total += 1
         log.info("loaded weights from %s as version %d", path, version)
         return {"weight_version": version, "path": str(path)}
+
+    async def receive_weights(self, version: int) -> dict:
+        """Policy `version` from the trainer (broadcast or colocated), into every vLLM worker."""
+        async with self.admin_lock:
+            results = await self.rpc(RECEIVE_METHOD, [version], self.config.weights.transfer_timeout_s * 2)
+            failed = [r for r in results if not r.get("ok")]
+            if failed:
+                status, message = int(failed[0]["status"]), failed[0]["error"]
+                if status == 503:
+                    message += "; the weights now mix two versions: this server must be restarted"
+                else:
+                    message += "; the old weights stay live"
+                raise APIError(status, message, "step" if status == 400 else None)
+            self.versions.advance(version)
+        self.counters.weight_updates_total += 1
+        log.info(
+            "received policy version %d (%s, %.3f s)", version, results[0]["route"], results[0]["seconds"]
+        )
+        return {"weight_version": version, "transport": results[0]["route"]}
 
     async def pause(self) -> dict:
         async with self.admin_lock:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
+import httpx
 import uvicorn
 
 from tandem.cli import UserError
@@ -22,6 +23,9 @@ from tandem.inference.cli import http_server
 from tandem.inference.config import InferenceConfig
 from tandem.inference.vllm.process import VLLMDiedError, VLLMProcess, new_api_key, vllm_command, vllm_env
 from tandem.inference.vllm.proxy import build_front
+
+CONNECT_METHOD = "tandem_connect_weights"
+"""The worker extension's method that joins the weight link (tandem.inference.vllm.worker_extension)."""
 
 log = logging.getLogger("tandem.inference.vllm")
 
@@ -50,6 +54,36 @@ def check_port_free(host: str, port: int) -> None:
             s.bind((host, port))
         except OSError as e:
             raise UserError(f"port: cannot listen on {host}:{port} ({e.strerror})") from None
+
+
+def connect_weights(config: InferenceConfig, upstream: str, key: str) -> None:
+    """Have vLLM's worker join the trainer's weight link (it waits for the trainer in the background)."""
+    w = config.weights
+    link = {
+        "transport": w.transport,
+        "host": w.host,
+        "port": w.port,
+        "server_index": w.server_index,
+        "transfer_timeout_s": w.transfer_timeout_s,
+        "connect_timeout_s": w.connect_timeout_s,
+        "bucket_bytes": w.bucket_bytes,
+    }
+    if not w.port:
+        raise UserError(f"weights.port: transport {w.transport} needs the weight group's port (rl picks one)")
+    body = {"method": CONNECT_METHOD, "args": [link], "timeout": config.vllm.admin_timeout_s}
+    response = httpx.post(
+        f"{upstream}/collective_rpc",
+        json=body,
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=config.vllm.admin_timeout_s + 30,
+    )
+    if response.status_code != 200:
+        raise UserError(
+            f"vLLM could not join the weight link ({response.status_code}): {response.text[:300]}"
+        )
+    if problems := [r["error"] for r in response.json()["results"] if not r.get("ok")]:
+        raise UserError(f"weights.transport = {w.transport}: {problems[0]}")
+    log.info("weights by %s: vLLM joins the trainer at %s:%d", w.transport, w.host, w.port)
 
 
 def _exit_on_sigterm(signum: int, _: FrameType | None) -> None:
@@ -90,6 +124,8 @@ def serve_vllm(config: InferenceConfig) -> None:
             raise SystemExit(1) from None
         log.info("vLLM is up after %.0f s; serving on http://%s:%d", seconds, config.host, config.port)
         app = build_front(config, upstream, key)
+        if config.weights.in_memory:
+            connect_weights(config, upstream, key)
         server = http_server(app, config)
         died = threading.Event()
         threading.Thread(target=watch, args=(process, server, died), name="vllm-watch", daemon=True).start()

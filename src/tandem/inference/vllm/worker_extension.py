@@ -1,8 +1,10 @@
-"""tandem's extension of vLLM's worker: load a Hugging Face safetensors directory into the live model.
+"""tandem's extension of vLLM's worker: load new weights into the live model, from a Hugging Face
+safetensors directory or received from the trainer over an in-memory weight transport.
 
 vLLM mixes this class into every worker (`--worker-extension-cls`); tandem's front calls its methods
 through vLLM's `/collective_rpc` endpoint. It runs inside vLLM's own virtual environment, so it
-imports only torch, safetensors and vllm (never tandem or transformers).
+imports only torch, safetensors, vllm and tandem's torch-only transport modules
+(tandem.transport.weight_receiver and what it imports; never transformers or pydantic).
 
 A checkpoint is checked before any weight changes: its tensor names and shapes must equal those of
 the checkpoint the server started from (dtypes may differ: vLLM casts while copying). The load then
@@ -17,7 +19,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-TensorSpec = dict[str, tuple[int, ...]]
+from tandem.transport.weight_buckets import TensorSpec
+from tandem.transport.weight_link import LinkError, LinkSettings, TransferError, TransferRefused
+from tandem.transport.weight_receiver import WeightReceiver
+
+ShapeSpec = dict[str, tuple[int, ...]]
 
 
 class CheckpointError(ValueError):
@@ -33,9 +39,9 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def read_spec(directory: Path) -> TensorSpec:
+def read_spec(directory: Path) -> ShapeSpec:
     """Tensor names and shapes of a checkpoint, from the file headers only."""
-    spec: TensorSpec = {}
+    spec: ShapeSpec = {}
     for file in safetensors_files(directory):
         try:
             with safe_open(str(file), framework="pt") as f:
@@ -46,7 +52,7 @@ def read_spec(directory: Path) -> TensorSpec:
     return spec
 
 
-def check_spec(new: TensorSpec, reference: TensorSpec) -> None:
+def check_spec(new: ShapeSpec, reference: ShapeSpec) -> None:
     missing = sorted(reference.keys() - new.keys())
     unexpected = sorted(new.keys() - reference.keys())
     wrong_shape = [
@@ -76,9 +82,10 @@ class TandemWorkerExtension:
     """Methods vLLM adds to its workers. Names start with `tandem_` so they cannot clash with
     the worker's own; results are JSON-friendly because `/collective_rpc` returns them as JSON."""
 
-    _tandem_reference: TensorSpec | None = None
+    _tandem_reference: ShapeSpec | None = None
+    _tandem_receiver: WeightReceiver | None = None
 
-    def _tandem_reference_spec(self) -> TensorSpec | None:
+    def _tandem_reference_spec(self) -> ShapeSpec | None:
         if self._tandem_reference is None:
             start = Path(self.vllm_config.model_config.model)  # type: ignore[attr-defined]
             if start.is_dir():
@@ -103,6 +110,58 @@ class TandemWorkerExtension:
         )
         self._tandem_refresh_tied_head()
         return {"ok": True, "seconds": round(time.perf_counter() - start, 4)}
+
+    def tandem_connect_weights(self, link: dict) -> dict[str, object]:
+        """Join the trainer's weight link in the background (returns at once). `link` holds the
+        server's [weights] fields: transport, host, port, server_index, timeouts, bucket_bytes."""
+        if self._tandem_reference_spec() is None:
+            start = self.vllm_config.model_config.model  # type: ignore[attr-defined]
+            problem = "in-memory weight transports need a local checkpoint directory to check updates against"
+            return {"ok": False, "error": f"{problem}; the server started from {start!r}"}
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        device = next(model.parameters()).device
+        settings = LinkSettings(
+            link["host"],
+            link["port"],
+            link["transfer_timeout_s"],
+            link["connect_timeout_s"],
+            link["bucket_bytes"],
+        )
+        dtype = self.vllm_config.model_config.dtype  # type: ignore[attr-defined]
+        self._tandem_receiver = WeightReceiver(
+            settings, link["server_index"], link["transport"], device, dtype
+        )
+        self._tandem_receiver.start()
+        return {"ok": True}
+
+    def tandem_receive_weights(self, version: int) -> dict[str, object]:
+        """Receive policy `version` from the trainer into the live model. Returns {"ok": True,
+        "seconds": s, "route": ...} or {"ok": False, "status": HTTP status, "error": message}:
+        400 refused and 504 timed out before anything changed, 503 broken off midway."""
+        start = time.perf_counter()
+        receiver = self._tandem_receiver
+        reference = self._tandem_reference_spec()
+        if receiver is None or reference is None:
+            return {"ok": False, "status": 400, "error": "this server has no in-memory weight transport"}
+        dtype = self.vllm_config.model_config.dtype  # type: ignore[attr-defined]
+        expected = {name: TensorSpec(name, shape, dtype) for name, shape in reference.items()}
+        try:
+            transfer = receiver.begin(version, expected)
+        except TransferRefused as err:
+            return {"ok": False, "status": 400, "error": str(err)}
+        except (TransferError, LinkError) as err:
+            return {"ok": False, "status": 504, "error": str(err)}
+        # vLLM's layerwise reload keeps the tensors of a layer until the layer is complete (some,
+        # e.g. a tied embedding, until the very end): they must outlive the transfer's bucket buffers
+        owned = ((name, tensor.clone()) for name, tensor in transfer)
+        try:
+            self.model_runner.reload_weights(  # type: ignore[attr-defined]
+                weights_iterator=owned, is_checkpoint_format=True
+            )
+        except TransferError as err:
+            return {"ok": False, "status": 503, "error": str(err)}
+        self._tandem_refresh_tied_head()
+        return {"ok": True, "seconds": round(time.perf_counter() - start, 4), "route": receiver.describe()}
 
     def _tandem_refresh_tied_head(self) -> None:
         """Re-derive the output head's kernel-ready weights when it shares the embedding matrix.

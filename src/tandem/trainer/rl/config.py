@@ -7,6 +7,7 @@ from pydantic import Discriminator, Field, Tag
 
 from tandem.config.base import ModelConfig, Section
 from tandem.trainer.config import OptimConfig, ParallelConfig
+from tandem.transport.config import WeightsConfig
 
 
 class LossBase(Section):
@@ -76,15 +77,6 @@ class CheckpointConfig(Section):
     keep: int = Field(2, ge=0, description="Keep the newest N checkpoints; 0 = keep all.")
 
 
-class WeightsConfig(Section):
-    keep: int = Field(
-        3,
-        ge=0,
-        description="Keep the newest N published weights/step_N directories; 0 = keep all. Must exceed "
-        "the orchestrator's max_async_level so no server is ever sent a deleted version.",
-    )
-
-
 class RLOptimConfig(OptimConfig):
     """AdamW for RL: a small constant learning rate unless told otherwise."""
 
@@ -95,7 +87,7 @@ class RLOptimConfig(OptimConfig):
 
 
 class RLTrainerConfig(Section):
-    """The RL trainer: consumes rollouts/step_N, publishes weights/step_{N+1}."""
+    """The RL trainer: consumes rollouts/step_N, publishes policy version N+1 (docs/weights.md)."""
 
     model: ModelConfig = ModelConfig()
     run_dir: Path = Field(

@@ -1,8 +1,8 @@
 """The RL loop: rollouts/step_N → importance-weighted loss → AdamW step → weights/step_{N+1}.
 
 Policy version = optimizer steps taken. The base model is version 0; trainer step N (0-based)
-reads `rollouts/step_N/rank_R.bin`, takes one optimizer step and publishes version N+1 as
-`weights/step_{N+1}`. Metrics of step N are logged with `step = N`, the same number the
+reads `rollouts/step_N/rank_R.bin`, takes one optimizer step and publishes version N+1 by the
+weight transport (`weights/step_{N+1}` on disk, or streamed from memory: weight_publisher.py). Metrics of step N are logged with `step = N`, the same number the
 orchestrator uses for the rollouts it wrote, so rewards and losses line up.
 
 Each rank reads its own micro-batches (the orchestrator balanced them and gave every rank the
@@ -10,6 +10,7 @@ same count). Micro-batch losses are divided by the step's global loss-token coun
 averages gradients over ranks, so each rank scales its loss by world_size to get the sum.
 """
 
+import contextlib
 import time
 from typing import Any
 
@@ -27,8 +28,8 @@ from tandem.trainer.optim import build_optimizer, build_scheduler, clip_grad_nor
 from tandem.trainer.parallel import World, all_reduce_sum, init_distributed, shutdown
 from tandem.trainer.rl.config import RLTrainerConfig
 from tandem.trainer.rl.loss import LossInputs, LossStats, build_objective, policy_loss
+from tandem.trainer.weight_publisher import PolicyPublisher
 from tandem.transport.rollouts import MicroBatch, RolloutError, prune_steps, read_rank
-from tandem.transport.weights import publish_weights
 
 
 def micro_batch_loss(
@@ -140,10 +141,12 @@ def _train(cfg: RLTrainerConfig, world: World) -> dict[str, Any]:
             print(f"trainer: resumed from {resume_from} (next step {start})", flush=True)
 
     passes = 2 if cfg.parallel.activation_checkpointing == "full" else 1
+    publisher = PolicyPublisher(cfg.weights, cfg.run_dir, tokenizer, world, cfg.max_steps)
+    publisher.start(model, start)
     metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl", "trainer", enabled=world.is_main)
     progress = TrainingProgress(cfg.max_steps, start, log_interval=1, enabled=world.is_main)
     stats: dict[str, Any] = {}
-    with metrics, progress:
+    with metrics, progress, contextlib.closing(publisher):
         for step in range(start, cfg.max_steps):
             wait_start = time.monotonic()
             micro_batches = read_rank(
@@ -155,7 +158,7 @@ def _train(cfg: RLTrainerConfig, world: World) -> dict[str, Any]:
             stats.update(expert_load(model, passes))
             scheduler.step()
             compute_s = time.monotonic() - compute_start
-            publish_weights(model, tokenizer, cfg.run_dir, step + 1, world, cfg.weights.keep)
+            publisher.publish(model, step + 1)
             checkpoint_now = bool(cfg.ckpt.interval) and (step + 1) % cfg.ckpt.interval == 0
             if checkpoint_now:
                 save_checkpoint(ckpt_root, step + 1, model, optimizer, scheduler, world, keep=cfg.ckpt.keep)
