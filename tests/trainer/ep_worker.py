@@ -14,10 +14,10 @@ import torch
 
 from tandem.config.base import ModelConfig
 from tandem.trainer.config import OptimConfig, ParallelConfig
-from tandem.trainer.hf_export import iter_hf_tensors
 from tandem.trainer.model import build_trainer_model
 from tandem.trainer.optim import build_optimizer, clip_grad_norm
 from tandem.trainer.parallel import all_reduce_sum, init_distributed, shutdown
+from tandem.trainer.weight_stream import iter_hf_weights
 
 STEPS, ROWS, WIDTH = 3, 8, 48
 
@@ -44,12 +44,12 @@ def main() -> None:
         partial = -logprobs.sum()
         (partial * world.size / tokens).backward()
         if step == STEPS - 1:
-            grads = {name: g.clone() for name, g in iter_hf_tensors(model, of=lambda t: t.grad)}
+            grads = {name: g.clone() for name, g in iter_hf_weights(model, of=lambda t: t.grad)}
         clip_grad_norm(model, 0.5)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(all_reduce_sum(partial.detach())) / tokens)
-    weights = {name: t.clone() for name, t in iter_hf_tensors(model)}
+    weights = {name: t.clone() for name, t in iter_hf_weights(model)}
     if world.is_main:
         torch.save({"losses": losses, "grads": grads, "weights": weights}, out)
     shutdown()

@@ -11,39 +11,17 @@ save_pretrained. The directory is written under a temporary name and renamed int
 """
 
 import shutil
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from tandem.models.hf_checkpoint import ShardedSafetensorsWriter, split_full
+from tandem.models.hf_checkpoint import ShardedSafetensorsWriter
 from tandem.models.layers.transformer import CausalLM
 from tandem.models.loading import save_model, save_tokenizer_files
-from tandem.models.registry import family
 from tandem.trainer.checkpoint import full_model_state, replace_dir, tmp_dir
 from tandem.trainer.parallel import World, barrier
-
-
-def iter_hf_tensors(
-    model: nn.Module, of: Callable[[torch.Tensor], torch.Tensor | None] = lambda t: t
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, full tensor) for every tensor of a tandem model, in layer order.
-
-    `of` picks what to gather for each parameter or buffer (its gradient, say; None skips it).
-    Collective: every rank must consume the whole iterator (each step all-gathers one
-    parameter); every rank receives the full tensors.
-    """
-    from tandem.trainer.model import persistent_tensors
-
-    layouts = family(model.hf_config.model_type).hf_layout(model.hf_config)
-    for name, tensor in persistent_tensors(model).items():
-        picked = of(tensor)
-        if picked is not None:
-            full = picked.full_tensor() if isinstance(picked, DTensor) else picked
-            yield from split_full(layouts[name], full.detach())
+from tandem.trainer.weight_stream import iter_hf_weights
 
 
 def write_hf_model(
@@ -60,7 +38,7 @@ def write_hf_model(
     if isinstance(model, CausalLM):
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes) if world.is_main else None
         dtype = None
-        for name, tensor in iter_hf_tensors(model):
+        for name, tensor in iter_hf_weights(model):
             if writer is not None:
                 writer.add(name, tensor)
                 dtype = tensor.dtype

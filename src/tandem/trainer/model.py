@@ -34,6 +34,7 @@ from tandem.models.registry import FAMILIES, UnsupportedConfig, family
 from tandem.trainer.config import ParallelConfig
 from tandem.trainer.logprobs import attach_sequence_logprobs
 from tandem.trainer.parallel import World, apply_fsdp, build_mesh, mixed_precision
+from tandem.trainer.weight_stream import persistent_tensors
 
 
 def load_hf_config(name: str) -> PretrainedConfig:
@@ -117,16 +118,6 @@ def local_checkpoint_dir(name: str) -> Path:
     from huggingface_hub import snapshot_download
 
     return Path(snapshot_download(name, allow_patterns=["*.safetensors", "*.json"]))
-
-
-def persistent_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and persistent buffers by name: what a checkpoint holds."""
-    tensors = dict(model.named_parameters())
-    for module_name, module in model.named_modules():
-        for name, buffer in module.named_buffers(recurse=False):
-            if name not in module._non_persistent_buffers_set:
-                tensors[f"{module_name}.{name}" if module_name else name] = buffer
-    return tensors
 
 
 def local_region(tensor: torch.Tensor) -> tuple[tuple[int, int], ...]:
