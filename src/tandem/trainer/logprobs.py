@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import register_fsdp_forward_method
 
-from tandem.models.layers.chunked_head import chunked_logprobs
+from tandem.models.layers.chunked_head import next_token_logprobs
 
 
 def sequence_logprobs(
@@ -33,10 +33,7 @@ def sequence_logprobs(
     if getattr(head, "bias", None) is not None:
         raise ValueError(f"{type(model).__name__}: output heads with a bias are not supported")
     out = model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-    hidden = out.last_hidden_state[:, :-1]
-    logprobs, entropy = chunked_logprobs(hidden, head.weight, input_ids[:, 1:], temperature, chunk_size)
-    zero = logprobs.new_zeros(logprobs.shape[0], 1)
-    return torch.cat([zero, logprobs], 1), torch.cat([zero, entropy], 1)
+    return next_token_logprobs(out.last_hidden_state, head.weight, input_ids, temperature, chunk_size)
 
 
 def attach_sequence_logprobs(model: nn.Module) -> None:

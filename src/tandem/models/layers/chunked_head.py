@@ -148,3 +148,18 @@ def chunked_logprobs(
         hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), float(temperature), chunk_size
     )
     return logprobs.view(shape), entropy.view(shape)
+
+
+def next_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    input_ids: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the final hidden states [rows, width, H] of `input_ids` [rows, width]: the logprob of
+    every token given those before it and the entropy there, [rows, width], aligned with the
+    tokens (entry t predicts token t from positions < t; column 0 has no prediction and is 0)."""
+    logprobs, entropy = chunked_logprobs(hidden[:, :-1], weight, input_ids[:, 1:], temperature, chunk_size)
+    zero = logprobs.new_zeros(logprobs.shape[0], 1)
+    return torch.cat([zero, logprobs], 1), torch.cat([zero, entropy], 1)

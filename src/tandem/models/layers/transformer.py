@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.models.layers.attention import PackedDocs, packed_attention
-from tandem.models.layers.chunked_head import chunked_logprobs
+from tandem.models.layers.chunked_head import next_token_logprobs
 from tandem.models.layers.norm import RMSNorm
 from tandem.models.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -133,12 +133,8 @@ class CausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token logprob of each token given those before it, and the entropy there, [rows, width];
         column 0 is 0. The head runs chunk by chunk (trainer/logprobs.py)."""
-        hidden = self.hidden_states(input_ids, position_ids)[:, :-1]
-        logprobs, entropy = chunked_logprobs(
-            hidden, self.head_weight, input_ids[:, 1:], temperature, chunk_size
-        )
-        zero = logprobs.new_zeros(logprobs.shape[0], 1)
-        return torch.cat([zero, logprobs], 1), torch.cat([zero, entropy], 1)
+        hidden = self.hidden_states(input_ids, position_ids)
+        return next_token_logprobs(hidden, self.head_weight, input_ids, temperature, chunk_size)
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
