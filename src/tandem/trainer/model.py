@@ -95,7 +95,6 @@ def build_trainer_model(
         policy,
         parallel.activation_checkpointing,
         compile_blocks,
-        reshard_after_forward=world.size > 1,
     )
     try:
         fam.parallelize(model, plan)
