@@ -39,10 +39,7 @@ class ParallelPlan:
     mp_policy: MixedPrecisionPolicy
     activation_checkpointing: ActivationCheckpointing = "none"
     compile: bool = False
-    # Kept True on one GPU too: with False, a forward that is not followed by a backward left the
-    # unsharded bf16 copies resident, and later forwards read them stale after optimizer steps
-    # (suspected cause of the frozen loss in tests/gpu/test_models_cuda.py; docs/trainer.md).
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool = True  # FSDP's default, on one GPU too (docs/trainer.md, known problems)
 
     @property
     def ep(self) -> int:
