@@ -60,6 +60,7 @@ class EngineStats:
     paused: bool
     steps_total: int = 0  # engine steps run since start
     prefix_cache_hit_tokens_total: int = 0  # prompt tokens taken from the prefix cache, not computed
+    prefill_tokens_total: int = 0  # prompt tokens computed (recomputation after preemption included)
 
 
 class EngineDeadError(RuntimeError):

@@ -5,19 +5,30 @@ directly. A step schedules a batch, runs the model, samples, forks the n samples
 just finished prefilling, appends tokens, and finishes samples that hit a stop condition.
 """
 
+import importlib.util
 import itertools
+import random
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tandem.cli import UserError
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine.api import FinishReason, SampleUpdate, SamplingParams, TokenOutput
 from tandem.inference.engine.block_manager import BlockManager
-from tandem.inference.engine.model_runner import Feed, ModelRunner, kv_bytes_per_block
+from tandem.inference.engine.model_runner import Feed, ModelRunner, RunOutput, kv_bytes_per_block
 from tandem.inference.engine.models import build_model
-from tandem.inference.engine.sampler import PendingSample, SamplingBatch, launch_sample, sample_key
+from tandem.inference.engine.sampler import (
+    PendingSample,
+    SampleResult,
+    SamplingBatch,
+    SamplingRows,
+    launch_sample,
+    sample_key,
+    sampling_rows,
+)
 from tandem.inference.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.inference.engine.sequence import PLACEHOLDER, Request, Sequence, Status
 from tandem.inference.engine.transfer import to_device
@@ -40,11 +51,20 @@ class EngineCore:
         self.model = build_model(hf_model, self.max_model_len, cfg.triton_kernels)
         self.vocab_size = hf_model.config.vocab_size
         self.eos_token_ids = _eos_ids(hf_model, self.tokenizer)
+        self.eos_table = np.zeros(self.vocab_size, dtype=bool)  # token id → is an EOS id
+        self.eos_table[[t for t in self.eos_token_ids if 0 <= t < self.vocab_size]] = True
         del hf_model
         self.block_size = cfg.block_size
         num_blocks = self._num_blocks(config)
         self.runner = ModelRunner(
-            self.model, num_blocks, cfg.block_size, self.device, self.dtype, cfg.cuda_graphs, cfg.max_num_seqs
+            self.model,
+            num_blocks,
+            cfg.block_size,
+            self.device,
+            self.dtype,
+            cfg.cuda_graphs,
+            cfg.max_num_seqs,
+            max_rows=cfg.max_num_seqs + cfg.max_n,  # a step draws at most this many rows (scheduler.py)
         )
         self.blocks = BlockManager(
             num_blocks, cfg.block_size, -(-self.max_model_len // cfg.block_size), cfg.prefix_caching
@@ -62,6 +82,14 @@ class EngineCore:
         self.num_steps = 0
         self._arrivals = itertools.count()
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        # one-pass sampling on CUDA (triton_sample.py); its unseeded rows take a seed per step
+        self.fused_sampling = (
+            self.device.type == "cuda"
+            and cfg.triton_kernels
+            and importlib.util.find_spec("triton") is not None
+        )
+        self._noise = random.Random(config.seed)
+        self._plan: _DecodePlan | None = None  # the per-row constants of the last decode batch
         self.timings = {"schedule": 0.0, "model": 0.0, "sample": 0.0, "append": 0.0}
         self._in_flight: _Launched | None = None  # the step queued on the device, tokens not read yet
         self._touched: dict[str, Request] = {}  # requests with undelivered updates
@@ -143,6 +171,7 @@ class EngineCore:
         if request is None:
             return
         for seq in request.sequences.values():
+            seq.finish_reason = "abort"
             self.scheduler.remove(seq)
         request.sequences.clear()
         if request in self.held:
@@ -198,45 +227,76 @@ class EngineCore:
         """Run the model and queue the sampling of `batch`; the tokens stay on the device."""
         start = time.perf_counter()
         self.num_steps += 1
-        launched = _Launched([], [], self.weight_version)
+        launched = _Launched(self.weight_version, [], [], [])
         if not batch.seqs:
             return launched
-        seqs = [
-            seq
-            for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True)
-            if seq.num_cached + count == seq.num_tokens
-        ]
         feed = None if previous is None or previous.pending is None else previous.feed()
-        logits = self.runner.run(batch, self.blocks, feed)
+        out = self.runner.run(batch, self.blocks, feed)
+        if batch.all_decodes:
+            self._launch_decodes(batch.seqs, out, launched)
+        else:
+            self._launch_mixed(batch, out, launched)
+        self.timings["model"] += time.perf_counter() - start
+        return launched
+
+    def _launch_decodes(self, seqs: list[Sequence], out: RunOutput, launched: "_Launched") -> None:
+        """A batch of decodes: per-row sampling constants come from the plan of the same
+        sequences (built when the batch changes), and the per-sequence work is one loop."""
+        plan = self._plan
+        if plan is None or plan.seqs != seqs:
+            plan = self._plan = self._decode_plan(seqs)
+        launched.seqs, launched.plan, launched.positions = seqs, plan, out.lens
+        launched.pending = self._sample(out.logits, plan.rows, out.positions)
+        register = self.blocks.register if self.blocks.prefix_caching else None
+        size = self.block_size
+        for seq in seqs:
+            seq.num_cached += 1
+            seq.token_ids.append(PLACEHOLDER)  # the drawn token's place until it reaches the host
+            if register is not None and (seq.num_hashed + 1) * size <= seq.num_cached:
+                register(seq, seq.num_cached)
+        launched.ending = np.flatnonzero(out.lens + 1 >= plan.limits)
+        for i in launched.ending:
+            self.scheduler.retire(seqs[i])  # its last token: out of the next batch
+
+    def _launch_mixed(self, batch: ScheduledBatch, out: RunOutput, launched: "_Launched") -> None:
+        """Prompts, chunks and forks: a row per sample drawn (n for a prompt that finishes)."""
+        complete = []
+        register = self.blocks.register if self.blocks.prefix_caching else None
         for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_cached += count
-        self.blocks.register(batch.seqs)
-        if not seqs:
-            self.timings["model"] += time.perf_counter() - start
-            return launched
+            if register is not None and (seq.num_hashed + 1) * self.block_size <= seq.num_cached:
+                register(seq, seq.num_cached)
+            if seq.num_cached == seq.num_tokens:
+                complete.append(seq)
+        if not complete:
+            return
         rows: list[int] = []
-        for row, seq in enumerate(seqs):
+        for row, seq in enumerate(complete):
             indices = range(seq.request.n) if seq.fan_out > 1 else (seq.index,)
             for index in indices:
                 rows.append(row)
-                launched.targets.append((seq, index))
+                launched.seqs.append(seq)
+                launched.indices.append(index)
             launched.forks = launched.forks or seq.fan_out > 1
-        if len(rows) != len(seqs):
+        logits = out.logits
+        if len(rows) != len(complete):
             logits = logits[to_device(rows, torch.int64, logits.device)]
-        params = [seq.params for seq, _ in launched.targets]
+        targets = list(zip(launched.seqs, launched.indices, strict=True))
+        params = [seq.params for seq in launched.seqs]
         sampling = SamplingBatch(
             temperatures=[p.temperature for p in params],
             top_ps=[p.top_p for p in params],
             top_ks=[p.top_k for p in params],
             min_ps=[p.min_p for p in params],
-            keys=[seq.request.keys[index] for seq, index in launched.targets],
-            positions=[seq.num_tokens for seq, _ in launched.targets],
+            keys=[seq.request.keys[index] for seq, index in targets],
+            positions=[seq.num_tokens for seq in launched.seqs],
             num_top_logprobs=max(p.top_logprobs for p in params),
-            generator=self.generator,
         )
-        launched.pending = launch_sample(logits, sampling)
-        # the sampled token's place in its sequence: a placeholder until it reaches the host
-        for seq, index in launched.targets:
+        positions = to_device(sampling.positions, torch.int64, logits.device)
+        launched.pending = self._sample(
+            logits, sampling_rows(sampling, self.vocab_size, logits.device), positions
+        )
+        for seq, index in targets:
             if index != seq.index:
                 launched.positions.append(-1)  # a sample forked off at the end of this step
                 continue
@@ -244,8 +304,40 @@ class EngineCore:
             launched.positions.append(len(seq.token_ids) - 1)
             if self._reaches_length(seq, len(seq.token_ids)):
                 self.scheduler.retire(seq)  # its last token: out of the next batch
-        self.timings["model"] += time.perf_counter() - start
-        return launched
+
+    def _decode_plan(self, seqs: list[Sequence]) -> "_DecodePlan":
+        params = [seq.params for seq in seqs]
+        sampling = SamplingBatch(
+            temperatures=[p.temperature for p in params],
+            top_ps=[p.top_p for p in params],
+            top_ks=[p.top_k for p in params],
+            min_ps=[p.min_p for p in params],
+            keys=[seq.request.keys[seq.index] for seq in seqs],
+            positions=[],
+            num_top_logprobs=max(p.top_logprobs for p in params),
+        )
+        limits = np.fromiter(
+            (
+                min(seq.num_prompt_tokens + p.max_tokens, self.max_model_len)
+                for seq, p in zip(seqs, params, strict=True)
+            ),
+            np.int64,
+            len(seqs),
+        )
+        return _DecodePlan(
+            seqs=seqs,
+            rows=sampling_rows(sampling, self.vocab_size, self.device),
+            limits=limits,
+            eos_rows=np.fromiter((not p.ignore_eos for p in params), bool, len(seqs)),
+            stop_rows=[i for i, p in enumerate(params) if p.stop_token_ids],
+        )
+
+    def _sample(self, logits: torch.Tensor, rows: SamplingRows, positions: torch.Tensor) -> PendingSample:
+        count = logits.shape[0]
+        if count > len(self.runner.sampled):
+            raise RuntimeError(f"{count} rows to sample; the engine holds {len(self.runner.sampled)}")
+        fused_seed = self._noise.getrandbits(31) if self.fused_sampling and rows.fused else None
+        return launch_sample(logits, rows, positions, self.generator, self.runner.sampled[:count], fused_seed)
 
     def _finish_step(self, launched: "_Launched") -> None:
         """Wait for a launched step's tokens; fork, append, and finish samples."""
@@ -255,16 +347,51 @@ class EngineCore:
         result = launched.pending.result()
         sampled = time.perf_counter()
         self.timings["sample"] += sampled - start
-        targets = launched.targets
-        owners: list[Sequence | None] = [seq for seq, _ in targets]
+        if launched.plan is not None:
+            self._finish_decodes(launched, result)
+        else:
+            self._finish_mixed(launched, result)
+        self.timings["append"] += time.perf_counter() - sampled
+
+    def _finish_decodes(self, launched: "_Launched", result: SampleResult) -> None:
+        plan, seqs, version = launched.plan, launched.seqs, launched.version
+        tokens = result.token_ids
+        stops = plan.eos_rows & self.eos_table[np.asarray(tokens)]
+        for i in plan.stop_rows:
+            stops[i] = stops[i] or tokens[i] in seqs[i].params.stop_token_ids
+        touched = self._touched
+        delivered = 0
+        for seq, token, logprob, position in zip(
+            seqs, tokens, result.logprobs, launched.positions.tolist(), strict=True
+        ):
+            if seq.finish_reason is not None:
+                continue  # finished or aborted while this step ran: the token is dropped
+            seq.token_ids[position] = token
+            request = seq.request
+            pending = request.pending.get(seq.index)
+            if pending is None:
+                pending = request.pending[seq.index] = []
+                if request.stream:
+                    touched[request.request_id] = request
+            pending.append(TokenOutput(token, logprob, version))
+            delivered += 1
+        self.generated_tokens_total += delivered
+        for i in np.flatnonzero(stops):
+            if seqs[i].finish_reason is None:
+                self._finish(seqs[i], "stop")
+        for i in launched.ending:
+            if seqs[i].finish_reason is None:
+                self._finish(seqs[i], "length")
+
+    def _finish_mixed(self, launched: "_Launched", result: SampleResult) -> None:
+        owners: list[Sequence | None] = list(launched.seqs)
         if launched.forks:  # the prompt's samples become sequences (before the prompt gets its token)
+            targets = zip(launched.seqs, launched.indices, strict=True)
             owners = [seq if index == seq.index else self._fork(seq, index) for seq, index in targets]
         version = launched.version
         top_ids = result.top_ids
-        requests = self.requests
-        for i, ((seq, index), target) in enumerate(zip(targets, owners, strict=True)):
-            request = seq.request
-            if target is None or index in request.finished or requests.get(request.request_id) is not request:
+        for i, (seq, target) in enumerate(zip(launched.seqs, owners, strict=True)):
+            if target is None or target.finish_reason is not None:
                 continue  # finished or aborted while this step ran: the token is dropped
             top: tuple[tuple[int, float], ...] = ()
             if top_ids is not None and seq.params.top_logprobs > 0:
@@ -279,9 +406,8 @@ class EngineCore:
                 target.token_ids[position] = token.token_id
             self._append(target, token, position)
         if launched.forks:
-            for seq, _ in targets:
+            for seq in launched.seqs:
                 seq.fan_out = 1
-        self.timings["append"] += time.perf_counter() - sampled
 
     def _reaches_length(self, seq: Sequence, num_tokens: int) -> bool:
         return num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens or num_tokens >= self.max_model_len
@@ -313,7 +439,8 @@ class EngineCore:
         pending = request.pending.get(seq.index)
         if pending is None:
             pending = request.pending[seq.index] = []
-            self._touched[request.request_id] = request
+            if request.stream:
+                self._touched[request.request_id] = request
         pending.append(token)
         self.generated_tokens_total += 1
         params = seq.params
@@ -325,7 +452,8 @@ class EngineCore:
             self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        self.blocks.register((seq,))  # its last tokens are known now: a next turn can reuse them
+        seq.finish_reason = reason
+        self.blocks.register(seq, seq.num_cached)  # its last tokens are known now: a next turn can reuse them
         self.scheduler.remove(seq)
         seq.request.sequences.pop(seq.index, None)
         self._mark_finished(seq.request, seq.index, reason)
@@ -336,25 +464,31 @@ class EngineCore:
         self._touched[request.request_id] = request
 
     def _collect_updates(self) -> list[tuple[str, list[SampleUpdate]]]:
+        """The undelivered tokens of every touched request. A whole-response request is touched
+        only when a sample finishes, and delivered once all have."""
         out = []
-        held = []
+        requests = self.requests
         for request_id, request in self._touched.items():
-            if self.requests.get(request_id) is not request:
-                continue  # aborted
-            if not request.stream and not request.done:
-                held.append((request_id, request))  # whole-response request: delivered at its end
-                continue
-            updates = [
-                SampleUpdate(index, tokens, request.finished.get(index))
-                for index, tokens in sorted(request.pending.items())
-            ]
-            request.pending.clear()
+            finished = request.finished
+            done = len(finished) == request.n
+            if requests.get(request_id) is not request or not (request.stream or done):
+                continue  # aborted, or a whole response that is not complete yet
+            pending = request.pending
+            if len(pending) == 1:
+                ((index, tokens),) = pending.items()
+                updates = [SampleUpdate(index, tokens, finished.get(index))]
+            else:
+                updates = [
+                    SampleUpdate(index, tokens, finished.get(index))
+                    for index, tokens in sorted(pending.items())
+                ]
+            request.pending = {}
             out.append((request_id, updates))
-            if request.done:
-                del self.requests[request_id]
+            if done:
+                del requests[request_id]
                 if request in self.held:  # finished by finish_sample before it started
                     self.held.remove(request)
-        self._touched = dict(held)
+        self._touched = {}
         return out
 
     def apply_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
@@ -374,16 +508,33 @@ def _eos_ids(hf_model: torch.nn.Module, tokenizer: object) -> frozenset[int]:
 
 
 @dataclass
+class _DecodePlan:
+    """Per-row constants of a decode batch, kept while the batch holds the same sequences."""
+
+    seqs: list[Sequence]
+    rows: SamplingRows
+    limits: np.ndarray  # the token count at which each row's sample ends by length
+    eos_rows: np.ndarray  # bool: EOS ends the row's sample (not ignore_eos)
+    stop_rows: list[int]  # rows with stop_token_ids of their own
+
+
+@dataclass
 class _Launched:
     """A step whose model run and sampling are queued on the device."""
 
-    targets: list[tuple[Sequence, int]]  # per sampled row: the sequence sampled for, the sample index
-    positions: list[int]  # per row: the index of its placeholder in the sequence's token_ids (-1: a fork)
     version: int  # the weights the step runs with
+    seqs: list[Sequence]  # per drawn row: the sequence drawn for (the prompt, for its new forks)
+    indices: list[int]  # per row: the sample index drawn (empty in a decode step: each row's own)
+    positions: list[int] | np.ndarray  # per row: the index of its placeholder in token_ids (-1: a fork)
+    plan: _DecodePlan | None = None  # decode steps
+    ending: np.ndarray | None = None  # decode steps: rows whose sample ends by length with this token
     pending: PendingSample | None = None  # None: nothing sampled (a prompt chunk, an empty batch)
     forks: bool = False  # a prompt's n > 1 samples are drawn: they become sequences when it finishes
 
     def feed(self) -> Feed:
-        """The sampled ids as the next step's inputs, by sequence."""
-        rows = {seq.seq_id: row for row, (seq, index) in enumerate(self.targets) if index == seq.index}
-        return Feed(self.pending.token_ids, rows)
+        """Where the next step finds these draws (ModelRunner.sampled), by sequence."""
+        if not self.indices:
+            return Feed(self.seqs)
+        return Feed(
+            [seq if index == seq.index else None for seq, index in zip(self.seqs, self.indices, strict=True)]
+        )

@@ -144,6 +144,7 @@ class AsyncEngine:
             paused=self.paused,
             steps_total=core.num_steps,
             prefix_cache_hit_tokens_total=core.blocks.hit_tokens_total,
+            prefill_tokens_total=core.scheduler.prefill_tokens_total,
         )
 
     async def shutdown(self) -> None:
