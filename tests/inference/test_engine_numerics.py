@@ -145,3 +145,27 @@ def test_async_engine_streams_and_stops(tiny_model, hf_model) -> None:
         assert tokens == expected[:stop]
         assert updates[index][-1].finish_reason == "stop"
         assert all(u.finish_reason is None for u in updates[index][:-1])
+
+
+def test_a_one_token_prompt_chunk_next_to_decodes(tiny_model, hf_model) -> None:
+    """A step budget of 4 with three samples decoding leaves one token for a new prompt: that
+    step holds only one-token rows, yet the prompt's row is a chunk, not a decode."""
+    core = EngineCore(engine_config(tiny_model, max_num_batched_tokens=4))
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    early = {f"e{i}": ([5 + i, 6, 7], params, 1) for i in range(3)}
+    for rid, (ids, p, n) in early.items():
+        core.add_request(rid, ids, p, n)
+    got: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for rid, updates in core.step(lookahead=False):
+            got.setdefault(rid, []).extend(t.token_id for u in updates for t in u.tokens)
+
+    for _ in range(4):
+        step()
+    late = list(range(20, 30))
+    core.add_request("late", late, params, 1)
+    while core.has_work():
+        step()
+    for rid, (ids, _, _) in {**early, "late": (late, params, 1)}.items():
+        assert got[rid] == hf_greedy(hf_model, ids, 16), rid

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-SPLITS = 16  # programs per row (a power of two)
+SPLITS = 16  # most programs per row (a power of two)
 BLOCK = 1024
 
 
@@ -117,17 +117,18 @@ def fused_sample(
     """
     rows, vocab = logits.shape
     assert logits.stride(1) == 1
-    chunk = BLOCK * triton.cdiv(triton.cdiv(vocab, SPLITS), BLOCK)
-    partial = torch.empty(4, rows * SPLITS, dtype=torch.float32, device=logits.device)
-    index = torch.empty(rows * SPLITS, dtype=torch.int32, device=logits.device)
+    splits = min(SPLITS, triton.next_power_of_2(triton.cdiv(vocab, BLOCK)))
+    chunk = BLOCK * triton.cdiv(triton.cdiv(vocab, splits), BLOCK)
+    partial = torch.empty(3, rows * splits, dtype=torch.float32, device=logits.device)
+    index = torch.empty(rows * splits, dtype=torch.int32, device=logits.device)
     result = torch.empty(2, rows, dtype=torch.float64, device=logits.device)
-    _partial_kernel[(rows, SPLITS)](
+    _partial_kernel[(rows, splits)](
         logits, logits.stride(0), temperatures, keys, positions, step_seed & 0x7FFFFFFF, vocab,
         partial[0], partial[1], partial[2], index,
-        CHUNK=chunk, BLOCK=BLOCK, SPLITS=SPLITS,
+        CHUNK=chunk, BLOCK=BLOCK, SPLITS=splits,
     )  # fmt: skip
     _combine_kernel[(rows,)](
         logits, logits.stride(0), temperatures, partial[0], partial[1], partial[2], index,
-        tokens_out, result, rows, SPLITS=SPLITS,
+        tokens_out, result, rows, SPLITS=splits,
     )  # fmt: skip
     return result
