@@ -200,7 +200,7 @@ async def send_load(
     url = f"http://127.0.0.1:{port}/v1/completions"
     limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
     warm = {
-        "prompt": next(iter(prompts.values())),
+        "prompt": next(iter(prompts.values()))[::-1],  # (shares no prefix with the timed prompts)
         "max_tokens": 4,
         "ignore_eos": True,
         "return_token_ids": True,
@@ -247,10 +247,25 @@ def engine_steps(port: int) -> int | None:
     return None
 
 
-def run_load(port: int, prompts: list[list[int]], args: argparse.Namespace, stream: bool) -> dict:
+def process_cpu_seconds(pid: int) -> tuple[float, float]:
+    """User + system CPU time of a process so far and of its main thread (the server's event
+    loop; the engine runs in another thread), from Linux /proc."""
+
+    def cpu(stat: Path) -> float:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    return cpu(Path(f"/proc/{pid}/stat")), cpu(Path(f"/proc/{pid}/task/{pid}/stat"))
+
+
+def run_load(
+    port: int, prompts: list[list[int]], args: argparse.Namespace, stream: bool, server_pid: int | None = None
+) -> dict:
     """The requests split over `--client-procs` processes, so that parsing 256 streams of SSE
-    chunks in Python does not limit the measured throughput."""
+    chunks in Python does not limit the measured throughput. With `server_pid`, also the
+    server's CPU time per output token (its event loop and engine thread share one GIL)."""
     steps_before = engine_steps(port)
+    cpu_before = process_cpu_seconds(server_pid) if server_pid else None
     procs = max(1, min(args.client_procs, len(prompts)))
     shares = [{i: prompts[i] for i in range(k, len(prompts), procs)} for k in range(procs)]
     start = time.perf_counter() + args.client_start_delay
@@ -273,6 +288,10 @@ def run_load(port: int, prompts: list[list[int]], args: argparse.Namespace, stre
     if steps_before is not None and steps_after is not None:
         result["engine_steps"] = steps_after - steps_before  # (the clients' warm-up requests included)
     result["client_start_spread_s"] = last_sent - first_sent
+    if cpu_before is not None:
+        total, loop = (1e6 * (b - a) / tokens for a, b in zip(cpu_before, process_cpu_seconds(server_pid)))
+        result["server_cpu_us_per_token"] = total
+        result["server_event_loop_cpu_us_per_token"] = loop
     if stream:
         ttft = [t.first_token() - t.sent for t in timings]
         itl = [gap for t in timings for gap in t.gaps()]
@@ -377,6 +396,8 @@ def main() -> None:
     vocab = min(AutoConfig.from_pretrained(model).vocab_size, 151643)  # below Qwen's special tokens
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, vocab, (args.num_requests, args.prompt_len), generator=generator).tolist()
+    # the second phase's prompts share nothing with the first's (no prefix-cache hits between them)
+    other_prompts = torch.randint(3, vocab, (args.num_requests, args.prompt_len), generator=generator).tolist()
     setup = {
         "device": torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)",
         "model": str(model),
@@ -395,9 +416,9 @@ def main() -> None:
     port = free_port()
     server = start_server(args, model, port, args.work_dir / "server.log")
     try:
-        streaming = run_load(port, prompts, args, stream=True)
+        streaming = run_load(port, prompts, args, stream=True, server_pid=server.pid)
         print(f"server, streaming: {json.dumps(streaming)}", flush=True)
-        whole = run_load(port, prompts, args, stream=False)
+        whole = run_load(port, other_prompts, args, stream=False, server_pid=server.pid)
         print(f"server, whole responses: {json.dumps(whole)}", flush=True)
     finally:
         server.terminate()

@@ -49,6 +49,12 @@ class InferenceConfig(Section):
     pause_timeout_s: float = Field(
         600, gt=0, description="How long a generation request waits while the server is paused before a 503."
     )
+    stream_interval_s: float = Field(
+        0.05,
+        ge=0,
+        description="Least time between two chunks of one streamed response (the first is sent at once); "
+        "0 sends every engine step's tokens. Fewer, larger chunks keep hundreds of streams cheap.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Server log level.")
     access_log: bool = Field(False, description="Log every HTTP request (uvicorn's access log).")
     engine: EngineConfig = EngineConfig()

@@ -142,14 +142,17 @@ class EngineCore:
         params: SamplingParams,
         n: int,
         stream: bool = True,
+        stream_interval_s: float = 0.0,
     ) -> None:
         """With `stream=False` the request's updates are held until all its samples have
-        finished, then delivered as one update per sample."""
+        finished, then delivered as one update per sample; with `stream_interval_s`, a
+        streaming request's tokens are delivered at most that often (the first ones at once)."""
         self.validate(prompt_token_ids, params, n)
         if request_id in self.requests:
             raise ValueError(f"request id '{request_id}' is already running")
         keys = [None if params.seed is None else sample_key(params.seed, i) for i in range(n)]
         request = Request(request_id, list(prompt_token_ids), params, n, keys, next(self._arrivals), stream)
+        request.stream_interval = stream_interval_s
         seq = Sequence(request, 0, list(prompt_token_ids), len(prompt_token_ids), fan_out=n)
         request.sequences[0] = seq
         self.requests[request_id] = request
@@ -359,10 +362,17 @@ class EngineCore:
         stops = plan.eos_rows & self.eos_table[np.asarray(tokens)]
         for i in plan.stop_rows:
             stops[i] = stops[i] or tokens[i] in seqs[i].params.stop_token_ids
+        tops = itertools.repeat(())
+        if result.top_ids is not None:  # alternatives, for the rows that asked for them
+            ks = [seq.params.top_logprobs for seq in seqs]
+            tops = [
+                tuple(zip(ids[:k], lps[:k], strict=True))
+                for ids, lps, k in zip(result.top_ids, result.top_logprobs, ks, strict=True)
+            ]
         touched = self._touched
         delivered = 0
-        for seq, token, logprob, position in zip(
-            seqs, tokens, result.logprobs, launched.positions.tolist(), strict=True
+        for seq, token, logprob, position, top in zip(
+            seqs, tokens, result.logprobs, launched.positions.tolist(), tops, strict=False
         ):
             if seq.finish_reason is not None:
                 continue  # finished or aborted while this step ran: the token is dropped
@@ -373,7 +383,7 @@ class EngineCore:
                 pending = request.pending[seq.index] = []
                 if request.stream:
                     touched[request.request_id] = request
-            pending.append(TokenOutput(token, logprob, version))
+            pending.append(TokenOutput(token, logprob, version, top))
             delivered += 1
         self.generated_tokens_total += delivered
         for i in np.flatnonzero(stops):
@@ -465,14 +475,22 @@ class EngineCore:
 
     def _collect_updates(self) -> list[tuple[str, list[SampleUpdate]]]:
         """The undelivered tokens of every touched request. A whole-response request is touched
-        only when a sample finishes, and delivered once all have."""
+        only when a sample finishes, and delivered once all have; a streaming request with an
+        interval waits for it (unless it is complete)."""
         out = []
         requests = self.requests
+        held: dict[str, Request] = {}
+        now = time.monotonic()
         for request_id, request in self._touched.items():
             finished = request.finished
             done = len(finished) == request.n
             if requests.get(request_id) is not request or not (request.stream or done):
                 continue  # aborted, or a whole response that is not complete yet
+            if request.stream_interval and not done:
+                if now < request.next_delivery:
+                    held[request_id] = request
+                    continue
+                request.next_delivery = now + request.stream_interval
             pending = request.pending
             if len(pending) == 1:
                 ((index, tokens),) = pending.items()
@@ -488,7 +506,7 @@ class EngineCore:
                 del requests[request_id]
                 if request in self.held:  # finished by finish_sample before it started
                     self.held.remove(request)
-        self._touched = {}
+        self._touched = held
         return out
 
     def apply_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
