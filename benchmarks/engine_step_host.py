@@ -94,7 +94,11 @@ def build_model(path: Path) -> Path:
 def measure(src: Path, settings: dict) -> dict:
     env = {**os.environ, "PYTHONPATH": str(src.resolve()), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-c", WORKER, json.dumps(settings)], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", WORKER, json.dumps(settings)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     if proc.returncode != 0:
         raise RuntimeError(f"the worker for {src} failed:\n{proc.stderr[-3000:]}")
@@ -102,7 +106,9 @@ def measure(src: Path, settings: dict) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--src", type=Path, action="append", help="source tree(s) to measure (default: src)")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=8)
@@ -129,8 +135,12 @@ def main() -> None:
         f"\nengine step on CPU, negligible model: batch {args.batch}, {args.prompt_len} prompt + "
         f"{args.output_len} output tokens, temperature {args.temperature}; best of {args.repeats} runs (each its median step)"
     )
-    print(f"| {'source':<36} | prefix cache | bookkeeping µs/step | CPU µs/step | wall µs/step | runs (bookkeeping µs) |")
-    print(f"|{'-' * 38}|--------------|---------------------|-------------|--------------|-----------------------|")
+    print(
+        f"| {'source':<36} | prefix cache | bookkeeping µs/step | CPU µs/step | wall µs/step | runs (bookkeeping µs) |"
+    )
+    print(
+        f"|{'-' * 38}|--------------|---------------------|-------------|--------------|-----------------------|"
+    )
     rows = []
     for (src, cache), results in runs.items():
         host = min(r["host_us"] for r in results)
@@ -139,8 +149,16 @@ def main() -> None:
         spread = " / ".join(f"{r['host_us']:.0f}" for r in results)
         cached = "on" if cache else "off"
         print(f"| {str(src):<36} | {cached:<12} | {host:19.0f} | {cpu:11.0f} | {wall:12.0f} | {spread} |")
-        rows.append({"src": str(src), "prefix_caching": cache, "host_us": host, "cpu_us": cpu, "wall_us": wall,
-                     "runs": results})
+        rows.append(
+            {
+                "src": str(src),
+                "prefix_caching": cache,
+                "host_us": host,
+                "cpu_us": cpu,
+                "wall_us": wall,
+                "runs": results,
+            }
+        )
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
 

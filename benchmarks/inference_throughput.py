@@ -289,7 +289,9 @@ def run_load(
         result["engine_steps"] = steps_after - steps_before  # (the clients' warm-up requests included)
     result["client_start_spread_s"] = last_sent - first_sent
     if cpu_before is not None:
-        total, loop = (1e6 * (b - a) / tokens for a, b in zip(cpu_before, process_cpu_seconds(server_pid)))
+        total, loop = (
+            1e6 * (b - a) / tokens for a, b in zip(cpu_before, process_cpu_seconds(server_pid), strict=True)
+        )
         result["server_cpu_us_per_token"] = total
         result["server_event_loop_cpu_us_per_token"] = loop
     if stream:
@@ -397,7 +399,9 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, vocab, (args.num_requests, args.prompt_len), generator=generator).tolist()
     # the second phase's prompts share nothing with the first's (no prefix-cache hits between them)
-    other_prompts = torch.randint(3, vocab, (args.num_requests, args.prompt_len), generator=generator).tolist()
+    other_prompts = torch.randint(
+        3, vocab, (args.num_requests, args.prompt_len), generator=generator
+    ).tolist()
     setup = {
         "device": torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)",
         "model": str(model),

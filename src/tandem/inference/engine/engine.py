@@ -91,7 +91,9 @@ class AsyncEngine:
         remaining = n
         try:
             await self._call(
-                lambda: self.core.add_request(request_id, prompt_token_ids, params, n, stream, stream_interval_s)
+                lambda: self.core.add_request(
+                    request_id, prompt_token_ids, params, n, stream, stream_interval_s
+                )
             )
             while remaining:
                 merged: dict[int, SampleUpdate] = {}
