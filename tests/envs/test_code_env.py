@@ -3,12 +3,21 @@ reward hacks and hostile programs score 0, and rollouts against a real server ca
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from tandem.config.loader import ConfigError
-from tandem.envs.code_env import CodeEnv, CodeTask, extract_code, run_tests, same, synthetic_problems
+from tandem.envs.code_env import (
+    PROBLEMS_FILE,
+    CodeEnv,
+    CodeTask,
+    extract_code,
+    run_tests,
+    same,
+    synthetic_problems,
+)
 from tandem.envs.registry import load_environment
 from tandem.envs.sandbox import Limits, Sandbox, SandboxError
 from tandem.models.loading import load_tokenizer
@@ -96,12 +105,12 @@ def test_partial_credit_is_the_fraction_of_tests_passed(env: CodeEnv) -> None:
             "an object equal to everything cannot leave the sandbox",
         ),
         ("def add_digits(n):\n    return n > 0", "True is not 1"),
-        ("import os\nos.system('rm -rf /')\ndef add_digits(n):\n    return 6", "hostile"),
+        ("import os\nos.system('rm -rf /')\ndef add_digits(n):\n    return -1", "hostile"),
         ("import socket\nsocket.create_connection(('127.0.0.1', 80))", "network"),
         ("x = bytearray(10 * 1024**3)", "memory"),
         ("import os\nwhile True:\n    os.fork()", "fork bomb"),
         (
-            "open('/tmp/tandem-code-escape', 'w').write('x')\ndef add_digits(n):\n    return 6",
+            "open('/tmp/tandem-code-escape', 'w').write('x')\ndef add_digits(n):\n    return -1",
             "write outside",
         ),
         ("while True:\n    pass", "loops forever"),
@@ -126,10 +135,66 @@ def test_a_timeout_keeps_the_tests_passed_before_it(env: CodeEnv) -> None:
 
 def test_a_broken_sandbox_fails_the_rollout_instead_of_scoring_zero() -> None:
     env = CodeEnv(CodeEnv.Args(timeout_s=3.0))
-    env.sandbox = Sandbox(Limits(open_files=3))  # the runner cannot even import ctypes
+    env.sandbox = Sandbox(Limits(disk_mb=1))  # the job's files cannot even be written
     task = task_named(env, "add_digits")
-    with pytest.raises(SandboxError, match="task add_digits: sandbox set-up failed"):
-        score(env, task, "def add_digits(n):\n    return 6")
+    with pytest.raises(SandboxError, match="task add_digits: "):
+        score(env, task, "def add_digits(n):\n    return 6\n" + "#" * (2 << 20))
+
+
+ANSWER_KEY = f"""
+import json
+expected = {{}}
+for line in open({str(PROBLEMS_FILE)!r}):
+    problem = json.loads(line)
+    for test in problem["tests"]:
+        expected[json.dumps(test["args"])] = test["expected"]
+def add_digits(n):
+    return expected[json.dumps([n])]
+"""
+ESCAPES = {
+    "reads the answer key": ANSWER_KEY,
+    "remounts and writes outside": (
+        "import ctypes\nlibc = ctypes.CDLL(None)\nlibc.mount(None, b'/', None, 0x21020, None)\n"
+        "libc.umount2(b'/proc', 2)\nopen('OUTSIDE', 'w').write('x')\n"
+    ),
+    "unix socket to an outside listener": (
+        "import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect('SOCKET')\ns.sendall(b'6')\n"
+    ),
+    "host processes": (
+        "import os\nfor p in os.listdir('/proc'):\n    if p.isdigit() and p != '1':\n"
+        "        os.kill(int(p), 9)\nos.kill(PID, 9)\n"
+    ),
+    "fills the disk": ("n = 0\nwhile True:\n    open(f'f{n}', 'wb').write(b'x' * (1 << 20))\n    n += 1\n"),
+    "directory fd": "import os\nroot = os.open('/', os.O_RDONLY)\nos.open('x', os.O_CREAT | os.O_WRONLY, dir_fd=root)\n",
+    "signals its parent": "import os\nos.kill(os.getppid(), 9)\nos.kill(PID, 9)\nos.kill(-1, 9)\n",
+}
+
+
+def test_each_escape_class_scores_zero_writes_nothing_and_the_run_goes_on(
+    env: CodeEnv, tmp_path: Path
+) -> None:
+    import socket
+
+    task = task_named(env, "add_digits")
+    outside, path = tmp_path / "escaped.txt", tmp_path / "listener.sock"
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(path))
+        listener.listen()
+        listener.settimeout(0.1)
+        for why, code in ESCAPES.items():
+            code = (
+                code.replace("OUTSIDE", str(outside))
+                .replace("SOCKET", str(path))
+                .replace("PID", str(os.getpid()))
+            )
+            wrapped = code if "def add_digits" in code else code + "def add_digits(n):\n    return -1\n"
+            reward, metrics = score(env, task, wrapped)
+            assert reward == 0.0 and metrics["passed_all"] == 0.0, why
+        with pytest.raises(TimeoutError):
+            listener.accept()
+    assert not outside.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["listener.sock"]
+    reward, _ = score(env, task, task.solution)  # and the run goes on
+    assert reward == 1.0
 
 
 def test_answers_without_a_code_block_score_zero_without_running(env: CodeEnv) -> None:

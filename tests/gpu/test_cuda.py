@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine.api import SamplingParams
 from tandem.inference.engine.core import EngineCore
+from tandem.models.layers.chunked_head import chunked_logprobs
 from tandem.models.tiny import build_tiny_model
-from tandem.trainer.logprobs import chunked_logprobs
 
 pytestmark = [
     pytest.mark.gpu,

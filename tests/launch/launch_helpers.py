@@ -16,6 +16,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def tiny_rl_config(model: Path, run_dir: Path, max_steps: int, extra: str = "") -> str:
+    """The TOML of a small CPU RL run: a tiny model, 4 samples of at most 8 tokens per step."""
+    return f"""
+seq_len = 96
+max_steps = {max_steps}
+run_dir = "{run_dir}"
+[model]
+name = "{model}"
+[deployment]
+startup_timeout_s = 240
+shutdown_grace_s = 5
+[inference]
+port = {free_port()}
+[orchestrator]
+batch_size = 4
+group_size = 2
+micro_batch_tokens = 256
+[orchestrator.sampling]
+max_tokens = 8
+[trainer.weights]
+keep = 2
+{extra}
+"""
+
+
 def child(mode: str, *args: object) -> list[str]:
     """argv of a stand-in process from children.py."""
     return [sys.executable, CHILDREN, mode, *(str(a) for a in args)]

@@ -241,7 +241,10 @@ def test_refuses_missing_model_used_run_dir_and_taken_port(
     with pytest.raises(SystemExit) as exit_info:
         main(base)
     assert exit_info.value.code == 2
-    assert "already holds rollouts up to step 0: pass --resume" in capsys.readouterr().err
+    assert (
+        "already holds rollouts up to step 0: pass --resume to continue that run (from step 0"
+        in capsys.readouterr().err
+    )
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -15,10 +15,12 @@ from tandem.cli import UserError
 from tandem.config.loader import ConfigError, build_config
 from tandem.envs.base import Environment, StitchError, Trajectory, Turn, stitch
 from tandem.envs.registry import load_environment
+from tandem.models.loading import load_tokenizer
 from tandem.models.tiny import build_tiny_model
 from tandem.orchestrator.client import InferenceClient, ServerPool, ServerUnavailable
 from tandem.orchestrator.config import ClientConfig, OrchestratorConfig
-from tandem.orchestrator.loop import check_prompt_lengths, first_step
+from tandem.orchestrator.loop import first_step, prompt_tokens
+from tandem.orchestrator.prompt_check import check_prompt_lengths, local_token_counters
 from tandem.orchestrator.rollouts import RolloutCollector, RolloutsFailing
 from tandem.orchestrator.tasks import step_task_order
 from tandem.transport.rollouts import pack_samples, write_step
@@ -135,7 +137,7 @@ def test_samples_carry_advantages_versions_and_pack_into_rank_files(tmp_path: Pa
     )
     assert sorted(p.name for p in directory.iterdir()) == ["READY", "rank_0.bin", "rank_1.bin"]
     assert first_step(cfg.model_copy(update={"resume": True})) == 1
-    with pytest.raises(UserError, match="already holds steps up to 0: pass --resume"):
+    with pytest.raises(UserError, match="already holds rollouts up to step 0: pass --resume"):
         first_step(cfg)
 
 
@@ -200,10 +202,17 @@ def test_bad_settings_fail_at_start_with_one_line(tmp_path: Path) -> None:
     cfg = config(
         tmp_path, model={"name": str(model)}, seq_len=40, micro_batch_tokens=40, sampling={"max_tokens": 16}
     )
-    with pytest.raises(
-        UserError, match=r"seq_len 40 cannot fit one sample: prompt of task .* has \d+ tokens"
-    ):
-        check_prompt_lengths(load_environment("reverse_text", {"num_train_tasks": 50}), cfg)
+    env = load_environment("reverse_text", {"num_train_tasks": 50})
+    counters = local_token_counters(str(model))  # the launcher's, without torch
+    tokenizer = load_tokenizer(str(model))
+    assert counters is not None and all(
+        counters[0](env.prompt(t)) == prompt_tokens(tokenizer, env.prompt(t)) for t in env.dataset("train")
+    )
+    for check in [(), counters]:  # the orchestrator's exact check, then the launcher's
+        with pytest.raises(
+            UserError, match=r"seq_len 40 cannot fit one sample: prompt of task .* has \d+ tokens"
+        ):
+            check_prompt_lengths(env, cfg, *(check or [lambda m: prompt_tokens(tokenizer, m)]))
     result = subprocess.run(
         [
             sys.executable,

@@ -1,5 +1,6 @@
 """FSDP2 on two CPU processes (torchrun, gloo) trains exactly like one process."""
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -50,3 +51,30 @@ def test_two_ranks_match_one(tmp_path: Path) -> None:
         torch.testing.assert_close(sharded[name], weight, rtol=0, atol=1e-5)
     initial = AutoModelForCausalLM.from_pretrained(model).state_dict()
     assert any(not torch.equal(initial[n], w) for n, w in reference.items()), "training changed nothing"
+
+
+def test_resume_on_another_world_size(tmp_path: Path) -> None:
+    """A checkpoint written by 2 ranks resumes on 1 (DCP reshards): the same losses as 1 rank throughout."""
+    model = tiny_model(tmp_path)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    args = sft_args(model, tmp_path / "moved", steps=6, **{"ckpt.interval": 3})
+    done = subprocess.run(
+        [*launch, "-m", "tandem.trainer.sft.cli", *args], capture_output=True, text=True, env=ENV, timeout=400
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    shutil.rmtree(tmp_path / "moved" / "checkpoints" / "step_6")  # as if the 2-rank run had died after step 3
+    _, overrides, _ = split_args([*args, "--resume"])
+    train(build_config(SFTConfig, overrides=overrides))
+    _, overrides, _ = split_args(sft_args(model, tmp_path / "one", steps=6))
+    train(build_config(SFTConfig, overrides=overrides))
+
+    one = {
+        r["step"]: r["loss"] for r in read_metrics(tmp_path / "one" / "metrics.jsonl", "sft") if "loss" in r
+    }
+    # a step logged twice (by the 2-rank run, then after the resume) keeps its last value
+    moved = {
+        r["step"]: r["loss"] for r in read_metrics(tmp_path / "moved" / "metrics.jsonl", "sft") if "loss" in r
+    }
+    assert sorted(moved) == sorted(one) == list(range(1, 7))
+    for step in one:
+        assert abs(one[step] - moved[step]) <= 1e-5, step

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from tandem.config import ModelConfig
+from tandem.models.layers.chunked_head import chunked_logprobs
 from tandem.models.loading import load_model
 from tandem.models.tiny import build_tiny_model
-from tandem.trainer.logprobs import chunked_logprobs, sequence_logprobs
+from tandem.trainer.logprobs import sequence_logprobs
 
 
 def naive(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float):

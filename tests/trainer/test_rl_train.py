@@ -11,7 +11,6 @@ import torch
 from rl_helpers import sample_reverse_text, small_model, write_rollouts
 from transformers import AutoModelForCausalLM
 
-from tandem.cli import UserError
 from tandem.config import build_config
 from tandem.models.loading import load_tokenizer
 from tandem.monitor.metrics import read_metrics
@@ -110,9 +109,32 @@ def test_cli_reports_a_rollout_timeout_in_one_line(model_dir: Path, tmp_path: Pa
     )
 
 
-def test_resume_without_checkpoint_is_a_user_error(model_dir: Path, tmp_path: Path) -> None:
-    with pytest.raises(UserError, match="holds no checkpoint"):
-        train(trainer_config(model_dir, tmp_path, resume=True))
+def test_a_run_stopped_before_its_first_checkpoint_resumes_from_step_0(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """It trains the same steps again from the same rollouts, to the same weights; metrics.jsonl
+    keeps both attempts and marks the second's records as repeats."""
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = load_tokenizer(str(model_dir))
+    for step in range(2):
+        write_rollouts(
+            tmp_path, step, sample_reverse_text(base, tokenizer, 2, 2, TEMPERATURE, 8, seed=step), TEMPERATURE
+        )
+    cfg = trainer_config(model_dir, tmp_path, max_steps=2, **{"ckpt.interval": 5})
+    first = train(cfg)
+    first_weights = AutoModelForCausalLM.from_pretrained(weights_dir(tmp_path, 2)).state_dict()
+    again = train(cfg.model_copy(update={"resume": True}))
+    assert again["loss"] == first["loss"]
+    for name, weight in AutoModelForCausalLM.from_pretrained(weights_dir(tmp_path, 2)).state_dict().items():
+        torch.testing.assert_close(weight, first_weights[name], rtol=0, atol=0)
+    records = read_metrics(tmp_path / "metrics.jsonl", "trainer")
+    assert [(r["step"], r.get("repeated", False), r.get("attempt", 1)) for r in records] == [
+        (0, False, 1),
+        (1, False, 1),
+        (0, True, 2),
+        (1, True, 2),
+    ]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl", "trainer", latest=True)] == [0, 1]
 
 
 @pytest.mark.parametrize(

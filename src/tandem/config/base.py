@@ -6,9 +6,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class Section(BaseModel):
-    """A config section. Unknown keys are errors; values are validated on assignment too."""
+    """A config section. Unknown keys are errors; values are validated on assignment too; inf and
+    nan are refused wherever a number is expected (no setting means "infinite")."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, validate_default=True, allow_inf_nan=False
+    )
 
 
 class ModelConfig(Section):
@@ -19,8 +22,18 @@ class ModelConfig(Section):
         "auto", description="Weight dtype; auto = bfloat16 on GPU, float32 on CPU."
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available.")
+    impl: Literal["auto", "tandem", "hf"] = Field(
+        "auto",
+        description="Trainer model code: tandem's own implementation of the checkpoint's model type "
+        "(qwen3, qwen3_moe), transformers' (hf), or auto = tandem's when the type has one.",
+    )
+    attention: Literal["auto", "flex", "varlen", "sdpa", "sdpa_docs"] = Field(
+        "auto",
+        description="Packed-sequence attention of tandem's models: auto = the fastest measured on CUDA, "
+        "sdpa on CPU (docs/trainer.md).",
+    )
     attn_implementation: Literal["sdpa", "eager", "flex_attention"] = Field(
-        "sdpa", description="Attention implementation transformers uses for this model."
+        "sdpa", description="Attention implementation transformers uses for this model (model.impl = hf)."
     )
     trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint's repository.")
 

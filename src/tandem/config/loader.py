@@ -57,6 +57,10 @@ def read_toml(path: Path) -> dict:
             return normalise_keys(tomllib.load(f))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"malformed TOML in {path}: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})"
+        ) from None
 
 
 def parse_value(text: str) -> Any:

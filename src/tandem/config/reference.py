@@ -48,12 +48,20 @@ def default_text(field: Any) -> str:
     return "`" + json.dumps(value, default=str) + "`"
 
 
+def section_class(annotation: Any) -> type[BaseModel] | None:
+    """The config class of a section field (`X` or an optional `X | None`), else None."""
+    if get_origin(annotation) in (Union, UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        annotation = args[0] if len(args) == 1 else None
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
 def section_rows(cls: type[BaseModel], prefix: str = "") -> list[str]:
     rows, nested = [], []
     for name, field in cls.model_fields.items():
         annotation = field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            nested.append((f"{prefix}{name}.", annotation))
+        if (section := section_class(annotation)) is not None:
+            nested.append((f"{prefix}{name}.", section))
             continue
         doc = (field.description or "").replace("|", "\\|").replace("\n", " ")
         rows.append(f"| `{prefix}{name}` | {type_name(annotation)} | {default_text(field)} | {doc} |")

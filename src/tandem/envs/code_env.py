@@ -12,8 +12,10 @@ letter 'x' occurs in s", with random constants and arguments; held-out problems 
 The answer is the last ```python (or bare ```) block of the model's final message. It runs as
 `solution.py` in a `tandem.envs.sandbox.Sandbox` next to a harness that calls the entry point
 on each test's arguments and prints each result as JSON as soon as it has it (so tests passed
-before a timeout still count). The expected values never enter the sandbox: results are compared
-here, strictly by type (True is not 1, tuples come back as lists), floats within 1e-6 relative.
+before a timeout still count). Only the arguments enter the sandbox: the expected values, the
+problems file and tandem itself lie on no path the program can open (the sandbox's root holds
+the interpreter alone), and results are compared here, strictly by type (True is not 1, tuples
+come back as lists), floats within 1e-6 relative.
 
 Reward = fraction of tests passed; a sandbox that fails to set up raises `SandboxError` (the
 rollout fails and is logged) rather than scoring the answer 0. Metrics: `has_code`, `passed_all` (binary success, for pass@k),
@@ -32,13 +34,13 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import Field
 
 from tandem.config.base import Section
 from tandem.envs.base import Message, RewardFunction, SingleTurnEnv, Split, Trajectory, last_content
-from tandem.envs.sandbox import Limits, Sandbox, SandboxError
+from tandem.envs.sandbox import Isolation, Limits, Sandbox, SandboxError
 from tandem.orchestrator.client import InferenceClient
 from tandem.orchestrator.config import SamplingConfig
 
@@ -246,8 +248,11 @@ class CodeEnv(SingleTurnEnv):
         max_concurrent: int = Field(
             max(1, os.cpu_count() or 1), gt=0, description="Programs running at once in this process."
         )
-        isolation: Literal["auto", "require", "off"] = Field(
-            "auto", description="Namespace isolation of the sandbox: auto (if available), require, off."
+        disk_mb: int = Field(64, ge=1, description="Disk space of one program (its whole job directory).")
+        isolation: Isolation = Field(
+            "auto",
+            description="Sandbox isolation: auto (namespaces, else bubblewrap, else refuse), namespaces, "
+            "bubblewrap, or unsafe-local (no isolation: trusted code only).",
         )
 
     def __init__(self, args: Args | None = None) -> None:
@@ -262,7 +267,12 @@ class CodeEnv(SingleTurnEnv):
                 f"env.args: {len(problems)} problems leave a split empty with eval_every={a.eval_every}"
             )
         self.splits["train"] += synthetic_problems(a.synthetic_tasks, a.data_seed)
-        limits = Limits(wall_seconds=a.timeout_s, cpu_seconds=math.ceil(a.timeout_s), memory_mb=a.memory_mb)
+        limits = Limits(
+            wall_seconds=a.timeout_s,
+            cpu_seconds=math.ceil(a.timeout_s),
+            memory_mb=a.memory_mb,
+            disk_mb=a.disk_mb,
+        )
         self.sandbox = Sandbox(limits, a.max_concurrent, a.isolation)
 
     @property

@@ -1,24 +1,28 @@
-"""`uv run rl @ examples/reverse_text/rl.toml [--resume] [--dry-run]`: one RL run on one machine.
+"""`uv run rl @ examples/reverse_text/rl.toml [--resume] [--dry-run] [--k8s]`: one RL run.
 
-Writes the resolved per-process configs to run_dir/configs/, starts the inference server(s),
+On one machine by default. With a [slurm] section it renders an sbatch script and submits it;
+with --k8s or a [kubernetes] section it renders Kubernetes manifests (docs/scaling.md).
+
+Checks everything it can first (launch/preflight.py; also under --dry-run), in one line per
+problem and without importing torch. Then writes the resolved per-process configs to
+run_dir/configs/, starts the inference server(s),
 waits for their /health, then starts the trainer and the orchestrator, streaming every line to
 the console and to run_dir/logs/<name>.log. Exits 0 when trainer and orchestrator finish; when
 any process fails, stops the rest and shows the failed one's last lines.
 """
 
 import shlex
-import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from tandem.cli import UserError, run_cli
 from tandem.config.loader import parse_config, to_toml
-from tandem.launch.config import RLConfig
+from tandem.launch.config import KubernetesConfig, RLConfig
 from tandem.launch.devices import visible_gpus
 from tandem.launch.plan import RunPlan, plan_run
-from tandem.launch.supervisor import Console, Supervisor
-from tandem.models.loading import check_model_source
+from tandem.launch.preflight import preflight
+from tandem.launch.supervisor import Console
 
 PROG = "rl"
 
@@ -35,48 +39,15 @@ def describe(plan: RunPlan) -> str:
     return to_toml(plan.config) + "\n" + "\n".join(lines) + "\n"
 
 
-def preflight(plan: RunPlan) -> None:
-    """Fail before starting anything on a missing model, a used run directory or a taken port."""
-    check_model_source(plan.orchestrator.model.name)
-    if not plan.config.resume:
-        from tandem.transport.rollouts import written_steps
-
-        if done := written_steps(plan.config.run_dir):
-            raise UserError(
-                f"{plan.config.run_dir} already holds rollouts up to step {done[-1]}: pass --resume to "
-                "continue that run, or choose another run_dir"
-            )
-    for cfg in plan.inference:
-        with socket.socket() as probe:
-            probe.setsockopt(
-                socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
-            )  # as the server will: TIME_WAIT is free
-            try:
-                probe.bind((cfg.host, cfg.port))
-            except OSError as e:
-                raise UserError(
-                    f"port {cfg.port} on {cfg.host} is taken ({e.strerror}); stop what uses it or set "
-                    "deployment.inference_ports / inference.port"
-                ) from None
-
-
 def latest_weights(run_dir: Path) -> Path | None:
     published = [p for p in (run_dir / "weights").glob("step_*") if (p / "STABLE").is_file()]
     return max(published, key=lambda p: int(p.name.removeprefix("step_")), default=None)
 
 
 def launch(plan: RunPlan) -> int:
-    preflight(plan)
+    preflight(plan, create=True)
     plan.write_configs()
-    console = Console()
-    supervisor = Supervisor(
-        plan.specs(),
-        plan.log_dir,
-        startup_timeout_s=plan.config.deployment.startup_timeout_s,
-        shutdown_grace_s=plan.config.deployment.shutdown_grace_s,
-        console=console,
-        prog=PROG,
-    )
+    supervisor = plan.supervisor(Console(), PROG)
     supervisor.say(f"run_dir {plan.config.run_dir}; configs in {plan.config_dir}")
     code = supervisor.run()
     if code == 0:
@@ -88,13 +59,38 @@ def launch(plan: RunPlan) -> int:
     return code
 
 
+def submit_to_scheduler(config: RLConfig, k8s: bool, dry_run: bool) -> None:
+    """Hand the run to Slurm (sbatch) or write Kubernetes manifests; nothing starts here."""
+    console = Console()
+
+    def say(text: str) -> None:
+        console.line(PROG, text)
+
+    if config.slurm is not None and (k8s or config.kubernetes is not None):
+        raise UserError("the config has both [slurm] and [kubernetes] (or --k8s): choose one")
+    if config.slurm is not None:
+        from tandem.launch.slurm import submit
+
+        submit(config, config.slurm, dry_run, say)
+    else:
+        from tandem.launch.kubernetes import write_manifests
+
+        write_manifests(config, config.kubernetes or KubernetesConfig(), say)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     def run() -> None:
         args = list(sys.argv[1:] if argv is None else argv)
         dry_run = any(a in ("--dry-run", "--dry_run") for a in args)
-        args = [a for a in args if a not in ("--dry-run", "--dry_run")]
-        plan = plan_run(parse_config(RLConfig, args, prog=PROG), visible_gpus())
+        k8s = "--k8s" in args
+        args = [a for a in args if a not in ("--dry-run", "--dry_run", "--k8s")]
+        config = parse_config(RLConfig, args, prog=PROG)
+        if k8s or config.slurm is not None or config.kubernetes is not None:
+            submit_to_scheduler(config, k8s, dry_run)
+            return
+        plan = plan_run(config, visible_gpus())
         if dry_run:
+            preflight(plan, create=False)
             print(describe(plan), end="")
             return
         code = launch(plan)

@@ -1,7 +1,7 @@
 """Configuration of the `rl` launcher: the three processes' sections plus how to deploy them."""
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -12,7 +12,10 @@ from tandem.trainer.rl.config import RLTrainerConfig
 
 
 class DeploymentConfig(Section):
-    """How many processes run where. GPU ids are as CUDA_VISIBLE_DEVICES names them."""
+    """How many processes run where on one machine. GPU ids are as CUDA_VISIBLE_DEVICES names them.
+
+    With several nodes ([cluster] inference_nodes > 0) only the timeouts and cpu_threads apply.
+    """
 
     inference_servers: int | None = Field(
         None, gt=0, description="Inference servers; default: one per inference GPU (one on CPU)."
@@ -69,8 +72,126 @@ class DeploymentConfig(Section):
         return ports
 
 
+class ClusterConfig(Section):
+    """Which nodes run what (docs/scaling.md). The launcher derives every address from this and
+    the nodes' host names: server URLs, the trainer's rendezvous endpoint, the weights group."""
+
+    inference_nodes: int = Field(
+        0,
+        ge=0,
+        description="Nodes that run only inference servers; 0 = one node runs everything, its devices "
+        "split as [deployment] says.",
+    )
+    servers_per_node: int | None = Field(
+        None,
+        gt=0,
+        description="Inference servers on each inference node; default: one per GPU (one on CPU nodes).",
+    )
+    trainer_nodes: int = Field(1, gt=0, description="Nodes that run the trainer (torchrun, one agent each).")
+    trainer_ranks_per_node: int | None = Field(
+        None,
+        gt=0,
+        description="Trainer ranks on each trainer node; default: one per GPU (one on CPU nodes).",
+    )
+    gpus_per_node: int | None = Field(
+        None,
+        ge=0,
+        description="GPUs of every node (what Slurm and Kubernetes request); default: none requested, "
+        "and a node uses the GPUs it sees.",
+    )
+    orchestrator_node: Literal["inference", "trainer", "own"] = Field(
+        "inference",
+        description="Where the orchestrator runs: on the first inference node, the first trainer node, or "
+        "a node of its own (the last one). On Kubernetes it always has a pod of its own, placed beside "
+        "the first inference or trainer pod unless 'own'.",
+    )
+    hosts: list[str] | None = Field(
+        None,
+        description="Host name or address of each node: inference nodes first, then trainer nodes (then "
+        "the orchestrator's own node). Slurm and Kubernetes fill this in; give it for runs without a "
+        "scheduler.",
+    )
+    rdzv_port: int = Field(
+        29400,
+        gt=0,
+        lt=65535,
+        description="The trainer's c10d rendezvous on the first trainer node; the node roll call uses "
+        "the port after it.",
+    )
+    weights_group_port: int = Field(
+        29500,
+        gt=0,
+        lt=65536,
+        description="Port of the weight-transfer group's address on the first trainer node.",
+    )
+    join_timeout_s: float = Field(
+        600, gt=0, description="How long each node waits for every other node to join the roll call."
+    )
+
+    @field_validator("hosts", mode="before")
+    @classmethod
+    def comma_separated(cls, value: Any) -> Any:
+        """Accept `a,b,c` (what the sbatch script passes) as well as a list."""
+        if isinstance(value, str):
+            return [h.strip() for h in value.split(",") if h.strip()]
+        return value
+
+
+class SlurmConfig(Section):
+    """`rl @ cfg.toml` renders an sbatch script from these (and [cluster]) and submits it."""
+
+    partition: str | None = Field(None, description="#SBATCH --partition.")
+    account: str | None = Field(None, description="#SBATCH --account.")
+    time: str | None = Field(None, description="#SBATCH --time, e.g. '04:00:00'.")
+    job_name: str | None = Field(None, description="#SBATCH --job-name; default: tandem-<run_dir's name>.")
+    exclusive: bool = Field(True, description="#SBATCH --exclusive: the job has its nodes to itself.")
+    sbatch: list[str] = Field(
+        [], description="Extra #SBATCH lines, e.g. ['--qos=high', '--mem=0'] (the '#SBATCH ' is added)."
+    )
+    env: dict[str, str] = Field({}, description="Environment variables exported in the job, on every node.")
+    setup: list[str] = Field(
+        [], description="Shell lines run before the launcher (module load ..., source venv/bin/activate)."
+    )
+    python: str | None = Field(
+        None, description="Python that runs tandem on the nodes; default: the one running `rl`."
+    )
+    template: Path | None = Field(
+        None, description="Your own Jinja2 sbatch template (it may extend the packaged ones)."
+    )
+
+
+class KubernetesConfig(Section):
+    """`rl @ cfg.toml --k8s` (or this section) renders manifests into `output_dir`."""
+
+    image: str = Field("tandem:latest", description="Container image with tandem installed.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="When the nodes pull the image."
+    )
+    namespace: str = Field("default", description="Namespace of every resource.")
+    name: str | None = Field(
+        None, description="Prefix of every resource's name; default: tandem-<run_dir's name>."
+    )
+    output_dir: Path | None = Field(None, description="Where the manifests go; default: run_dir/kubernetes.")
+    mount_path: str = Field(
+        "/data", description="Where the shared volume is mounted in every pod; run_dir lives on it."
+    )
+    volume_claim: str | None = Field(
+        None, description="An existing ReadWriteMany claim to use; default: the manifests create one."
+    )
+    storage_size: str = Field("100Gi", description="Size of the created claim.")
+    storage_class: str | None = Field(
+        None, description="Storage class of the created claim (must offer RWX)."
+    )
+    gpu_resource: str = Field("nvidia.com/gpu", description="Resource name of a GPU in the cluster.")
+    cpu: str | None = Field(None, description="CPU request and limit of every pod, e.g. '32'.")
+    memory: str | None = Field(None, description="Memory request and limit of every pod, e.g. '256Gi'.")
+    shm_size: str = Field("16Gi", description="Size of the in-memory /dev/shm (NCCL, dataloaders).")
+    env: dict[str, str] = Field({}, description="Environment variables of every container.")
+    node_selector: dict[str, str] = Field({}, description="nodeSelector of every pod.")
+
+
 class RLConfig(Section):
-    """One RL run on one machine: inference server(s), orchestrator and trainer.
+    """One RL run: inference server(s), orchestrator and trainer, on one machine or several nodes.
 
     The top-level fields are written once and flow into every section that leaves them unset;
     the launcher itself fills in what connects the processes (server URLs, ranks, run_dir, resume).
@@ -87,6 +208,13 @@ class RLConfig(Section):
     seed: int = Field(0, description="Seed of every process (task order, sampling, initialisation).")
     resume: bool = Field(False, description="Continue the run in run_dir (orchestrator and trainer).")
     deployment: DeploymentConfig = DeploymentConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    slurm: SlurmConfig | None = Field(
+        None, description="Run through Slurm: `rl` renders an sbatch script and submits it."
+    )
+    kubernetes: KubernetesConfig | None = Field(
+        None, description="Run on Kubernetes: `rl` renders manifests to apply with kubectl."
+    )
     inference: InferenceConfig = InferenceConfig()
     orchestrator: OrchestratorConfig = OrchestratorConfig()
     trainer: RLTrainerConfig = RLTrainerConfig()

@@ -6,6 +6,9 @@ serves inference, the rest trains, unless `inference_gpus` / `trainer_gpus` say 
 Inference GPUs are split evenly over the servers (by default one server per GPU); the trainer
 runs one rank per GPU.
 
+On a node of a multi-node run (tandem.launch.cluster) the node has one role: an inference node
+splits its GPUs evenly over its servers, a trainer node runs one rank per GPU.
+
 GPU ids are the names `CUDA_VISIBLE_DEVICES` uses; each child gets its own list in that variable.
 """
 
@@ -33,11 +36,16 @@ class DeviceAssignment:
         return any(set(gpus) & set(self.trainer) for gpus in self.inference)
 
 
+NVIDIA_DRIVER = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvidia0")
+
+
 def visible_gpus() -> list[str]:
     """The GPUs this launcher may hand out: its own CUDA_VISIBLE_DEVICES, else all it can count."""
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
     if listed is not None:
         return [g.strip() for g in listed.split(",") if g.strip() and g.strip() != "-1"]
+    if not any(os.path.exists(p) for p in NVIDIA_DRIVER):
+        return []  # no driver, no GPU: and no need to import torch (seconds) to learn it
     import torch
 
     return [str(i) for i in range(torch.cuda.device_count())]
@@ -67,6 +75,31 @@ def assign_devices(
         )
     servers = _server_gpus(inference, num_servers)
     return DeviceAssignment(servers, trainer, _trainer_nproc(trainer, trainer_nproc))
+
+
+def assign_node_devices(
+    visible: list[str], gpus_per_node: int | None, role: str, servers: int, ranks: int, node: str
+) -> DeviceAssignment:
+    """One node of a multi-node run: `servers` inference servers, or `ranks` trainer ranks, or
+    (an orchestrator's own pod) nothing on a GPU."""
+    if role == "orchestrator":
+        return DeviceAssignment([], [], 0)
+    if gpus_per_node is None:
+        if visible:
+            raise ConfigError(
+                f"{node} sees {len(visible)} GPU(s) ({', '.join(visible)}) but cluster.gpus_per_node is not "
+                "set: the other nodes' addresses depend on it, so give every node's GPU count"
+            )
+        visible = []
+    elif len(visible) < gpus_per_node:
+        shown = ", ".join(visible) or "none"
+        raise ConfigError(
+            f"{node} sees {len(visible)} GPU(s) ({shown}), fewer than cluster.gpus_per_node = {gpus_per_node}"
+        )
+    gpus = visible[: gpus_per_node or 0]
+    if role == "inference":
+        return DeviceAssignment(_server_gpus(gpus, servers), [], 0)
+    return DeviceAssignment([], gpus, ranks)
 
 
 def _default_split(

@@ -1,13 +1,15 @@
-"""From one RLConfig to the per-process configs and commands of a run.
+"""From one RLConfig to the per-process configs and commands of a run, or of one node's share.
 
 The launcher owns the fields that connect the processes: each server's port, the orchestrator's
 server URLs and rank count, run_dir and resume. Top-level shared fields fill every section that
 left them unset; fields that must agree between processes are checked here, so a mismatch is one
-clear line at start rather than a hang later.
+clear line at start rather than a hang later. On several nodes (tandem.launch.cluster) every
+node resolves the whole run the same way and starts only its own processes.
 """
 
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -16,9 +18,10 @@ from pydantic import BaseModel, ValidationError
 
 from tandem.config.loader import ConfigError, deep_merge, format_validation_error, to_toml
 from tandem.inference.config import InferenceConfig
+from tandem.launch.cluster import Cluster, Unit, check_node_shapes, servers_per_node, trainer_ranks_per_node
 from tandem.launch.config import RLConfig
-from tandem.launch.devices import DeviceAssignment, assign_devices
-from tandem.launch.supervisor import ProcessSpec
+from tandem.launch.devices import DeviceAssignment, assign_devices, assign_node_devices
+from tandem.launch.supervisor import Console, ProcessSpec, Supervisor
 from tandem.orchestrator.config import OrchestratorConfig
 from tandem.trainer.rl.config import RLTrainerConfig
 
@@ -45,19 +48,39 @@ class RunPlan:
     orchestrator: OrchestratorConfig
     trainer: RLTrainerConfig
     cpu_threads: int | None = None  # OMP_NUM_THREADS of each server and trainer rank (CPU runs)
+    unit: Unit | None = None  # on several nodes: what this node launcher starts; None: everything
+    cluster: Cluster | None = None
 
     @property
     def config_dir(self) -> Path:
-        return self.config.run_dir / "configs"
+        return self.config.run_dir / "configs" / (self.unit.name if self.unit else "")
 
     @property
     def log_dir(self) -> Path:
-        return self.config.run_dir / "logs"
+        return self.config.run_dir / "logs" / (self.unit.name if self.unit else "")
+
+    @property
+    def runs_trainer(self) -> bool:
+        return self.unit is None or self.unit.role == "trainer"
+
+    @property
+    def runs_orchestrator(self) -> bool:
+        return self.unit is None or self.unit.role == "orchestrator" or self.unit.with_orchestrator
+
+    @property
+    def weights_group_address(self) -> str:
+        """Where the weight-transfer group between trainer rank 0 and the servers rendezvous."""
+        if self.cluster is not None:
+            return self.cluster.weights_group_address
+        return f"127.0.0.1:{self.config.cluster.weights_group_port}"
 
     def files(self) -> dict[str, str]:
-        """run_dir/configs/<name>.toml → its text."""
+        """run_dir/configs/[<unit>/]<name>.toml → its text (this node's processes only)."""
         texts = {f"inference_{i}": to_toml(c) for i, c in enumerate(self.inference)}
-        texts |= {"orchestrator": to_toml(self.orchestrator), "trainer": to_toml(self.trainer)}
+        if self.runs_orchestrator:
+            texts["orchestrator"] = to_toml(self.orchestrator)
+        if self.runs_trainer:
+            texts["trainer"] = to_toml(self.trainer)
         texts["rl"] = to_toml(self.config)
         return texts
 
@@ -70,40 +93,92 @@ class RunPlan:
             tmp.replace(path)
 
     def specs(self) -> list[ProcessSpec]:
-        """The processes to start, servers first, each pinned to its devices."""
+        """The processes to start here, servers first, each pinned to its devices."""
         python = sys.executable
+        weights = {"TANDEM_WEIGHTS_GROUP": self.weights_group_address}
         specs = []
         for i, (cfg, gpus) in enumerate(zip(self.inference, self.devices.inference, strict=True)):
             specs.append(
                 ProcessSpec(
                     f"inference_{i}" if len(self.inference) > 1 else "inference",
                     [python, "-m", INFERENCE_MODULE, "@", str(self.config_dir / f"inference_{i}.toml")],
-                    env={"CUDA_VISIBLE_DEVICES": ",".join(gpus)} | self._threads(),
+                    env={"CUDA_VISIBLE_DEVICES": ",".join(gpus)} | self._threads() | weights,
                     role="service",
-                    health_url=f"{server_url(cfg)}/health",
+                    health_url=f"{local_url(cfg)}/health",
                 )
             )
-        nproc = self.devices.trainer_nproc
-        runner = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-        trainer_argv = [*(runner if nproc > 1 else [python]), "-m", TRAINER_MODULE]
-        specs.append(
-            ProcessSpec(
-                "trainer",
-                [*trainer_argv, "@", str(self.config_dir / "trainer.toml")],
-                env={"CUDA_VISIBLE_DEVICES": ",".join(self.devices.trainer)} | self._threads(),
+        if self.runs_trainer:
+            specs.append(
+                ProcessSpec(
+                    "trainer",
+                    [
+                        *self.trainer_runner(),
+                        "-m",
+                        TRAINER_MODULE,
+                        "@",
+                        str(self.config_dir / "trainer.toml"),
+                    ],
+                    env={"CUDA_VISIBLE_DEVICES": ",".join(self.devices.trainer)} | self._threads() | weights,
+                )
             )
-        )
-        specs.append(
-            ProcessSpec(
-                "orchestrator",
-                [python, "-m", ORCHESTRATOR_MODULE, "@", str(self.config_dir / "orchestrator.toml")],
-                env={"CUDA_VISIBLE_DEVICES": ""},
+        if self.runs_orchestrator:
+            remote = [] if self.unit is None else [f"{url}/health" for url in self.orchestrator.servers]
+            specs.append(
+                ProcessSpec(
+                    "orchestrator",
+                    [python, "-m", ORCHESTRATOR_MODULE, "@", str(self.config_dir / "orchestrator.toml")],
+                    env={"CUDA_VISIBLE_DEVICES": ""},
+                    wait_for=remote,
+                )
             )
-        )
         return specs
+
+    def supervisor(
+        self, console: Console, prog: str, peer_event: Callable[[], tuple[str, str] | None] | None = None
+    ) -> Supervisor:
+        """The supervisor of this plan's processes, with the deployment's timeouts."""
+        return Supervisor(
+            self.specs(),
+            self.log_dir,
+            startup_timeout_s=self.config.deployment.startup_timeout_s,
+            shutdown_grace_s=self.config.deployment.shutdown_grace_s,
+            console=console,
+            prog=prog,
+            peer_event=peer_event,
+        )
+
+    def trainer_runner(self) -> list[str]:
+        """How this node starts its trainer ranks: python, torchrun --standalone, or a torchrun
+        agent of a c10d rendezvous over the trainer nodes."""
+        nnodes = self.cluster.config.trainer_nodes if self.cluster else 1
+        endpoint = self.cluster.rdzv_endpoint if self.cluster else None
+        timeout = self.config.cluster.join_timeout_s
+        return torchrun_command(self.devices.trainer_nproc, nnodes, endpoint, timeout)
 
     def _threads(self) -> dict[str, str]:
         return {} if self.cpu_threads is None else {"OMP_NUM_THREADS": str(self.cpu_threads)}
+
+
+def torchrun_command(
+    nproc: int, nnodes: int = 1, rdzv_endpoint: str | None = None, join_timeout_s: float = 600
+) -> list[str]:
+    """The command that starts `nproc` ranks here, before `-m MODULE ...`: plain python for one
+    rank on one node; with several nodes one torchrun agent per node, all meeting at the c10d
+    rendezvous on `rdzv_endpoint` (which ranks each node gets is torchrun's choice)."""
+    python = sys.executable
+    if nnodes == 1:
+        return (
+            [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+            if nproc > 1
+            else [python]
+        )
+    if rdzv_endpoint is None:
+        raise ValueError("several trainer nodes need a rendezvous endpoint")
+    return [
+        *(python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}"),
+        *("--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", "--rdzv-id=tandem"),
+        *(f"--rdzv-conf=join_timeout={round(join_timeout_s)}", "--max-restarts=0"),
+    ]
 
 
 def cpu_threads(config: RLConfig, devices: DeviceAssignment, cores: int) -> int | None:
@@ -115,7 +190,7 @@ def cpu_threads(config: RLConfig, devices: DeviceAssignment, cores: int) -> int 
         return config.deployment.cpu_threads
     if "OMP_NUM_THREADS" in os.environ:
         return None
-    return max(1, cores // (len(devices.inference) + devices.trainer_nproc))
+    return max(1, cores // max(1, len(devices.inference) + devices.trainer_nproc))
 
 
 def usable_cores() -> int:
@@ -124,16 +199,22 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-def server_url(cfg: InferenceConfig) -> str:
+def local_url(cfg: InferenceConfig) -> str:
+    """The URL of a server on this machine."""
     host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
     return f"http://{host}:{cfg.port}"
 
 
 def plan_run(config: RLConfig, visible_gpus: list[str], cores: int | None = None) -> RunPlan:
-    """Resolve `config` against the visible GPUs and CPU cores (default: this process's).
-
-    Raises ConfigError (one line) on any inconsistency.
-    """
+    """Resolve `config` for one machine against the visible GPUs and CPU cores (default: this
+    process's). Raises ConfigError (one line) on any inconsistency."""
+    check_node_shapes(config)
+    if config.cluster.inference_nodes:
+        raise ConfigError(
+            f"cluster.inference_nodes = {config.cluster.inference_nodes}: a run on several nodes starts "
+            "through [slurm], [kubernetes] (--k8s), or one `python -m tandem.launch.node` per node "
+            "(docs/scaling.md)"
+        )
     dep = config.deployment
     devices = assign_devices(
         visible_gpus, dep.inference_gpus, dep.trainer_gpus, dep.inference_servers, dep.trainer_nproc
@@ -144,34 +225,65 @@ def plan_run(config: RLConfig, visible_gpus: list[str], cores: int | None = None
         raise ConfigError(
             f"deployment.inference_ports: {len(ports)} port(s) for {num_servers} inference server(s)"
         )
+    inference = _inference_section(config, devices.colocated)
+    per_server = [_update("inference", inference, {"port": p}) for p in ports]
+    servers = [local_url(c) for c in per_server]
+    resolved, orchestrator, trainer = _jobs(config, inference, servers, devices.trainer_nproc)
+    threads = cpu_threads(config, devices, cores or usable_cores())
+    return RunPlan(resolved, devices, per_server, orchestrator, trainer, threads)
 
-    shared = {
+
+def plan_node(
+    config: RLConfig, cluster: Cluster, unit: Unit, visible_gpus: list[str], cores: int | None = None
+) -> RunPlan:
+    """Resolve `config` for one unit of a multi-node run: every node derives the same server
+    URLs and rank count from the cluster, and keeps only its own processes."""
+    check_node_shapes(config)
+    servers, ranks = servers_per_node(config), trainer_ranks_per_node(config)
+    where = f"{unit.name} ({cluster.host(unit)})"
+    devices = assign_node_devices(
+        visible_gpus, config.cluster.gpus_per_node, unit.role, servers, ranks, where
+    )
+    inference = _inference_section(config, colocated=False)
+    if "host" not in config.inference.model_fields_set:  # other nodes must reach the servers
+        inference = _update("inference", inference, {"host": "0.0.0.0"})
+    here = cluster.server_ports(servers) if unit.role == "inference" else []
+    per_server = [_update("inference", inference, {"port": p}) for p in here]
+    num_ranks = ranks * cluster.config.trainer_nodes
+    resolved, orchestrator, trainer = _jobs(config, inference, cluster.server_urls(servers), num_ranks)
+    threads = cpu_threads(config, devices, cores or usable_cores())
+    return RunPlan(resolved, devices, per_server, orchestrator, trainer, threads, unit, cluster)
+
+
+def _inference_section(config: RLConfig, colocated: bool) -> InferenceConfig:
+    inference = _fill(config.inference, "inference", _shared(config), {"run_dir": config.run_dir})
+    return _update("inference", inference, _inference_defaults(config, colocated))
+
+
+def _jobs(
+    config: RLConfig, inference: InferenceConfig, servers: list[str], num_ranks: int
+) -> tuple[RLConfig, OrchestratorConfig, RLTrainerConfig]:
+    """The orchestrator's and trainer's sections, checked against the servers', and the resolved
+    whole (what run_dir/configs/rl.toml holds)."""
+    shared, owned = _shared(config), {"run_dir": config.run_dir, "resume": config.resume}
+    orchestrator = _fill(
+        config.orchestrator, "orchestrator", shared, owned | {"servers": servers, "num_ranks": num_ranks}
+    )
+    if inference.api_key and orchestrator.client.api_key is None:
+        orchestrator = _update("orchestrator", orchestrator, {"client": {"api_key": inference.api_key}})
+    trainer = _fill(config.trainer, "trainer", shared, owned)
+    _check_agreement(inference, orchestrator, trainer)
+    resolved = _update("", config, {"inference": inference, "orchestrator": orchestrator, "trainer": trainer})
+    return resolved, orchestrator, trainer
+
+
+def _shared(config: RLConfig) -> dict[str, Any]:
+    return {
         "model": config.model,
         "seq_len": config.seq_len,
         "max_steps": config.max_steps,
         "seed": config.seed,
     }
-    owned = {"run_dir": config.run_dir}
-    inference = _fill(config.inference, "inference", shared, owned)
-    inference = _update("inference", inference, _inference_defaults(config, devices))
-    per_server = [_update("inference", inference, {"port": p}) for p in ports]
-
-    owned_jobs = owned | {"resume": config.resume}
-    servers = [server_url(c) for c in per_server]
-    orchestrator = _fill(
-        config.orchestrator,
-        "orchestrator",
-        shared,
-        owned_jobs | {"servers": servers, "num_ranks": devices.trainer_nproc},
-    )
-    if inference.api_key and orchestrator.client.api_key is None:
-        orchestrator = _update("orchestrator", orchestrator, {"client": {"api_key": inference.api_key}})
-    trainer = _fill(config.trainer, "trainer", shared, owned_jobs)
-    _check_agreement(inference, orchestrator, trainer)
-
-    resolved = _update("", config, {"inference": inference, "orchestrator": orchestrator, "trainer": trainer})
-    threads = cpu_threads(config, devices, cores or usable_cores())
-    return RunPlan(resolved, devices, per_server, orchestrator, trainer, threads)
 
 
 def _fill(section: M, name: str, shared: dict[str, Any], owned: dict[str, Any]) -> M:
@@ -195,7 +307,7 @@ def _fill(section: M, name: str, shared: dict[str, Any], owned: dict[str, Any]) 
     return _update(name, section, updates)
 
 
-def _inference_defaults(config: RLConfig, devices: DeviceAssignment) -> dict[str, Any]:
+def _inference_defaults(config: RLConfig, colocated: bool) -> dict[str, Any]:
     """The server's context length is seq_len; a server sharing a GPU gets a smaller memory share."""
     inf = config.inference
     engine: dict[str, Any] = {}
@@ -204,7 +316,7 @@ def _inference_defaults(config: RLConfig, devices: DeviceAssignment) -> dict[str
         engine["max_model_len"] = config.seq_len
     if inf.vllm.max_model_len is None:
         vllm["max_model_len"] = config.seq_len
-    if devices.colocated:
+    if colocated:
         share = config.deployment.colocated_gpu_memory_utilization
         if "gpu_memory_utilization" not in inf.engine.model_fields_set:
             engine["gpu_memory_utilization"] = share

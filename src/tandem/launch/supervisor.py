@@ -1,11 +1,14 @@
 """Start a set of processes, stream their output, and stop them all when one fails.
 
 Services (the inference servers) start first and must answer their health URL; then jobs (the
-trainer and the orchestrator) start. The run succeeds when every job exits 0; services are then
+trainer and the orchestrator) start, each once the URLs it waits for (servers on other nodes)
+answer. The run succeeds when every job exits 0; services are then
 stopped. Any process that exits non-zero, a service that exits at all, a health check that times
-out, or SIGINT/SIGTERM to the launcher stops everything: SIGTERM to each process group, then
+out, a failure on another node (`peer_event`), or SIGINT/SIGTERM to the launcher stops everything: SIGTERM to each process group, then
 SIGKILL after the grace period (at once on a second Ctrl-C). Each child leads its own process
 group (so torchrun's workers die with it) and gets SIGTERM from the kernel if the launcher dies.
+A launcher with services but no jobs (a node that only serves) runs until `peer_event` says the
+run is done.
 """
 
 import contextlib
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import IO, Literal
 
 TAIL_LINES = 20
+FAILED_FILE = "FAILED"  # in log_dir: the one-line failure, for what reports a whole job (sbatch)
 POLL_S = 0.1
 COLOURS = ("36", "35", "33", "32", "34", "31")  # cyan, magenta, yellow, green, blue, red
 
@@ -40,6 +44,7 @@ class ProcessSpec:
     env: dict[str, str] = field(default_factory=dict)
     role: Literal["service", "job"] = "job"
     health_url: str | None = None
+    wait_for: list[str] = field(default_factory=list)  # health URLs of services elsewhere (other nodes)
 
 
 @dataclass
@@ -114,6 +119,7 @@ class Supervisor:
         shutdown_grace_s: float = 10.0,
         console: Console | None = None,
         prog: str = "rl",
+        peer_event: Callable[[], tuple[str, str] | None] | None = None,
     ) -> None:
         self.specs = specs
         self.log_dir = Path(log_dir)
@@ -121,15 +127,19 @@ class Supervisor:
         self.shutdown_grace_s = shutdown_grace_s
         self.console = console or Console()
         self.prog = prog
+        self.peer_event = peer_event  # ("failed" | "done", what) from the other nodes, or None
+        self.stopped_by_peer = False
         self.children: list[Child] = []
         self.stop_signal: int | None = None
         self.hurry = False  # a second SIGINT/SIGTERM: skip the grace period
+        self.failure: str | None = None  # what went wrong, one line naming the process (after run())
 
     # ---- public ------------------------------------------------------------------------------
 
     def run(self) -> int:
         """Run everything to the end; the launcher's exit code (0 on success)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        (self.log_dir / FAILED_FILE).unlink(missing_ok=True)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         start = time.monotonic()
         try:
@@ -140,6 +150,8 @@ class Supervisor:
                 signal.signal(sig, handler)
         if code == 0:
             self.say(f"done in {time.monotonic() - start:.1f} s; logs in {self.log_dir}")
+        elif self.failure is not None:
+            record_failure(self.log_dir, f"{self.prog}: {self.failure}")
         return code
 
     def say(self, text: str) -> None:
@@ -156,6 +168,8 @@ class Supervisor:
             if spec.health_url and (code := self._wait_healthy(spec)) is not None:
                 return code
         for spec in jobs:
+            if (code := self._wait_remote(spec)) is not None:
+                return code
             self._start(spec)
         return self._watch()
 
@@ -167,6 +181,8 @@ class Supervisor:
         while time.monotonic() < deadline:
             if self.stop_signal is not None:
                 return self._interrupted()
+            if (code := self._peer_stop()) is not None:
+                return code
             if child.popen.poll() is not None:
                 return self._failed(child, "exited before it became healthy")
             if _healthy(spec.health_url):
@@ -177,11 +193,42 @@ class Supervisor:
             child, f"did not answer {spec.health_url} within startup_timeout_s={self.startup_timeout_s:g}"
         )
 
+    def _wait_remote(self, spec: ProcessSpec) -> int | None:
+        """None once every URL `spec` waits for answers, else the launcher's exit code. The
+        processes started so far keep being watched meanwhile."""
+        pending = list(spec.wait_for)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while pending:
+            if self.stop_signal is not None:
+                return self._interrupted()
+            if (code := self._peer_stop()) is not None:
+                return code
+            for child in self.children:
+                if child.popen.poll() is not None:
+                    return self._failed(child, f"exited while {spec.name} waited for servers elsewhere")
+            pending = [url for url in pending if not _healthy(url)]
+            if pending and time.monotonic() > deadline:
+                self._stop_all()
+                self.failure = (
+                    f"{spec.name} not started: {', '.join(pending)} did not answer within "
+                    f"startup_timeout_s={self.startup_timeout_s:g}"
+                )
+                self.say(self.failure)
+                return 1
+            if pending:
+                time.sleep(0.5)
+        if spec.wait_for:
+            self.say(f"all {len(spec.wait_for)} server(s) are healthy; starting {spec.name}")
+        return None
+
     def _watch(self) -> int:
         pending_jobs = {c.name for c in self.children if c.spec.role == "job"}
+        serve_only = not pending_jobs and self.peer_event is not None
         while True:
             if self.stop_signal is not None:
                 return self._interrupted()
+            if (code := self._peer_stop(serve_only)) is not None:
+                return code
             for child in self.children:
                 code = child.popen.poll()
                 if code is None or (child.spec.role == "job" and child.name not in pending_jobs):
@@ -192,7 +239,7 @@ class Supervisor:
                     return self._failed(child, "exited while the run was still going (exit code 0)")
                 pending_jobs.discard(child.name)
                 self.say(f"{child.name} finished after {self._age(child):.1f} s")
-            if not pending_jobs:
+            if not pending_jobs and not serve_only:
                 return 0
             time.sleep(POLL_S)
 
@@ -269,12 +316,26 @@ class Supervisor:
             _signal_group(child.popen.pid, signal.SIGKILL)  # leftovers of a dead leader (torchrun workers)
             child.pump.join(timeout=5)
         self._stop_all()
+        self.failure = f"{child.name} failed: {reason} (log {self.log_dir / (child.name + '.log')})"
         self.say(f"{child.name} failed: {reason}. Its last {len(child.tail)} lines:")
         for line in child.tail:
             self.console.line(child.name, line)
         self.say(f"full log: {self.log_dir / (child.name + '.log')}")
         code = child.popen.returncode
         return code if code and code > 0 else 1
+
+    def _peer_stop(self, serve_only: bool = False) -> int | None:
+        """The exit code when another node failed, or (`serve_only`) when the run is done."""
+        event = self.peer_event() if self.peer_event else None
+        if event is None or (event[0] == "done" and not serve_only):
+            return None
+        kind, what = event
+        self.say(f"stopping: {what}")
+        self._stop_all()
+        if kind == "done":
+            return 0
+        self.stopped_by_peer = True
+        return 1
 
     def _interrupted(self) -> int:
         assert self.stop_signal is not None
@@ -288,6 +349,13 @@ class Supervisor:
 
     def _age(self, child: Child) -> float:
         return time.monotonic() - child.started
+
+
+def record_failure(log_dir: Path, line: str) -> None:
+    """Leave `line` in log_dir/FAILED, where the end of a batch job reads which process failed."""
+    with contextlib.suppress(OSError):
+        log_dir.mkdir(parents=True, exist_ok=True)
+        (log_dir / FAILED_FILE).write_text(line + "\n")
 
 
 def _healthy(url: str) -> bool:

@@ -9,6 +9,7 @@ from transformers.utils import logging as hf_logging
 
 from tandem.cli import UserError
 from tandem.config.base import ModelConfig
+from tandem.models.source import check_model_source
 
 hf_logging.disable_progress_bar()  # per-tensor loading bars drown tandem's own progress lines
 
@@ -27,15 +28,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[dtype]
-
-
-def check_model_source(name: str) -> None:
-    """Fail clearly on an empty name or a path-looking name that does not exist."""
-    if not name:
-        raise UserError("model.name is empty: give a local directory or a hub name")
-    looks_local = name.startswith((".", "/", "~")) or Path(name).exists() or name.count("/") > 1
-    if looks_local and not (Path(name).expanduser() / "config.json").is_file():
-        raise UserError(f"model path '{name}' does not exist or has no config.json")
 
 
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
@@ -77,6 +69,11 @@ def save_model(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+    save_tokenizer_files(tokenizer, out_dir)
+
+
+def save_tokenizer_files(tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> None:
+    """The tokenizer (with its chat template) and a greedy generation config ending at its EOS."""
     tokenizer.save_pretrained(out_dir)
     generation = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id,

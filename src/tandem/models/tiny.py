@@ -1,6 +1,7 @@
-"""Build a randomly initialised tiny Qwen3 with an in-process tokenizer.
+"""Build a randomly initialised tiny Qwen3 (or Qwen3-MoE) with an in-process tokenizer.
 
     uv run tiny-model --out models/tiny --hidden-size 256 --num-layers 6
+    uv run tiny-model --out models/tiny-moe --num-experts 8   # every layer a mixture of 8 experts
 
 The default (hidden 256, 6 layers, 4 heads of 64, 2 KV heads, vocab 512) has about 4.9M
 parameters: small enough to train on two CPU cores in minutes.
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import torch
 from pydantic import Field
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen3Config, Qwen3MoeConfig
 
 from tandem.config.base import Section
 from tandem.config.loader import parse_config
@@ -44,6 +45,9 @@ class TinyShape(Section):
         2048, gt=0, description="Longest context the model is configured for."
     )
     tie_word_embeddings: bool = Field(True, description="Share the input embedding with the output head.")
+    num_experts: int = Field(0, ge=0, description="Experts per MoE layer; 0 = a dense Qwen3, else Qwen3-MoE.")
+    experts_per_token: int = Field(2, gt=0, description="Experts each token is routed to (MoE only).")
+    moe_intermediate_size: int = Field(128, gt=0, description="Width of one expert's SwiGLU MLP (MoE only).")
     seed: int = Field(0, description="Seed of the random initialisation.")
 
 
@@ -51,8 +55,19 @@ class TinyModelConfig(TinyShape):
     out: Path = Field(Path("models/tiny-qwen3"), description="Directory to write the model to.")
 
 
-def tiny_qwen3_config(cfg: TinyShape, tokenizer_size: int, eos_id: int, pad_id: int) -> Qwen3Config:
-    return Qwen3Config(
+def tiny_qwen3_config(cfg: TinyShape, tokenizer_size: int, eos_id: int, pad_id: int) -> PretrainedConfig:
+    if cfg.num_experts and cfg.experts_per_token > cfg.num_experts:
+        raise ValueError(
+            f"experts_per_token = {cfg.experts_per_token} exceeds num_experts = {cfg.num_experts}"
+        )
+    moe = {
+        "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.experts_per_token,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "norm_topk_prob": True,
+    }
+    return (Qwen3MoeConfig if cfg.num_experts else Qwen3Config)(
+        **(moe if cfg.num_experts else {}),
         vocab_size=max(cfg.vocab_size, tokenizer_size),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -67,7 +82,7 @@ def tiny_qwen3_config(cfg: TinyShape, tokenizer_size: int, eos_id: int, pad_id: 
         eos_token_id=eos_id,
         pad_token_id=pad_id,
         bos_token_id=None,
-        torch_dtype="float32",
+        dtype="float32",
     )
 
 
@@ -77,7 +92,7 @@ def build_tiny_model(cfg: TinyModelConfig | None = None, **overrides: object) ->
     tokenizer = train_tokenizer()
     torch.manual_seed(cfg.seed)
     config = tiny_qwen3_config(cfg, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
-    model = Qwen3ForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     save_model(model, tokenizer, cfg.out)
     return cfg.out
 
@@ -88,8 +103,9 @@ def main() -> None:
     def run() -> None:
         cfg = parse_config(TinyModelConfig, prog="tiny-model")
         out = build_tiny_model(cfg)
-        n = sum(p.numel() for p in Qwen3ForCausalLM.from_pretrained(out).parameters())
-        print(f"wrote a {n / 1e6:.2f}M-parameter tiny Qwen3 to {out}")
+        model = AutoModelForCausalLM.from_pretrained(out)
+        n = sum(p.numel() for p in model.parameters())
+        print(f"wrote a {n / 1e6:.2f}M-parameter tiny {model.config.model_type} to {out}")
 
     run_cli(run, "tiny-model")
 

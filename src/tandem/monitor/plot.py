@@ -29,7 +29,7 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
         path = run_dir / "metrics.jsonl"
         if not path.is_file():
             raise UserError(f"no metrics file at {path}")
-        records = read_metrics(path, source="orchestrator")
+        records = read_metrics(path, source="orchestrator", latest=True)
         label = run_dir.name if len(run_dirs) > 1 else ""
         steps, rewards = series(records, "reward_mean")
         (line,) = ax.plot(steps, rewards, alpha=0.5, label=f"{label} train reward".strip())

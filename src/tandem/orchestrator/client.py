@@ -1,7 +1,8 @@
 """A thin async client of one tandem inference server, and a pool that spreads work over several.
 
 Chat requests go through the official `openai.AsyncOpenAI` client (exposed as `.openai` for
-environments that want the raw API); tandem's own fields ride along in `extra_body`
+environments that want the raw API; imported where used, since importing it takes seconds and
+the launcher reads environments without any server); tandem's own fields ride along in `extra_body`
 (`return_token_ids`) and come back as extra response fields (`prompt_token_ids`, per-choice
 `token_ids` and weight versions). Token ids are taken from the server as-is, never re-tokenised.
 
@@ -18,7 +19,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
-import openai
 
 from tandem.cli import UserError
 from tandem.orchestrator.config import ClientConfig, SamplingConfig
@@ -56,6 +56,8 @@ class ChatResult:
 
 
 def is_retryable(error: Exception) -> bool:
+    import openai
+
     if isinstance(error, openai.APIStatusError):
         return error.status_code >= 500 or error.status_code == 429
     if isinstance(error, httpx.HTTPStatusError):
@@ -64,6 +66,8 @@ def is_retryable(error: Exception) -> bool:
 
 
 def describe(error: Exception) -> str:
+    import openai
+
     if isinstance(error, openai.APIStatusError):
         return f"HTTP {error.status_code}: {error.message}"
     if isinstance(error, httpx.HTTPStatusError):
@@ -115,6 +119,8 @@ class InferenceClient:
         self.in_flight = 0
         headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         self.http = httpx.AsyncClient(base_url=self.base_url, timeout=cfg.request_timeout, headers=headers)
+        import openai
+
         self.openai = openai.AsyncOpenAI(
             base_url=f"{self.base_url}/v1",
             api_key=cfg.api_key or "EMPTY",
@@ -123,6 +129,8 @@ class InferenceClient:
         )
 
     async def with_retries(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        import openai
+
         delay = self.cfg.retry_backoff
         for attempt in range(self.cfg.max_retries + 1):
             try:

@@ -11,10 +11,9 @@ import logging
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from tandem.cli import UserError
-from tandem.envs.base import Environment, SingleTurnEnv
+from tandem.envs.base import Message
 from tandem.envs.mixture import load_mixture
 from tandem.models.loading import load_tokenizer
 from tandem.monitor.metrics import MetricsWriter
@@ -22,49 +21,29 @@ from tandem.monitor.progress import TrainingProgress
 from tandem.orchestrator.client import ServerPool
 from tandem.orchestrator.config import OrchestratorConfig
 from tandem.orchestrator.evaluation import evaluate
+from tandem.orchestrator.prompt_check import check_prompt_lengths
 from tandem.orchestrator.rollouts import RolloutCollector, StepBatch
 from tandem.orchestrator.stats import mean, per_env_stats, staleness_stats, trajectory_stats
 from tandem.orchestrator.weights import PolicySync
-from tandem.transport.rollouts import pack_samples, step_dir, write_step, written_steps
+from tandem.transport.resume import check_fresh_start, orchestrator_start
+from tandem.transport.rollouts import pack_samples, step_dir, write_step
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-PROMPT_CHECK_LIMIT = 5000
 STEPS_IN_FLIGHT = 2
 
 
 def first_step(cfg: OrchestratorConfig) -> int:
-    """0 for a fresh run; after the last complete step with `resume`. Refuses to overwrite a run."""
-    done = written_steps(cfg.run_dir)
+    """0 for a fresh run (refused where rollouts exist); with `resume`, see transport/resume.py."""
     if not cfg.resume:
-        if done:
-            raise UserError(
-                f"{cfg.run_dir / 'rollouts'} already holds steps up to {done[-1]}: pass --resume to "
-                "continue that run, or choose a new run_dir"
-            )
+        check_fresh_start(cfg.run_dir)
         return 0
-    return done[-1] + 1 if done else 0
+    return orchestrator_start(cfg.run_dir)
 
 
-def check_prompt_lengths(env: Environment, cfg: OrchestratorConfig) -> None:
-    """Fail at start when the longest prompt plus max_tokens cannot fit in seq_len."""
-    if not isinstance(env, SingleTurnEnv):
-        return
-    tokenizer = load_tokenizer(cfg.model.name)
-    tasks = list(env.dataset("train"))[:PROMPT_CHECK_LIMIT] + list(env.dataset("eval"))[: cfg.eval.num_tasks]
-    longest, task_id = 0, ""
-    for task in tasks:
-        encoded = tokenizer.apply_chat_template(
-            env.prompt(task), add_generation_prompt=True, return_dict=True
-        )
-        n = len(encoded["input_ids"])
-        if n > longest:
-            longest, task_id = n, task.task_id
-    if longest + cfg.sampling.max_tokens > cfg.seq_len:
-        raise UserError(
-            f"seq_len {cfg.seq_len} cannot fit one sample: prompt of task {task_id} has {longest} tokens "
-            f"+ sampling.max_tokens {cfg.sampling.max_tokens}"
-        )
+def prompt_tokens(tokenizer: Any, messages: list[Message]) -> int:
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+    return len(encoded["input_ids"])
 
 
 def step_metrics(batch: StepBatch, waited: float, seconds: float) -> dict[str, float]:
@@ -137,7 +116,7 @@ class Orchestrator:
             tokenizer = load_tokenizer(self.cfg.model.name)
             for member in self.members:
                 member.env.setup(tokenizer, self.cfg.seq_len)
-                check_prompt_lengths(member.env, self.cfg)
+                check_prompt_lengths(member.env, self.cfg, lambda m: prompt_tokens(tokenizer, m))
             served = await self.pool.connect()
             log.info(
                 "%d server(s) serving %s: %s", len(self.cfg.servers), served, ", ".join(self.cfg.servers)

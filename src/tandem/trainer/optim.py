@@ -1,45 +1,36 @@
 """AdamW, the learning-rate schedule and gradient clipping, shared by the SFT and RL trainers."""
 
 import math
-from typing import Literal
+from collections import defaultdict
 
 import torch
-from pydantic import Field
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
-from tandem.config.base import Section
-
-
-class OptimConfig(Section):
-    """AdamW with linear warmup, then cosine, linear or constant decay."""
-
-    lr: float = Field(3e-4, gt=0, description="Peak learning rate, reached after warmup.")
-    weight_decay: float = Field(
-        0.0, ge=0, description="AdamW weight decay, applied to matrices only (not norms or biases)."
-    )
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas (beta1, beta2).")
-    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
-    warmup_steps: int = Field(0, ge=0, description="Steps of linear warmup from 0 to lr.")
-    schedule: Literal["cosine", "linear", "constant"] = Field(
-        "cosine", description="Decay after warmup, down to min_lr_ratio × lr at max_steps."
-    )
-    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate as a fraction of lr.")
-    max_grad_norm: float = Field(
-        1.0, ge=0, description="Clip the global gradient norm to this; 0 = measure but do not clip."
-    )
+from tandem.trainer.config import OptimConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over trainable parameters; weight decay on parameters with ≥ 2 dimensions only."""
+    """AdamW over trainable parameters; weight decay on parameters with ≥ 2 dimensions only.
+
+    Fused (one kernel per step) on CUDA when every parameter lives on one device mesh; foreach
+    otherwise: fused AdamW takes a single mesh per call, and expert-parallel weights live on
+    another mesh than the dense ones (models/parallelism.py)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
+    meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}
+    fused = all(p.is_cuda for p in params) and len(meshes) <= 1
     return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=True
+        [g for g in groups if g["params"]],
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        fused=fused,
+        foreach=not fused,
     )
 
 
@@ -59,17 +50,25 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_step
     return LambdaLR(optimizer, lambda step: lr_factor(step, cfg, max_steps))
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Global gradient norm over all ranks' shards; gradients are scaled down to `max_norm` if set.
 
-    FSDP2 gradients are DTensors, so torch's clipping reduces the norm across the mesh; the
-    returned norm is the full (unsharded) one on every rank.
+    FSDP2 gradients are DTensors; their norm reduces across the mesh. Expert-parallel weights
+    live on another mesh than the dense ones (models/parallelism.py), and torch's clipping needs
+    one mesh per call, so the norm is taken per mesh and combined; the returned norm is the
+    full (unsharded) one on every rank, as a 0-dim tensor: read it after the optimizer step, so
+    the step is queued without waiting for the device.
     """
-    grads = [p for p in model.parameters() if p.grad is not None]
+    params = [p for p in model.parameters() if p.grad is not None]
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        groups[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
+    squares = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
     if max_norm > 0:
-        norm = torch.nn.utils.clip_grad_norm_(grads, max_norm, foreach=True)
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in grads], foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return float(norm)
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+    return total

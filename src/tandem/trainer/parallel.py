@@ -1,9 +1,11 @@
-"""Process groups and FSDP2 sharding, shared by the SFT and RL trainers.
+"""Process groups, the device mesh and FSDP2 settings, shared by the SFT and RL trainers.
 
 A trainer always runs inside a process group: under `torchrun` it joins the launched group
 (NCCL on GPU, gloo on CPU); started as a plain process it forms a group of one. Sharding is
 therefore one code path: `fully_shard` on every decoder layer and then on the root, which
-holds the embeddings, the final norm and the (possibly tied) output head.
+holds the embeddings, the final norm and the (possibly tied) output head. tandem's own models
+are parallelised by their family's parallelize.py over the mesh built here (`build_mesh`);
+Hugging Face models (model.impl = "hf") by `apply_fsdp` below.
 """
 
 import os
@@ -13,8 +15,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from tandem.cli import UserError
 from tandem.models.loading import resolve_device
 
 TIMEOUT = timedelta(minutes=10)
@@ -52,6 +56,13 @@ def init_distributed(device: str = "auto") -> World:
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=TIMEOUT)
     return World(rank=rank, size=size, local_rank=local_rank, device=torch_device)
+
+
+def build_mesh(world: World, ep: int) -> DeviceMesh:
+    """The 2-D (efsdp, ep) mesh over all ranks, ep innermost (models/parallelism.py)."""
+    if world.size % ep:
+        raise UserError(f"trainer.parallel.ep = {ep} does not divide the world size {world.size}")
+    return init_device_mesh(world.device.type, (world.size // ep, ep), mesh_dim_names=("efsdp", "ep"))
 
 
 def _device_id(device: torch.device) -> torch.device | None:

@@ -15,7 +15,6 @@ predicted from another sample's context.
 
 import json
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,6 +23,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
+
+from tandem.transport.layout import READY, prune_steps, rank_path, step_dir, written_steps  # noqa: F401 (re-exported)
 
 FORMAT_VERSION = 1
 PAD_ID = 0
@@ -251,31 +252,6 @@ def pack_samples(
     ]
 
 
-def step_dir(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / "rollouts" / f"step_{step}"
-
-
-def rank_path(run_dir: Path, step: int, rank: int) -> Path:
-    return step_dir(run_dir, step) / f"rank_{rank}.bin"
-
-
-def written_steps(run_dir: Path) -> list[int]:
-    """Steps whose rollouts are completely written (their READY marker exists), ascending."""
-    root = Path(run_dir) / "rollouts"
-    if not root.is_dir():
-        return []
-    steps = [int(p.name[5:]) for p in root.glob("step_*") if p.name[5:].isdigit() and (p / "READY").is_file()]
-    return sorted(steps)
-
-
-def prune_steps(run_dir: Path, before: int) -> int:
-    """Delete rollouts/step_N for every written N < `before`; returns how many were deleted."""
-    old = [step for step in written_steps(run_dir) if step < before]
-    for step in old:
-        shutil.rmtree(step_dir(run_dir, step), ignore_errors=True)
-    return len(old)
-
-
 def write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with tmp.open("wb") as f:
@@ -313,7 +289,7 @@ def write_step(run_dir: Path, step: int, per_rank: list[list[MicroBatch]]) -> Pa
     directory.mkdir(parents=True, exist_ok=True)
     for rank, micro_batches in enumerate(per_rank):
         write_atomic(rank_path(run_dir, step, rank), encode(micro_batches, step, rank))
-    write_atomic(directory / "READY", json.dumps({"num_ranks": len(per_rank)}).encode())
+    write_atomic(directory / READY, json.dumps({"num_ranks": len(per_rank)}).encode())
     return directory
 
 
@@ -351,7 +327,7 @@ def decode(data: bytes, path: Path, step: int, rank: int) -> list[MicroBatch]:
 
 def wait_ready(run_dir: Path, step: int, timeout_s: float, poll_s: float = 0.05) -> dict:
     """Wait for `rollouts/step_N/READY`; returns its content. Raises RolloutTimeoutError naming the path."""
-    ready = step_dir(run_dir, step) / "READY"
+    ready = step_dir(run_dir, step) / READY
     deadline = time.monotonic() + timeout_s
     while not ready.is_file():
         if time.monotonic() >= deadline:

@@ -70,7 +70,7 @@ def publish_weights(
 
     `keep` > 0 deletes all but the newest `keep` published versions afterwards.
     """
-    from tandem.trainer.checkpoint import write_hf_model
+    from tandem.trainer.hf_export import write_hf_model
 
     out = weights_dir(run_dir, version)
     if world.is_main and (out / STABLE).exists():

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag
 
 from tandem.config.base import ModelConfig, Section
-from tandem.trainer.optim import OptimConfig
+from tandem.trainer.config import OptimConfig, ParallelConfig
 
 
 class LossBase(Section):
@@ -104,11 +104,15 @@ class RLTrainerConfig(Section):
     max_steps: int = Field(20, gt=0, description="Optimizer steps; step N consumes rollouts/step_N.")
     seed: int = 0
     optim: RLOptimConfig = RLOptimConfig()
+    parallel: ParallelConfig = ParallelConfig()
     loss: LossConfig = MaskedISLoss()
     ckpt: CheckpointConfig = CheckpointConfig()
     weights: WeightsConfig = WeightsConfig()
-    logprob_chunk_size: int = Field(
-        1024, gt=0, description="Tokens per chunk of the output head when computing logprobs."
+    logprob_chunk_size: int | None = Field(
+        None,
+        gt=0,
+        description="Tokens per chunk of the output head when computing logprobs; "
+        "unset = 4096 on CUDA, 1024 on CPU.",
     )
     rollout_timeout_s: float = Field(
         600.0, gt=0, description="How long to wait for rollouts/step_N/READY before failing."

@@ -17,36 +17,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tandem.cli import UserError
-from tandem.models.loading import load_model, load_tokenizer
+from tandem.models.loading import load_tokenizer
 from tandem.monitor.metrics import MetricsWriter
 from tandem.monitor.progress import TrainingProgress
-from tandem.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
-from tandem.trainer.logprobs import attach_sequence_logprobs
+from tandem.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from tandem.trainer.expert_load import expert_load
+from tandem.trainer.model import build_trainer_model
 from tandem.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
-from tandem.trainer.parallel import (
-    World,
-    all_reduce_sum,
-    apply_fsdp,
-    init_distributed,
-    mixed_precision,
-    shutdown,
-)
+from tandem.trainer.parallel import World, all_reduce_sum, init_distributed, shutdown
 from tandem.trainer.rl.config import RLTrainerConfig
 from tandem.trainer.rl.loss import LossInputs, LossStats, build_objective, policy_loss
 from tandem.transport.rollouts import MicroBatch, RolloutError, prune_steps, read_rank
 from tandem.transport.weights import publish_weights
-
-
-def load_policy(cfg: RLTrainerConfig, source: str, world: World) -> nn.Module:
-    """The model from `source`, sharded with FSDP2, with `sequence_logprobs` as an FSDP forward method."""
-    weights = "float32" if cfg.model.dtype == "auto" else cfg.model.dtype
-    model = load_model(cfg.model.model_copy(update={"name": source, "dtype": weights}), world.device)
-    model.config.use_cache = False
-    apply_fsdp(model, mixed_precision(world.device, next(model.parameters()).dtype))
-    attach_sequence_logprobs(model)
-    model.train()
-    return model
 
 
 def micro_batch_loss(
@@ -121,7 +103,7 @@ def train_step(
     n, reward, staleness, tokens = counts.tolist()
     return {
         **totals.means(),
-        "grad_norm": grad_norm,
+        "grad_norm": float(grad_norm),
         "lr": lr,
         "samples": int(n),
         "reward": reward / max(n, 1),
@@ -144,19 +126,20 @@ def _train(cfg: RLTrainerConfig, world: World) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     ckpt_root = cfg.run_dir / "checkpoints"
     resume_from = latest_checkpoint(ckpt_root) if cfg.resume else None
-    if cfg.resume and resume_from is None:
-        raise UserError(f"resume is set but {ckpt_root} holds no checkpoint")
+    if cfg.resume and resume_from is None and world.is_main:  # stopped before its first checkpoint
+        print(f"trainer: no checkpoint in {ckpt_root} yet: training again from step 0", flush=True)
     objective = build_objective(cfg.loss)
     tokenizer = load_tokenizer(cfg.model.name)
-    model = load_policy(cfg, str(resume_from) if resume_from else cfg.model.name, world)
+    model = build_trainer_model(cfg.model, world, cfg.parallel, load_weights=not resume_from)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
     start = 0
     if resume_from:
-        start, _ = load_trainer_state(resume_from, model, optimizer, scheduler, world)
+        start, _ = load_checkpoint(resume_from, model, optimizer, scheduler, world)
         if world.is_main:
             print(f"trainer: resumed from {resume_from} (next step {start})", flush=True)
 
+    passes = 2 if cfg.parallel.activation_checkpointing == "full" else 1
     metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl", "trainer", enabled=world.is_main)
     progress = TrainingProgress(cfg.max_steps, start, log_interval=1, enabled=world.is_main)
     stats: dict[str, Any] = {}
@@ -166,17 +149,16 @@ def _train(cfg: RLTrainerConfig, world: World) -> dict[str, Any]:
             micro_batches = read_rank(
                 cfg.run_dir, step, world.rank, cfg.rollout_timeout_s, num_ranks=world.size
             )
-            check_token_ids(micro_batches, model.config.vocab_size, step)
+            check_token_ids(micro_batches, model.hf_config.vocab_size, step)
             compute_start = time.monotonic()
             stats = train_step(model, objective, optimizer, micro_batches, step, cfg, world)
+            stats.update(expert_load(model, passes))
             scheduler.step()
             compute_s = time.monotonic() - compute_start
             publish_weights(model, tokenizer, cfg.run_dir, step + 1, world, cfg.weights.keep)
             checkpoint_now = bool(cfg.ckpt.interval) and (step + 1) % cfg.ckpt.interval == 0
             if checkpoint_now:
-                save_checkpoint(
-                    ckpt_root, step + 1, model, optimizer, scheduler, tokenizer, world, keep=cfg.ckpt.keep
-                )
+                save_checkpoint(ckpt_root, step + 1, model, optimizer, scheduler, world, keep=cfg.ckpt.keep)
             if cfg.prune_rollouts and world.is_main and (checkpoint_now or not cfg.ckpt.interval):
                 prune_steps(cfg.run_dir, before=step)  # the last trained step stays: the run's marker
             stats.update(

@@ -8,7 +8,7 @@ from pydantic import Field
 from tandem.config.base import ModelConfig, Section
 from tandem.envs.reverse_text import MAX_LEN, MIN_LEN
 from tandem.models.tiny import TinyShape
-from tandem.trainer.optim import OptimConfig
+from tandem.trainer.config import OptimConfig, ParallelConfig
 
 
 class DataConfig(Section):
@@ -88,6 +88,9 @@ class SFTConfig(Section):
     )
     tiny: TinyShape = Field(
         default_factory=TinyShape, description="Shape and init seed of the model init_tiny_model builds."
+    )
+    parallel: ParallelConfig = Field(
+        default_factory=ParallelConfig, description="Expert parallelism, activation checkpointing, compile."
     )
     data: DataConfig = Field(default_factory=DataConfig, description="Training data.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and LR schedule.")

@@ -1,37 +1,54 @@
 """Held-out evaluation during SFT: greedy answers to the task's eval split, scored by its reward.
 
-Every rank decodes the same prompts (the model is sharded, so all ranks must run the same
-forward passes); rank 0 logs the result.
+The sharded model is exported (trainer/hf_export.py, a collective) to `run_dir/.eval_model`,
+and rank 0 decodes it there with plain transformers — a reference decoder independent of
+tandem's training code and its engine. The other ranks wait and receive the result.
 """
 
+import shutil
 import time
+from pathlib import Path
 
+import torch.distributed as dist
 from torch import nn
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from tandem.config.base import ModelConfig
 from tandem.envs import reverse_text
 from tandem.models.generate import greedy_completions
+from tandem.models.loading import load_model
+from tandem.trainer.hf_export import write_hf_model
+from tandem.trainer.parallel import World
 from tandem.trainer.sft.config import EvalConfig
 
 
 def evaluate_held_out(
-    model: nn.Module, tokenizer: PreTrainedTokenizerBase, cfg: EvalConfig, seed: int
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: EvalConfig,
+    seed: int,
+    run_dir: Path,
+    world: World,
 ) -> dict[str, float]:
     """`eval/reward` (mean similarity) and `eval/exact_match` on the first num_tasks held-out tasks."""
-    tasks = reverse_text.make_tasks("eval", cfg.num_tasks, seed=seed)
     start = time.monotonic()
-    was_training = model.training
-    model.eval()
-    try:
+    export = Path(run_dir) / ".eval_model"
+    write_hf_model(model, tokenizer, export, world)
+    result: list[dict[str, float] | None] = [None]
+    if world.is_main:
+        reference = load_model(ModelConfig(name=str(export), dtype="float32"), world.device)
+        tasks = reverse_text.make_tasks("eval", cfg.num_tasks, seed=seed)
         answers = greedy_completions(
-            model, tokenizer, [t.messages for t in tasks], cfg.batch_size, cfg.max_new_tokens
+            reference.eval(), tokenizer, [t.messages for t in tasks], cfg.batch_size, cfg.max_new_tokens
         )
-    finally:
-        model.train(was_training)
-    rewards = [reverse_text.reward(a, t) for a, t in zip(answers, tasks, strict=True)]
-    exact = [a.strip() == t.answer for a, t in zip(answers, tasks, strict=True)]
-    return {
-        "eval/reward": sum(rewards) / len(rewards),
-        "eval/exact_match": sum(exact) / len(exact),
-        "eval/seconds": time.monotonic() - start,
-    }
+        shutil.rmtree(export, ignore_errors=True)
+        rewards = [reverse_text.reward(a, t) for a, t in zip(answers, tasks, strict=True)]
+        exact = [a.strip() == t.answer for a, t in zip(answers, tasks, strict=True)]
+        result[0] = {
+            "eval/reward": sum(rewards) / len(rewards),
+            "eval/exact_match": sum(exact) / len(exact),
+            "eval/seconds": time.monotonic() - start,
+        }
+    if world.size > 1:
+        dist.broadcast_object_list(result, src=0)
+    return result[0]

@@ -13,23 +13,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from tandem.cli import UserError
-from tandem.models.loading import load_model, load_tokenizer
+from tandem.models.loading import load_tokenizer
 from tandem.monitor.metrics import MetricsWriter
 from tandem.monitor.progress import TrainingProgress
-from tandem.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, write_hf_model
-from tandem.trainer.logprobs import attach_sequence_logprobs
+from tandem.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from tandem.trainer.expert_load import expert_load
+from tandem.trainer.hf_export import write_hf_model
+from tandem.trainer.model import build_trainer_model
 from tandem.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from tandem.trainer.packing import MicroBatch, make_micro_batches, pack_rows, shard_rows
-from tandem.trainer.parallel import (
-    World,
-    all_reduce_sum,
-    apply_fsdp,
-    barrier,
-    init_distributed,
-    mixed_precision,
-    shutdown,
-)
+from tandem.trainer.parallel import World, all_reduce_sum, barrier, init_distributed, shutdown
 from tandem.trainer.sft.config import SFTConfig
 from tandem.trainer.sft.data import SFTDataset, build_dataset
 from tandem.trainer.sft.evaluation import evaluate_held_out
@@ -68,7 +61,13 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     loss = float(all_reduce_sum(loss_sum)) / loss_tokens
     tokens = sum(len(s.input_ids) for s in samples)
-    return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "loss_tokens": loss_tokens}
+    return {
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": float(grad_norm),
+        "tokens": tokens,
+        "loss_tokens": loss_tokens,
+    }
 
 
 def prepare_model_source(cfg: SFTConfig, world: World) -> None:
@@ -96,36 +95,32 @@ def _train(cfg: SFTConfig, world: World) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     ckpt_root = cfg.run_dir / "checkpoints"
     resume_from = latest_checkpoint(ckpt_root) if cfg.resume else None
-    if cfg.resume and resume_from is None:
-        raise UserError(f"resume is set but {ckpt_root} holds no checkpoint")
+    if cfg.resume and resume_from is None and world.is_main:  # stopped before its first checkpoint
+        print(f"sft: no checkpoint in {ckpt_root} yet: training again from step 0", flush=True)
     prepare_model_source(cfg, world)
     tokenizer = load_tokenizer(cfg.model.name)
     dataset = build_dataset(cfg.data, tokenizer, cfg.seed, cfg.seq_len)
 
-    weights = "float32" if cfg.model.dtype == "auto" else cfg.model.dtype
-    source = str(resume_from) if resume_from else cfg.model.name
-    model = load_model(cfg.model.model_copy(update={"name": source, "dtype": weights}), world.device)
-    model.config.use_cache = False
-    apply_fsdp(model, mixed_precision(world.device, next(model.parameters()).dtype, cfg.compute_dtype))
-    attach_sequence_logprobs(model)
-    model.train()
+    model = build_trainer_model(
+        cfg.model, world, cfg.parallel, cfg.compute_dtype, load_weights=not resume_from
+    )
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
     step, position = 0, 0
     if resume_from:
-        step, extra = load_trainer_state(resume_from, model, optimizer, scheduler, world)
+        step, extra = load_checkpoint(resume_from, model, optimizer, scheduler, world)
         position = int(extra["data_position"])
         if world.is_main:
             print(f"sft: resumed from {resume_from} (step {step})", flush=True)
 
     def checkpoint(step: int, position: int) -> None:
         extra = {"data_position": position}
-        save_checkpoint(ckpt_root, step, model, optimizer, scheduler, tokenizer, world, extra, cfg.ckpt.keep)
+        save_checkpoint(ckpt_root, step, model, optimizer, scheduler, world, extra, cfg.ckpt.keep)
 
     can_eval = cfg.data.task == "reverse_text"
 
     def evaluate(step: int) -> dict[str, float]:
-        result = evaluate_held_out(model, tokenizer, cfg.eval, cfg.seed)
+        result = evaluate_held_out(model, tokenizer, cfg.eval, cfg.seed, cfg.run_dir, world)
         metrics.log(step, **result)
         if world.is_main:
             print(
@@ -135,6 +130,7 @@ def _train(cfg: SFTConfig, world: World) -> dict[str, Any]:
             )
         return result
 
+    passes = 2 if cfg.parallel.activation_checkpointing == "full" else 1
     metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl", "sft", enabled=world.is_main)
     progress = TrainingProgress(cfg.max_steps, step, cfg.log.interval, enabled=world.is_main)
     start, total_tokens, start_step, stats = time.monotonic(), 0, step, {}
@@ -144,6 +140,7 @@ def _train(cfg: SFTConfig, world: World) -> dict[str, Any]:
         while step < cfg.max_steps:
             step_start = time.monotonic()
             stats = train_step(model, optimizer, dataset, position, cfg, world)
+            stats.update(expert_load(model, passes))
             scheduler.step()
             step += 1
             position += cfg.data.batch_size

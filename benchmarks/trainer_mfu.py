@@ -1,0 +1,419 @@
+"""Trainer speed on one GPU: tandem's models against plain transformers, side by side.
+
+    python benchmarks/trainer_mfu.py                        # every variant below, a table at the end
+    python benchmarks/trainer_mfu.py --variants 0.6b:tandem,0.6b:hf_compiled --steps 8
+
+Each variant runs in its own process (so peak memory and compile caches are its own) on the
+same packed batch: 4 rows × 4,096 tokens of documents of mixed lengths (256–2,304 tokens,
+drawn once with a fixed seed), random-init weights, one optimizer step per iteration.
+
+- `tandem`: the trainers' real path (trainer/model.py): fp32 master weights, bf16 compute
+  through FSDP2 mixed precision, torch.compile per block, packed attention by document
+  (model.attention = auto unless `tandem-<backend>`), the chunked output head, fused AdamW.
+- `hf`, `hf_compiled`: transformers' model in bf16 (weights, grads and AdamW state), SDPA with
+  the mask transformers derives from the restarting position ids, its own loss over full
+  logits, fused AdamW; `hf_compiled` is the same under torch.compile.
+- `rl:<impl>`: the RL trainer's step (trainer/rl/train.py `train_step`) on micro-batches the
+  orchestrator's packer builds from 128 samples of 20–200 tokens (seq_len 2048, 8,192 tokens
+  per micro-batch), fresh samples every step, so shapes vary as they do in a run.
+- `attention`: the packed-attention backends alone (forward + backward of one layer's
+  attention at the 0.6B shape on the same documents).
+
+MFU counts, per document of T tokens, 6·N·T + 6·L·d·T² FLOPs (N: parameters that take part in
+matmuls, i.e. all but an untied input embedding — for MoE only the active experts' share; L
+layers; d the attention width, heads × head_dim; the causal half of 12·L·d·T²), against
+989 TFLOP/s (H100/H200 dense bf16). Tokens/s and MFU are medians over the timed steps after
+`--warmup` untimed ones; peak memory is torch's max allocated over the whole run.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+PEAK_FLOPS = 989e12
+ROWS, WIDTH = 4, 4096
+SHAPES = {
+    "0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                 head_dim=128, intermediate_size=3072, tie_word_embeddings=True),
+    "1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                 head_dim=128, intermediate_size=6144, tie_word_embeddings=True),
+    # Qwen3-30B-A3B with 8 of its 48 layers
+    "moe": dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4,
+                head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False),
+}  # fmt: skip
+DEFAULT_VARIANTS = (
+    "attention,0.6b:tandem,0.6b:hf,0.6b:hf_compiled,rl:tandem,rl:hf,"
+    "1.7b:tandem,1.7b:hf,1.7b:hf_compiled,moe:tandem,moe:hf,moe:hf_compiled"
+)
+
+
+def hf_config(shape: str):  # noqa: ANN201 (a transformers config)
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    fields = dict(SHAPES["0.6b" if shape == "rl" else shape])
+    cls = Qwen3MoeConfig if "num_experts" in fields else Qwen3Config
+    return cls(
+        vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, **fields,
+    )  # fmt: skip
+
+
+def document_lengths(seed: int = 0) -> list[list[int]]:
+    """Per row, lengths of documents drawn from 256–2,304 tokens filling exactly WIDTH."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(ROWS):
+        lengths, left = [], WIDTH
+        while left:
+            n = min(left, int(torch.randint(256, 2305, (1,), generator=generator)))
+            lengths.append(n)
+            left -= n
+        rows.append(lengths)
+    return rows
+
+
+def packed_batch(vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    docs = document_lengths()
+    ids = torch.randint(0, vocab, (ROWS, WIDTH), generator=torch.Generator().manual_seed(1))
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in docs])
+    return ids.to(device), positions.to(device), [n for row in docs for n in row]
+
+
+def matmul_params(config) -> float:  # noqa: ANN001
+    """Parameters that take part in matmuls per token (active experts only)."""
+    d, L = config.hidden_size, config.num_hidden_layers
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    attention = d * (q + 2 * kv) + q * d
+    if getattr(config, "num_experts", 0):
+        mlp = config.num_experts_per_tok * 3 * d * config.moe_intermediate_size + config.num_experts * d
+    else:
+        mlp = 3 * d * config.intermediate_size
+    return L * (attention + mlp) + config.vocab_size * d  # + the output head (tied or not)
+
+
+def step_flops(config, doc_lengths: list[int]) -> float:  # noqa: ANN001
+    d_attn = config.num_attention_heads * config.head_dim
+    tokens = sum(doc_lengths)
+    return 6 * matmul_params(config) * tokens + 6 * config.num_hidden_layers * d_attn * sum(
+        n * n for n in doc_lengths
+    )
+
+
+PROFILE_DIR: Path | None = None  # --profile: where each variant writes its kernel table
+
+
+def profile(step, name: str) -> None:  # noqa: ANN001
+    """Two more steps under torch.profiler; the top kernels by GPU time go to PROFILE_DIR/name.txt."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70)
+    (PROFILE_DIR / f"profile_{name.replace(':', '_')}.txt").write_text(table)
+
+
+def timed_steps(step, steps: int, warmup: int, name: str = "") -> tuple[list[float], float]:  # noqa: ANN001
+    """Seconds of each timed step, and of the warm-up (compile included)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    warm = time.perf_counter() - start
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    if PROFILE_DIR is not None and name:
+        profile(step, name)
+    return times, warm
+
+
+def write_config_dir(config, root: Path) -> Path:  # noqa: ANN001
+    out = root / "config"
+    config.save_pretrained(out)
+    return out
+
+
+def run_tandem(shape: str, attention: str, steps: int, warmup: int) -> dict:
+    from tandem.config.base import ModelConfig
+    from tandem.trainer.config import OptimConfig, ParallelConfig
+    from tandem.trainer.model import build_trainer_model
+    from tandem.trainer.optim import build_optimizer, clip_grad_norm
+    from tandem.trainer.parallel import init_distributed
+
+    config = hf_config(shape)
+    world = init_distributed("cuda")
+    with tempfile.TemporaryDirectory() as tmp:
+        name = str(write_config_dir(config, Path(tmp)))
+        model = build_trainer_model(
+            ModelConfig(name=name, attention=attention), world, ParallelConfig(), load_weights=False
+        )
+    model.init_weights()
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-5))
+    ids, positions, docs = packed_batch(config.vocab_size, world.device)
+    mask = positions > 0
+    tokens = int(mask.sum())
+
+    def step() -> None:
+        logprobs, _ = model.sequence_logprobs(ids, positions)
+        (-(logprobs * mask).sum() / tokens).backward()
+        clip_grad_norm(model, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    times, warm = timed_steps(step, steps, warmup, f"{shape}:tandem-{attention}")
+    return summary(config, docs, times, warm, backend=model.attention_backend)
+
+
+def run_hf(shape: str, compiled: bool, steps: int, warmup: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(shape)
+    device = torch.device("cuda")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").to(
+        device
+    )
+    model.config.use_cache = False
+    model.train()
+    forward = torch.compile(model) if compiled else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    ids, positions, docs = packed_batch(config.vocab_size, device)
+    labels = ids.masked_fill(positions == 0, -100)  # no target across a document boundary
+
+    def step() -> None:
+        forward(input_ids=ids, position_ids=positions, labels=labels).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    times, warm = timed_steps(step, steps, warmup, f"{shape}:hf{'_compiled' if compiled else ''}")
+    return summary(config, docs, times, warm, experts=getattr(model.config, "_experts_implementation", None))
+
+
+def summary(config, docs: list[int], times: list[float], warm: float, **extra: object) -> dict:  # noqa: ANN001
+    median = statistics.median(times)
+    return {
+        "tokens_per_s": sum(docs) / median,
+        "mfu": step_flops(config, docs) / median / PEAK_FLOPS,
+        "step_s": median,
+        "step_s_min": min(times),
+        "warmup_s": warm,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        **extra,
+    }
+
+
+def rl_samples(step: int, vocab: int) -> list:
+    from tandem.transport.rollouts import Sample
+
+    generator = torch.Generator().manual_seed(100 + step)
+    samples = []
+    for i in range(128):
+        total = int(torch.randint(20, 201, (1,), generator=generator))
+        prompt = int(torch.randint(8, min(60, total - 4) + 1, (1,), generator=generator))
+        n = total - prompt
+        samples.append(
+            Sample(
+                prompt_ids=torch.randint(0, vocab, (prompt,), generator=generator).tolist(),
+                completion_ids=torch.randint(0, vocab, (n,), generator=generator).tolist(),
+                completion_mask=[True] * n,
+                completion_logprobs=(-torch.rand(n, generator=generator) * 3).tolist(),
+                reward=float(i % 2),
+                advantage=float(torch.randn(1, generator=generator)),
+                policy_version=0,
+                task_id=str(i),
+            )
+        )
+    return samples
+
+
+def run_rl(impl: str, steps: int, warmup: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from tandem.config import build_config
+    from tandem.trainer.model import build_trainer_model
+    from tandem.trainer.optim import build_optimizer
+    from tandem.trainer.parallel import init_distributed
+    from tandem.trainer.rl.config import RLTrainerConfig
+    from tandem.trainer.rl.loss import build_objective
+    from tandem.trainer.rl.train import train_step
+    from tandem.transport.rollouts import pack_samples
+
+    config = hf_config("rl")
+    world = init_distributed("cuda")
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = Path(tmp) / "model"
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(checkpoint)
+        cfg = build_config(RLTrainerConfig, overrides=[("model.name", str(checkpoint)), ("model.impl", impl)])
+        load_start = time.perf_counter()
+        model = build_trainer_model(cfg.model, world, cfg.parallel)
+        torch.cuda.synchronize()
+        load_s = time.perf_counter() - load_start
+    optimizer = build_optimizer(model, cfg.optim)
+    objective = build_objective(cfg.loss)
+    batches = [
+        pack_samples(rl_samples(s, config.vocab_size), 2048, 1, 8192, step=s)[0]
+        for s in range(warmup + steps)
+    ]
+    times, tokens = [], []
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for s, micro_batches in enumerate(batches):
+        step_start = time.perf_counter()
+        stats = train_step(model, objective, optimizer, micro_batches, 0, cfg, world)
+        torch.cuda.synchronize()
+        if s == warmup - 1:
+            warm = time.perf_counter() - start
+        if s >= warmup:
+            times.append(time.perf_counter() - step_start)
+            tokens.append(stats["tokens"])
+    median = statistics.median(t / n for t, n in zip(times, tokens, strict=True))
+    return {
+        "tokens_per_s": 1 / median,
+        "step_s": statistics.median(times),
+        "tokens_per_step": statistics.median(tokens),
+        "warmup_s": warm,
+        "load_s": load_s,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
+
+
+def run_attention(steps: int) -> list[dict]:
+    device = torch.device("cuda")
+    _, positions, docs = packed_batch(16, device)
+    results = []
+    for backend in ("flex", "varlen", "sdpa_docs", "sdpa"):
+        try:
+            results.append(
+                {"variant": f"attention:{backend}", **time_attention(backend, positions, docs, steps)}
+            )
+        except Exception as e:  # a backend this torch lacks
+            results.append({"variant": f"attention:{backend}", "error": f"{type(e).__name__}: {e}"[:200]})
+    return results
+
+
+def time_attention(backend: str, positions: torch.Tensor, docs: list[int], steps: int) -> dict:
+    """Forward + backward of one 0.6B-shaped layer's attention (16 query, 8 KV heads of 128)."""
+    import triton.testing
+
+    from tandem.models.layers.attention import PackedDocs, packed_attention
+
+    heads, kv_heads, dim = 16, 8, 128
+    q = torch.randn(
+        ROWS, WIDTH, heads, dim, device=positions.device, dtype=torch.bfloat16, requires_grad=True
+    )
+    k = torch.randn(
+        ROWS, WIDTH, kv_heads, dim, device=positions.device, dtype=torch.bfloat16, requires_grad=True
+    )
+    v = torch.randn_like(k, requires_grad=True)
+    grad = torch.randn_like(q)
+    packed = PackedDocs.from_positions(positions, backend)
+
+    def step() -> None:
+        packed_attention(q, k, v, packed, dim**-0.5).backward(grad)
+
+    ms = triton.testing.do_bench(step, warmup=200, rep=max(200, steps * 50), return_mode="median")
+    setup_ms = triton.testing.do_bench(
+        lambda: PackedDocs.from_positions(positions, backend), warmup=50, rep=200, return_mode="median"
+    )
+    flops = 3.5 * 4 * heads * dim * sum(n * n for n in docs) / 2  # fwd 2 matmuls + bwd 5, causal half
+    return {"ms": ms, "tflops": flops / ms / 1e9, "docs_setup_ms": setup_ms}
+
+
+def run_one(variant: str, steps: int, warmup: int) -> list[dict]:
+    if variant == "attention":
+        return run_attention(steps)
+    shape, impl = variant.split(":")
+    if shape == "rl":
+        return [{"variant": variant, **run_rl(impl, steps, warmup)}]
+    if impl.startswith("tandem"):
+        backend = impl.split("-", 1)[1] if "-" in impl else "auto"
+        return [{"variant": variant, **run_tandem(shape, backend, steps, warmup)}]
+    return [{"variant": variant, **run_hf(shape, impl == "hf_compiled", steps, warmup)}]
+
+
+def print_table(rows: list[dict]) -> None:
+    print(
+        f"\n{'variant':26} {'tokens/s':>10} {'MFU':>7} {'step s':>8} {'warmup s':>9} {'peak GiB':>9}  notes"
+    )
+    for r in rows:
+        if "error" in r:
+            print(f"{r['variant']:26} failed: {r['error']}")
+        elif "ms" in r:
+            print(
+                f"{r['variant']:26} {r['ms']:8.2f} ms fwd+bwd {r['tflops']:6.0f} TFLOP/s, docs setup {r['docs_setup_ms']:.2f} ms"
+            )
+        else:
+            mfu = f"{100 * r['mfu']:6.1f}%" if "mfu" in r else "      -"
+            notes = ", ".join(
+                f"{k}={r[k]}" for k in ("backend", "experts", "tokens_per_step", "load_s") if r.get(k)
+            )
+            print(
+                f"{r['variant']:26} {r['tokens_per_s']:10,.0f} {mfu} {r['step_s']:8.3f} {r['warmup_s']:9.1f} "
+                f"{r['peak_gib']:9.1f}  {notes}"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "trainer_mfu.jsonl")
+    parser.add_argument(
+        "--profile", action="store_true", help="write a kernel table per variant next to --out"
+    )
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        global PROFILE_DIR
+        PROFILE_DIR = args.out.parent if args.profile else None
+        try:
+            rows = run_one(args.one, args.steps, args.warmup)
+        except Exception as e:
+            rows = [{"variant": args.one, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}]
+            raise
+        finally:
+            with args.out.open("a") as f:
+                for row in rows:
+                    f.write(json.dumps(row) + "\n")
+        return
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    done = len(args.out.read_text().splitlines()) if args.out.exists() else 0
+    for variant in args.variants.split(","):
+        print(f"== {variant}", flush=True)
+        command = [
+            sys.executable,
+            __file__,
+            "--one",
+            variant,
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            *(["--profile"] if args.profile else []),
+        ]
+        subprocess.run([*command, "--out", str(args.out)], check=False)
+    rows = [json.loads(line) for line in args.out.read_text().splitlines()[done:]]
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()

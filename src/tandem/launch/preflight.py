@@ -1,0 +1,82 @@
+"""Everything the launcher checks before it starts a process, also under `--dry-run`.
+
+Each failure is one line naming the key or file (UserError / ConfigError): the model source, the
+run directory (creatable, writable, and not a finished or running run unless --resume), every
+environment (its name, its args, and for the code environment the sandbox's isolation, which is
+logged), the longest prompt plus max_tokens against seq_len, a custom loss's import path and the
+servers' ports. Nothing here imports torch unless the configured custom loss does.
+"""
+
+import importlib.util
+import os
+import socket
+from pathlib import Path
+
+from tandem.cli import UserError
+from tandem.envs.mixture import load_mixture
+from tandem.launch.plan import RunPlan
+from tandem.models.source import check_model_source
+from tandem.orchestrator.prompt_check import check_prompt_lengths, local_token_counters
+from tandem.trainer.rl.config import CustomLoss
+from tandem.transport.resume import check_fresh_start
+
+
+def preflight(plan: RunPlan, create: bool) -> None:
+    """Raise on the first problem; `create`: make the run directory (not under --dry-run)."""
+    config = plan.config
+    check_model_source(plan.orchestrator.model.name)
+    check_run_dir(config.run_dir, create)
+    if not config.resume:
+        check_fresh_start(config.run_dir)
+    check_ports(plan)
+    if isinstance(plan.trainer.loss, CustomLoss):
+        check_loss_import(plan.trainer.loss.import_path)
+    members = load_mixture(plan.orchestrator.environments)
+    counters = local_token_counters(plan.orchestrator.model.name)
+    if counters is not None:
+        for member in members:
+            check_prompt_lengths(member.env, plan.orchestrator, *counters)
+
+
+def check_run_dir(run_dir: Path, create: bool) -> None:
+    """run_dir exists as a writable directory or can be made (made when `create`)."""
+    existing = next(p for p in [run_dir, *run_dir.absolute().parents] if p.exists())
+    if not existing.is_dir():
+        where = "it is a file" if existing == run_dir else f"{existing} is a file"
+        raise UserError(f"run_dir {run_dir} cannot be created: {where}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"run_dir {run_dir} cannot be created: {existing} is not writable")
+    if create:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"run_dir {run_dir} cannot be created: {e.strerror}") from None
+
+
+def check_ports(plan: RunPlan) -> None:
+    for cfg in plan.inference:
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will
+            try:
+                probe.bind((cfg.host, cfg.port))
+            except OSError as e:
+                raise UserError(
+                    f"port {cfg.port} on {cfg.host} is taken ({e.strerror}); stop what uses it or set "
+                    "deployment.inference_ports / inference.port"
+                ) from None
+
+
+def check_loss_import(import_path: str) -> None:
+    """The module must exist (found without importing it), then import with its attribute."""
+    module = import_path.partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError) as e:
+        raise UserError(f"trainer.loss.import_path '{import_path}' cannot be imported: {e}") from None
+    if not found:
+        raise UserError(
+            f"trainer.loss.import_path '{import_path}' cannot be imported: no module named '{module}'"
+        )
+    from tandem.trainer.rl.loss import import_objective
+
+    import_objective(import_path)

@@ -1,0 +1,130 @@
+"""Mixture of experts: a token-choice top-k router in fp32 and experts run as one grouped GEMM.
+
+Routing, per token x:  logits = x·Wᵀ (fp32),  s = softmax(logits) or sigmoid(logits);
+the top-k experts are chosen by s + b (b: the optional score-correction bias of aux-loss-free
+balancing, a buffer the optimizer never touches) and weighted by s itself, renormalised to sum
+to 1 if the config says so, times `routed_scaling`. Each chosen expert computes
+down(silu(gate(x)) * up(x)); the block returns Σ weight · expert(x), plus shared experts (always
+on, unweighted) where the family has them.
+
+Expert weights are stored stacked, [experts, out, in], so the token-expert pairs can be sorted by
+expert and run through `torch._grouped_mm` in one launch on CUDA; elsewhere (CPU, fp32) a loop
+over experts computes the same thing exactly. Expert parallelism needs no change here:
+`parallelize` shards the stacked weights over the `ep` mesh dimension and installs a `dispatcher`
+that moves each token to the rank holding its expert and back (models/expert_parallel.py).
+
+`tokens_per_expert` accumulates how many token-expert pairs each expert received (on this rank)
+since the trainer last read and reset it; the trainer logs the load from it every step.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from tandem.models.layers.mlp import MLP
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    num_experts: int
+    top_k: int
+    score: Literal["softmax", "sigmoid"] = "softmax"
+    renormalize: bool = True
+    routed_scaling: float = 1.0
+    correction_bias: bool = False
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, spec: RouterSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.weight = nn.Parameter(torch.empty(spec.num_experts, dim))
+        if spec.correction_bias:
+            self.register_buffer("score_bias", torch.zeros(spec.num_experts))
+        else:
+            self.score_bias = None
+
+    def init_weights(self, std: float) -> None:
+        nn.init.normal_(self.weight, std=std)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, dim] → (weights [T, k] fp32, expert indices [T, k])."""
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.softmax(-1) if self.spec.score == "softmax" else logits.sigmoid()
+        choice = scores if self.score_bias is None else scores + self.score_bias.float()
+        indices = choice.topk(self.spec.top_k, dim=-1).indices
+        weights = scores.gather(1, indices)
+        if self.spec.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
+        return weights * self.spec.routed_scaling, indices
+
+
+Dispatcher = Callable[[torch.Tensor, torch.Tensor, Callable], torch.Tensor]
+"""(tokens sorted by global expert, counts per global expert, local compute) → expert outputs."""
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))  # [gate; up] rows
+        self.w_down = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.dispatcher: Dispatcher | None = None  # set by expert parallelism
+
+    def init_weights(self, std: float) -> None:
+        nn.init.normal_(self.w_gate_up, std=std)
+        nn.init.normal_(self.w_down, std=std)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [N, dim] sorted by expert, counts [num_experts] → [N, dim] (each row by its expert)."""
+        if self.dispatcher is not None:
+            return self.dispatcher(x, counts, self.compute)
+        return self.compute(x, counts)
+
+    def compute(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The local experts on their tokens (under EP: the tokens sent to this rank)."""
+        w_gate_up, w_down = (
+            w.to_local() if isinstance(w, DTensor) else w for w in (self.w_gate_up, self.w_down)
+        )
+        if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+            offsets = counts.cumsum(0).to(torch.int32)
+            gate, up = torch._grouped_mm(x, w_gate_up.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
+            return torch._grouped_mm(F.silu(gate) * up, w_down.transpose(-2, -1), offs=offsets)
+        outs = []
+        for e, chunk in enumerate(x.split(counts.tolist())):
+            gate, up = (chunk @ w_gate_up[e].T).chunk(2, dim=-1)
+            outs.append((F.silu(gate) * up) @ w_down[e].T)
+        return torch.cat(outs) if outs else x
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int, spec: RouterSpec, shared_hidden_dim: int = 0) -> None:
+        super().__init__()
+        self.router = Router(dim, spec)
+        self.experts = GroupedExperts(spec.num_experts, dim, hidden_dim)
+        self.shared = MLP(dim, shared_hidden_dim) if shared_hidden_dim else None
+        self.register_buffer("tokens_per_expert", torch.zeros(spec.num_experts), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, indices = self.router(x)
+        flat = indices.flatten()
+        counts = torch.bincount(flat, minlength=self.experts.num_experts)
+        with torch.no_grad():
+            self.tokens_per_expert += counts
+        order = flat.argsort(stable=True)
+        token = order // indices.shape[1]
+        y = self.experts(x[token], counts) * weights.flatten()[order, None]
+        out = torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out.view(shape)
+
+    def reset_buffers(self) -> None:
+        self.tokens_per_expert.zero_()

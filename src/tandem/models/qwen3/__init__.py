@@ -1,0 +1,1 @@
+"""Qwen3 dense (transformers model type `qwen3`)."""

@@ -1,0 +1,1 @@
+"""Qwen3-MoE (transformers model type `qwen3_moe`)."""

@@ -1,0 +1,43 @@
+"""Config sections shared by the SFT and RL trainers. Imports no torch: the launcher reads them."""
+
+from typing import Literal
+
+from pydantic import Field
+
+from tandem.config.base import Section
+
+
+class OptimConfig(Section):
+    """AdamW with linear warmup, then cosine, linear or constant decay."""
+
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate, reached after warmup.")
+    weight_decay: float = Field(
+        0.0, ge=0, description="AdamW weight decay, applied to matrices only (not norms or biases)."
+    )
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas (beta1, beta2).")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear warmup from 0 to lr.")
+    schedule: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="Decay after warmup, down to min_lr_ratio × lr at max_steps."
+    )
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate as a fraction of lr.")
+    max_grad_norm: float = Field(
+        1.0, ge=0, description="Clip the global gradient norm to this; 0 = measure but do not clip."
+    )
+
+
+class ParallelConfig(Section):
+    """How the trainer's model is split over its ranks and how its blocks run (tandem's models)."""
+
+    ep: int = Field(
+        1,
+        ge=1,
+        description="Expert parallelism: split each MoE layer's experts over this many ranks (must divide "
+        "the expert count and the world size); tokens move to their experts by all-to-all.",
+    )
+    activation_checkpointing: Literal["none", "full"] = Field(
+        "none", description="Recompute each block's activations in backward (full) to save memory."
+    )
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto", description="torch.compile each decoder block; auto = on for CUDA, off on CPU."
+    )

@@ -1,0 +1,166 @@
+"""The trainer's model: tandem's own implementation or transformers', sharded and ready to train.
+
+`model.impl` chooses: "tandem" builds the checkpoint's family from models/<model_type>/ on the
+meta device, parallelises it (expert parallelism, activation checkpointing, compile, FSDP2) and
+then fills each rank's shards straight from the safetensors files; "hf" loads transformers'
+model and shards it; "auto" is tandem's when the model type has an implementation. Either way
+the result is an FSDP2 module with `sequence_logprobs(input_ids, position_ids, temperature,
+chunk_size)` as a forward method and `hf_config`, the checkpoint's transformers config.
+"""
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from transformers import AutoConfig, PretrainedConfig
+
+from tandem.cli import UserError
+from tandem.config.base import ModelConfig
+from tandem.models.hf_checkpoint import (
+    CheckpointError,
+    SafetensorsReader,
+    check_sources,
+    expected_sources,
+    read_region,
+)
+from tandem.models.layers.attention import resolve_backend
+from tandem.models.layers.transformer import CausalLM
+from tandem.models.loading import DTYPES, check_model_source, load_model
+from tandem.models.parallelism import ParallelPlan
+from tandem.models.registry import FAMILIES, UnsupportedConfig, family
+from tandem.trainer.config import ParallelConfig
+from tandem.trainer.logprobs import attach_sequence_logprobs
+from tandem.trainer.parallel import World, apply_fsdp, build_mesh, mixed_precision
+
+
+def load_hf_config(name: str) -> PretrainedConfig:
+    check_model_source(name)
+    try:
+        return AutoConfig.from_pretrained(str(Path(name).expanduser()) if Path(name).exists() else name)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load the config of model '{name}': {str(e).splitlines()[0]}") from None
+
+
+def resolve_impl(cfg: ModelConfig, config: PretrainedConfig) -> str:
+    """ "tandem" or "hf" for this checkpoint; impl = tandem on an unimplemented type is an error."""
+    has_own = config.model_type in FAMILIES
+    if cfg.impl == "tandem" and not has_own:
+        raise UserError(
+            f"model.impl = 'tandem' but model type '{config.model_type}' of {cfg.name} has no tandem "
+            f"implementation (have: {', '.join(FAMILIES)}); use model.impl = 'hf' or 'auto'"
+        )
+    return "tandem" if cfg.impl in ("tandem", "auto") and has_own else "hf"
+
+
+def build_trainer_model(
+    cfg: ModelConfig,
+    world: World,
+    parallel: ParallelConfig,
+    compute_dtype: str = "auto",
+    load_weights: bool = True,
+) -> nn.Module:
+    """The model of `cfg.name`, sharded over the world; weights loaded unless `load_weights` is off
+    (a resume then fills them from its checkpoint)."""
+    config = load_hf_config(cfg.name)
+    weights = torch.float32 if cfg.dtype == "auto" else DTYPES[cfg.dtype]
+    policy = mixed_precision(world.device, weights, compute_dtype)
+    if resolve_impl(cfg, config) == "hf":
+        if parallel.ep > 1:
+            raise UserError(
+                "trainer.parallel.ep > 1 needs tandem's model implementation (model.impl = 'tandem')"
+            )
+        model = load_model(
+            cfg.model_copy(update={"dtype": str(weights).removeprefix("torch.")}), world.device
+        )
+        model.config.use_cache = False
+        apply_fsdp(model, policy)
+        attach_sequence_logprobs(model)
+        model.hf_config = model.config
+        model.train()
+        return model
+
+    fam = family(config.model_type)
+    try:
+        with torch.device("meta"):
+            model = fam.build(config, resolve_backend(cfg.attention, world.device)).to(weights)
+    except (UnsupportedConfig, ValueError) as e:
+        raise UserError(f"{cfg.name}: {e}") from None
+    compile_blocks = parallel.compile == "on" or (parallel.compile == "auto" and world.device.type == "cuda")
+    plan = ParallelPlan(
+        build_mesh(world, parallel.ep),
+        policy,
+        parallel.activation_checkpointing,
+        compile_blocks,
+        reshard_after_forward=world.size > 1,
+    )
+    try:
+        fam.parallelize(model, plan)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    model.to_empty(device=world.device)
+    model.reset_buffers()
+    if load_weights:
+        load_hf_weights(model, fam.hf_layout(config), local_checkpoint_dir(cfg.name), fam.hf_ignored, world)
+    register_fsdp_forward_method(model, "sequence_logprobs")
+    model.hf_config = config
+    model.train()
+    return model
+
+
+def local_checkpoint_dir(name: str) -> Path:
+    """A local directory holding the checkpoint's safetensors (downloaded once for a hub name)."""
+    if Path(name).expanduser().is_dir():
+        return Path(name).expanduser()
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(name, allow_patterns=["*.safetensors", "*.json"]))
+
+
+def persistent_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers by name: what a checkpoint holds."""
+    tensors = dict(model.named_parameters())
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                tensors[f"{module_name}.{name}" if module_name else name] = buffer
+    return tensors
+
+
+def local_region(tensor: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """The (start, stop) of each dimension of the full tensor that this rank's shard holds."""
+    if not isinstance(tensor, DTensor):
+        return tuple((0, n) for n in tensor.shape)
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple((o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+@torch.no_grad()
+def load_hf_weights(
+    model: CausalLM, layouts: dict, directory: Path, ignored: tuple[str, ...], world: World
+) -> None:
+    """Fill every parameter shard of `model` from the checkpoint in `directory` (each rank reads its part)."""
+    tensors = persistent_tensors(model)
+    if set(layouts) != set(tensors):
+        raise RuntimeError(
+            f"state-dict adapter and model disagree: {sorted(set(layouts) ^ set(tensors))[:5]}"
+        )
+    try:
+        reader = SafetensorsReader(directory)
+        check_sources(reader, layouts, {name: tuple(t.shape) for name, t in tensors.items()})
+    except CheckpointError as e:
+        raise UserError(str(e)) from None
+    for name, tensor in tensors.items():
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        region = local_region(tensor)
+        local.copy_(read_region(reader, layouts[name], region))
+    if world.is_main:
+        used = {s for name, t in tensors.items() for s, _ in expected_sources(layouts[name], tuple(t.shape))}
+        unused = sorted(set(reader.weight_map) - used - set(ignored))
+        if unused:
+            print(
+                f"trainer: {len(unused)} checkpoint tensors are not used by the model, e.g. {unused[0]}",
+                flush=True,
+            )

@@ -1,0 +1,170 @@
+"""The multi-node deployment model: units, derived addresses, each node's processes, bad input."""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from tandem.config.loader import ConfigError, build_config
+from tandem.launch.cluster import Unit, filesystem_type, resolve_cluster, unshared_run_dir_warning
+from tandem.launch.config import RLConfig
+from tandem.launch.jobs import check_plans
+from tandem.launch.plan import plan_node, plan_run
+
+HOSTS = ["inf-a", "inf-b", "train-a", "train-b"]
+
+
+def config(tmp_path: Path, **overrides: object) -> RLConfig:
+    base = {"model.name": "tiny", "run_dir": str(tmp_path / "run"), "max_steps": 3, "seq_len": 256}
+    base |= {"cluster.inference_nodes": 2, "cluster.trainer_nodes": 2, "cluster.hosts": HOSTS}
+    return build_config(RLConfig, overrides=list((base | overrides).items()))
+
+
+def test_units_and_derived_addresses(tmp_path: Path) -> None:
+    cfg = config(tmp_path, **{"cluster.gpus_per_node": 4, "cluster.servers_per_node": 2})
+    cluster = resolve_cluster(cfg)
+    assert [u.name for u in cluster.units()] == ["inference-0", "inference-1", "trainer-0", "trainer-1"]
+    assert cluster.unit(0) == Unit("inference", 0, with_orchestrator=True)
+    assert cluster.unit("3") == cluster.unit("trainer-1") == Unit("trainer", 1)
+    assert cluster.host(Unit("trainer", 1)) == "train-b" and cluster.host(Unit("orchestrator")) == "inf-a"
+    assert cluster.server_urls(2) == [
+        "http://inf-a:8000",
+        "http://inf-a:8001",
+        "http://inf-b:8000",
+        "http://inf-b:8001",
+    ]
+    assert cluster.rdzv_endpoint == "train-a:29400" and cluster.rollcall_port == 29401
+    assert cluster.weights_group_address == "train-a:29500"
+
+    own = resolve_cluster(
+        config(tmp_path, **{"cluster.orchestrator_node": "own", "cluster.hosts": HOSTS + ["o"]})
+    )
+    assert own.unit(4) == Unit("orchestrator") and own.host(Unit("orchestrator")) == "o"
+    assert not any(u.with_orchestrator for u in own.units())
+
+
+def test_each_node_starts_its_own_processes(tmp_path: Path) -> None:
+    cfg = config(tmp_path, **{"cluster.gpus_per_node": 4, "cluster.servers_per_node": 2})
+    cluster = resolve_cluster(cfg)
+    gpus = ["0", "1", "2", "3"]
+    run = tmp_path / "run"
+
+    first = plan_node(cfg, cluster, cluster.unit(0), gpus, cores=8)
+    specs = {s.name: s for s in first.specs()}
+    assert list(specs) == ["inference_0", "inference_1", "orchestrator"]
+    assert [specs[f"inference_{j}"].env["CUDA_VISIBLE_DEVICES"] for j in (0, 1)] == ["0,1", "2,3"]
+    assert [c.host for c in first.inference] == ["0.0.0.0", "0.0.0.0"]  # reachable from other nodes
+    assert specs["inference_1"].health_url == "http://127.0.0.1:8001/health"
+    assert specs["orchestrator"].wait_for == [f"{u}/health" for u in cluster.server_urls(2)]
+    assert first.orchestrator.servers == cluster.server_urls(2) and first.orchestrator.num_ranks == 8
+    assert (
+        first.config_dir == run / "configs" / "inference-0" and first.log_dir == run / "logs" / "inference-0"
+    )
+    assert sorted(first.files()) == ["inference_0", "inference_1", "orchestrator", "rl"]
+
+    second = plan_node(cfg, cluster, cluster.unit(1), gpus)
+    assert [s.name for s in second.specs()] == ["inference_0", "inference_1"]
+
+    trainer = plan_node(cfg, cluster, cluster.unit("trainer-1"), gpus + ["4"])
+    (spec,) = trainer.specs()
+    assert spec.name == "trainer" and spec.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert spec.env["TANDEM_WEIGHTS_GROUP"] == "train-a:29500"
+    assert spec.argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert spec.argv[3:10] == [
+        "--nnodes=2",
+        "--nproc-per-node=4",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=train-a:29400",
+        "--rdzv-id=tandem",
+        "--rdzv-conf=join_timeout=600",
+        "--max-restarts=0",
+    ]
+    assert spec.argv[10:] == ["-m", "tandem.trainer.rl.cli", "@", str(run / "configs/trainer-1/trainer.toml")]
+    assert sorted(trainer.files()) == ["rl", "trainer"]
+
+
+def test_cpu_nodes(tmp_path: Path) -> None:
+    cfg = config(tmp_path, **{"cluster.trainer_ranks_per_node": 2})
+    cluster = resolve_cluster(cfg)
+    plan = plan_node(cfg, cluster, cluster.unit("trainer-0"), [], cores=6)
+    assert plan.devices.trainer_nproc == 2 and plan.cpu_threads == 3
+    assert plan_node(cfg, cluster, cluster.unit(0), []).orchestrator.num_ranks == 4
+
+
+@pytest.mark.parametrize(
+    ("overrides", "visible", "message"),
+    [
+        (
+            {"cluster.gpus_per_node": 8, "cluster.servers_per_node": 3},
+            8,
+            "cluster.servers_per_node = 3 cannot split cluster.gpus_per_node = 8 GPUs evenly",
+        ),
+        (
+            {"cluster.gpus_per_node": 8, "cluster.trainer_ranks_per_node": 4},
+            8,
+            "cluster.trainer_ranks_per_node = 4 on nodes of 8 GPU(s) (cluster.gpus_per_node)",
+        ),
+        ({"cluster.gpus_per_node": 8}, 4, "trainer-0 (train-a) sees 4 GPU(s) (0, 1, 2, 3), fewer than"),
+        ({}, 2, "trainer-0 (train-a) sees 2 GPU(s) (0, 1) but cluster.gpus_per_node is not set"),
+        ({"deployment.trainer_gpus": [0]}, 0, "deployment.trainer_gpus places processes on one machine"),
+        (
+            {"cluster.hosts": ["a", "b"]},
+            0,
+            "cluster.hosts lists 2 host(s) (a, b) for 2 inference + 2 trainer",
+        ),
+        ({"inference.port": 29399, "cluster.servers_per_node": 2}, 0, "overlap the cluster's port(s) 29400"),
+    ],
+)
+def test_node_shapes_that_do_not_fit(tmp_path: Path, overrides: dict, visible: int, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        cfg = config(tmp_path, **overrides)
+        cluster = resolve_cluster(cfg)
+        plan_node(cfg, cluster, cluster.unit("trainer-0"), [str(i) for i in range(visible)])
+
+
+def test_submit_time_checks_plan_every_node(tmp_path: Path) -> None:
+    """The submitting machine has no GPUs; the nodes are planned against gpus_per_node."""
+    check_plans(config(tmp_path, **{"cluster.gpus_per_node": 8, "cluster.hosts": None}))
+    with pytest.raises(ConfigError, match="cannot split"):
+        check_plans(config(tmp_path, **{"cluster.gpus_per_node": 6, "cluster.servers_per_node": 4}))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"cluster.inference_nodes": 0},
+            "cluster.trainer_nodes = 2, orchestrator_node = 'inference': several",
+        ),
+        (
+            {"cluster.inference_nodes": 0, "cluster.trainer_nodes": 1, "cluster.servers_per_node": 2},
+            "use deployment",
+        ),
+        ({}, "a run on several nodes starts through [slurm], [kubernetes] (--k8s), or one"),
+    ],
+)
+def test_one_machine_plans_refuse_cluster_settings(tmp_path: Path, overrides: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        plan_run(config(tmp_path, **overrides), [])
+
+
+def test_weights_group_on_one_machine(tmp_path: Path) -> None:
+    cfg = config(
+        tmp_path, **{"cluster.inference_nodes": 0, "cluster.trainer_nodes": 1, "cluster.hosts": None}
+    )
+    plan = plan_run(cfg, [])
+    assert plan.weights_group_address == "127.0.0.1:29500"
+    assert {s.env.get("TANDEM_WEIGHTS_GROUP") for s in plan.specs()} == {"127.0.0.1:29500", None}
+
+
+def test_unshared_run_dir_warning(tmp_path: Path) -> None:
+    fstype, mount = filesystem_type(tmp_path)
+    warning = unshared_run_dir_warning(tmp_path / "run")
+    if fstype in ("ext4", "xfs", "overlay", "tmpfs", "btrfs"):
+        assert warning == (
+            f"run_dir {tmp_path / 'run'} is on a local {fstype} filesystem (mounted at {mount}): every node "
+            "must see the same run directory; put it on a shared filesystem (NFS, Lustre, GPFS, ...)"
+        )
+    assert filesystem_type(Path("/proc/self")) == ("proc", "/proc")
+    assert unshared_run_dir_warning(Path("/proc/self")) is None  # not known to be local

@@ -1,0 +1,105 @@
+"""Every bad input is one short error before anything starts, under --dry-run too, and the
+command line answers without importing torch."""
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tandem.launch.cli import main
+from tandem.models.tiny import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("model") / "tiny"
+    return build_tiny_model(out=out, num_layers=1, hidden_size=32, head_dim=8, intermediate_size=64)
+
+
+def rl_error(argv: list[str], capsys: pytest.CaptureFixture) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rl: error: ") and err.count("\n") <= 5, err
+    return err
+
+
+def bad_inputs(tmp_path: Path, model: Path) -> dict[str, tuple[list[str], str]]:
+    not_utf8 = tmp_path / "latin1.toml"
+    not_utf8.write_bytes('[model]\nname = "modèle"\n'.encode("latin-1"))
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    return {
+        "config file not UTF-8": (["@", str(not_utf8)], f"{not_utf8} is not UTF-8 text"),
+        "run_dir cannot be created": (
+            ["--run_dir", str(a_file / "run")],
+            f"run_dir {a_file / 'run'} cannot be created: {a_file} is a file",
+        ),
+        "seq_len too small": (
+            ["--seq_len", "40", "--orchestrator.sampling.max_tokens", "30"],
+            "seq_len 40 cannot fit one sample: prompt of task",
+        ),
+        "unknown environment": (
+            ["--orchestrator.env.name", "wordel"],
+            "env.name: unknown environment 'wordel'",
+        ),
+        "bad environment args": (
+            ["--orchestrator.env.args.max_lenn", "3"],
+            "'env.args.max_lenn': Extra inputs are not permitted",
+        ),
+        "custom loss that does not import": (
+            ["--trainer.loss.type", "custom", "--trainer.loss.import_path", "my_losses:ratio"],
+            "trainer.loss.import_path 'my_losses:ratio' cannot be imported: no module named 'my_losses'",
+        ),
+        "non-finite number": (
+            ["--trainer.optim.lr", "inf"],
+            "'trainer.optim.lr': Input should be a finite number",
+        ),
+    }
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_each_bad_input_is_one_line_before_anything_starts(
+    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture, dry_run: bool
+) -> None:
+    run_dir = tmp_path / "run"
+    base = ["--model.name", str(model), "--run_dir", str(run_dir), *(["--dry-run"] if dry_run else [])]
+    for why, (argv, message) in bad_inputs(tmp_path, model).items():
+        err = rl_error([*base, *argv], capsys)
+        assert message in err and err.count("\n") == 1, (why, err)
+        assert not (run_dir / "configs").exists() and not (run_dir / "logs").exists(), why
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        err = rl_error([*base, "--inference.port", str(port)], capsys)
+    assert (
+        err == f"rl: error: port {port} on 127.0.0.1 is taken (Address already in use); "
+        "stop what uses it or set deployment.inference_ports / inference.port\n"
+    )
+
+
+def test_the_command_line_answers_without_importing_torch(model: Path, tmp_path: Path) -> None:
+    probe = (
+        "import sys\nfrom tandem.launch.cli import main\ncode = 0\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+        "print('torch' in sys.modules, code, file=sys.stderr)\n"
+    )
+    cases = {
+        "help": ["--help"],
+        "dry run": ["--model.name", str(model), "--run_dir", str(tmp_path / "run"), "--dry-run"],
+        "config error": ["--model.name", str(model), "--orchestrator.batch_size", "7"],
+        "bad model path": ["--model.name", str(tmp_path / "nope")],
+    }
+    env = {"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""}
+    for why, argv in cases.items():
+        done = subprocess.run(
+            [sys.executable, "-c", probe, *argv], capture_output=True, text=True, env=env, timeout=120
+        )
+        assert done.stderr.splitlines()[-1] == f"False {0 if why in ('help', 'dry run') else 2}", (
+            why,
+            done.stderr,
+        )

@@ -1,0 +1,204 @@
+"""tandem's Qwen3 and Qwen3-MoE equal transformers' reference, and checkpoints go in and out exactly.
+
+Tiny random configs in fp32, built with transformers' own classes (no downloads). Weights are
+drawn large enough (std 0.2) that every layer matters; documents are packed into rows and
+compared with running each document alone through the reference.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+
+from tandem.cli import UserError
+from tandem.config.base import ModelConfig
+from tandem.models.hf_checkpoint import split_full
+from tandem.models.registry import family
+from tandem.trainer.config import ParallelConfig
+from tandem.trainer.hf_export import write_hf_model
+from tandem.trainer.model import build_trainer_model, load_hf_weights
+from tandem.trainer.parallel import World, init_distributed
+
+CPU_WORLD = World(rank=0, size=1, local_rank=0, device=torch.device("cpu"))
+COMMON = dict(
+    vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)  # fmt: skip
+CONFIGS = {
+    "qwen3": lambda: Qwen3Config(**COMMON, tie_word_embeddings=True),
+    # layer 1 dense (mlp_only_layers), 6 experts, top-3: both block kinds and uneven routing
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **COMMON,
+        moe_intermediate_size=16,
+        num_experts=6,
+        num_experts_per_tok=3,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        tie_word_embeddings=False,
+    ),  # fmt: skip
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(len(request.param))
+    reference = AutoModelForCausalLM.from_config(CONFIGS[request.param]())
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.normal_(0, 0.2)
+    out = tmp_path_factory.mktemp(request.param) / "model"
+    reference.save_pretrained(out)
+    return out
+
+
+def tandem_model(path: Path, attention: str = "sdpa") -> torch.nn.Module:
+    reference = AutoModelForCausalLM.from_pretrained(path)
+    fam = family(reference.config.model_type)
+    model = fam.build(reference.config, attention)
+    load_hf_weights(model, fam.hf_layout(reference.config), path, fam.hf_ignored, CPU_WORLD)
+    return model, reference
+
+
+def documents(vocab: int, lengths: list[int], seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=generator) for n in lengths]
+
+
+def hf_grad(reference: torch.nn.Module, name: str) -> torch.Tensor:
+    """The reference's gradient of a checkpoint tensor; transformers keeps experts fused in memory."""
+    params = dict(reference.named_parameters())
+    if name in params:
+        return params[name].grad
+    layer, rest = name.split(".experts.")
+    expert, proj = int(rest.split(".")[0]), rest.split(".")[1]
+    if proj == "down_proj":
+        return params[f"{layer}.experts.down_proj"].grad[expert]
+    gate, up = params[f"{layer}.experts.gate_up_proj"].grad[expert].chunk(2)
+    return gate if proj == "gate_proj" else up
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa_docs"])
+def test_packed_logits_and_gradients_equal_transformers(checkpoint: Path, backend: str) -> None:
+    model, reference = tandem_model(checkpoint, backend)
+    rows = [[5, 11, 3], [19]]  # two rows of 19 tokens: three documents, then one
+    docs = [documents(97, lengths, seed=i) for i, lengths in enumerate(rows)]
+    ids = torch.stack([torch.cat(d) for d in docs])
+    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
+    weights = torch.randn(2, 19, 97, generator=torch.Generator().manual_seed(7))
+
+    logits = model(ids, positions)
+    (logits * weights).sum().backward()
+    alone = torch.cat([torch.cat([reference(input_ids=d[None]).logits[0] for d in row]) for row in docs])
+    (alone.view(2, 19, 97) * weights).sum().backward()
+
+    torch.testing.assert_close(logits, alone.view(2, 19, 97), rtol=0, atol=1e-5)
+    layouts = family(reference.config.model_type).hf_layout(reference.config)
+    compared = 0
+    for name, param in model.named_parameters():
+        for hf_name, grad in split_full(layouts[name], param.grad):
+            want = hf_grad(reference, hf_name)
+            torch.testing.assert_close(
+                grad, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()), msg=hf_name
+            )
+            compared += 1
+    assert compared >= len(dict(reference.named_parameters()))
+
+
+def test_checkpoint_round_trip_is_exact(checkpoint: Path, tmp_path: Path) -> None:
+    """HF checkpoint → tandem's sharded trainer model → write_hf_model → the same tensors, which
+    transformers loads into the same model."""
+    world = init_distributed("cpu")
+    model = build_trainer_model(ModelConfig(name=str(checkpoint), device="cpu"), world, ParallelConfig())
+    from tandem.models.tokenizer import train_tokenizer
+
+    write_hf_model(model, train_tokenizer(), tmp_path / "out", world)
+    original, written = (
+        load_file(checkpoint / "model.safetensors"),
+        load_file(tmp_path / "out/model.safetensors"),
+    )
+    if model.hf_config.tie_word_embeddings:
+        original.pop("lm_head.weight", None)
+    assert original.keys() == written.keys()
+    for name, tensor in original.items():
+        assert torch.equal(written[name], tensor), name
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    ids = torch.randint(0, 97, (1, 12))
+    torch.testing.assert_close(
+        reloaded(input_ids=ids).logits, AutoModelForCausalLM.from_pretrained(checkpoint)(input_ids=ids).logits
+    )
+
+
+def test_sharded_export_writes_an_index(checkpoint: Path, tmp_path: Path) -> None:
+    world = init_distributed("cpu")
+    model = build_trainer_model(ModelConfig(name=str(checkpoint), device="cpu"), world, ParallelConfig())
+    from tandem.models.tokenizer import train_tokenizer
+
+    write_hf_model(model, train_tokenizer(), tmp_path / "out", world, max_shard_bytes=20_000)
+    index = json.loads((tmp_path / "out/model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    for name, tensor in AutoModelForCausalLM.from_pretrained(checkpoint).state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], tensor), name
+
+
+def test_missing_and_misshaped_tensors_fail_naming_the_tensor(checkpoint: Path, tmp_path: Path) -> None:
+    world = init_distributed("cpu")
+    tensors = load_file(checkpoint / "model.safetensors")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((checkpoint / "config.json").read_text())
+    name = "model.layers.2.self_attn.k_proj.weight"
+    save_file({k: v for k, v in tensors.items() if k != name}, broken / "model.safetensors")
+    with pytest.raises(UserError, match=f"tensor {name} is missing"):
+        build_trainer_model(ModelConfig(name=str(broken), device="cpu"), world, ParallelConfig())
+    save_file({**tensors, name: tensors[name][:, :-1].contiguous()}, broken / "model.safetensors")
+    with pytest.raises(UserError, match=rf"tensor {name} has shape \[16, 31\], the model needs \[16, 32\]"):
+        build_trainer_model(ModelConfig(name=str(broken), device="cpu"), world, ParallelConfig())
+
+
+def test_bad_config_and_parallel_settings_fail_with_one_line(checkpoint: Path, tmp_path: Path) -> None:
+    world = init_distributed("cpu")
+    config = json.loads((checkpoint / "config.json").read_text())
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "model.safetensors").symlink_to(checkpoint / "model.safetensors")
+    (odd / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    with pytest.raises(UserError, match="config field hidden_act = 'gelu' is not supported"):
+        build_trainer_model(ModelConfig(name=str(odd), device="cpu"), world, ParallelConfig())
+    with pytest.raises(UserError, match="ep = 2 does not divide the world size 1"):
+        build_trainer_model(ModelConfig(name=str(checkpoint), device="cpu"), world, ParallelConfig(ep=2))
+
+
+def test_experts_that_ep_cannot_split_fail() -> None:
+    from tandem.models.expert_parallel import apply_expert_parallel
+
+    with torch.device("meta"):
+        model = family("qwen3_moe").build(CONFIGS["qwen3_moe"](), "sdpa")  # 6 experts
+
+    class FourRanks:
+        def size(self) -> int:
+            return 4
+
+    with pytest.raises(ValueError, match="ep = 4 does not divide the 6 experts"):
+        apply_expert_parallel(model, FourRanks())
+
+
+def test_impl_tandem_needs_a_family_and_auto_falls_back(tmp_path: Path) -> None:
+    world = init_distributed("cpu")
+    llama = AutoModelForCausalLM.from_config(
+        LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                    num_attention_heads=2, num_key_value_heads=1)
+    )  # fmt: skip
+    llama.save_pretrained(tmp_path / "llama")
+    with pytest.raises(UserError, match="model type 'llama' .* has no tandem implementation"):
+        build_trainer_model(
+            ModelConfig(name=str(tmp_path / "llama"), device="cpu", impl="tandem"), world, ParallelConfig()
+        )
+    model = build_trainer_model(
+        ModelConfig(name=str(tmp_path / "llama"), device="cpu"), world, ParallelConfig()
+    )
+    assert model.hf_config.model_type == "llama" and hasattr(model, "sequence_logprobs")

@@ -1,0 +1,60 @@
+"""Where a resumed run starts: after its checkpoint, reusing the rollouts in an unbroken line from
+it, and discarding what the stopped run left beyond that (so no server gets a policy from the future)."""
+
+from pathlib import Path
+
+import pytest
+
+from tandem.cli import UserError
+from tandem.monitor.metrics import MetricsWriter, read_metrics
+from tandem.transport.layout import written_steps
+from tandem.transport.resume import check_fresh_start, orchestrator_start, trainer_start
+from tandem.transport.weights import STABLE, stable_versions
+
+
+def stopped_run(run_dir: Path, rollouts: list[int], weights: list[int], checkpoints: list[int]) -> Path:
+    for step in rollouts:
+        (run_dir / "rollouts" / f"step_{step}").mkdir(parents=True)
+        (run_dir / "rollouts" / f"step_{step}" / "READY").write_text("{}")
+    for version in weights:
+        (run_dir / "weights" / f"step_{version}").mkdir(parents=True)
+        (run_dir / "weights" / f"step_{version}" / STABLE).write_text("{}")
+    for step in checkpoints:
+        (run_dir / "checkpoints" / f"step_{step}").mkdir(parents=True)
+    (run_dir / "checkpoints" / ".tmp_step_99").mkdir(parents=True)  # an unfinished one: ignored
+    return run_dir
+
+
+def test_stopped_before_the_first_checkpoint_it_retrains_on_its_rollouts(tmp_path: Path) -> None:
+    run_dir = stopped_run(tmp_path, rollouts=[0, 1, 2], weights=[1, 2], checkpoints=[])
+    with pytest.raises(UserError, match=r"up to step 2: pass --resume to continue that run \(from step 0"):
+        check_fresh_start(run_dir)
+    assert trainer_start(run_dir) == 0
+    assert orchestrator_start(run_dir) == 3
+    assert written_steps(run_dir) == [0, 1, 2] and stable_versions(run_dir) == [1, 2]
+
+
+def test_rollouts_pruned_without_checkpoints_start_over(tmp_path: Path) -> None:
+    run_dir = stopped_run(tmp_path, rollouts=[4], weights=[4, 5], checkpoints=[])
+    assert orchestrator_start(run_dir) == 0
+    assert written_steps(run_dir) == [] and stable_versions(run_dir) == []
+    assert not (run_dir / "weights" / "step_5").exists()
+
+
+def test_after_a_checkpoint_it_continues_and_drops_what_lies_past_a_gap(tmp_path: Path) -> None:
+    run_dir = stopped_run(tmp_path, rollouts=[3, 4, 5, 7], weights=[4, 5, 6, 8], checkpoints=[2, 4])
+    assert trainer_start(run_dir) == 4
+    assert orchestrator_start(run_dir) == 6
+    assert written_steps(run_dir) == [3, 4, 5] and stable_versions(run_dir) == [4, 5, 6]
+
+
+def test_metrics_of_repeated_steps_are_marked_per_attempt(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    for steps in ([0, 1, 2], [1, 2, 3], [3, 4]):  # a run, resumed from step 1, then from step 3
+        with MetricsWriter(path, "trainer") as writer:
+            for step in steps:
+                writer.log(step, loss=float(step))
+    marks = [(r["step"], r.get("attempt", 1)) for r in read_metrics(path)]
+    assert marks == [(0, 1), (1, 1), (2, 1), (1, 2), (2, 2), (3, 1), (3, 3), (4, 1)]
+    latest = [(r["step"], r.get("attempt", 1)) for r in read_metrics(path, latest=True)]
+    assert latest == [(0, 1), (1, 2), (2, 2), (3, 3), (4, 1)]
