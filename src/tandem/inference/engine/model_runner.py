@@ -87,7 +87,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(config.num_hidden_layers)]
         self.sampled = torch.zeros(max_rows, dtype=torch.int64, device=device)  # the last step's draws
-        self.use_graphs = cuda_graphs and device.type == "cuda"
+        self.use_graphs = cuda_graphs and device.type == "cuda" and model.graph_safe(dtype)
         self.max_graph_batch = (
             max(b for b in BATCH_BUCKETS if b <= max(max_num_seqs, 1)) if self.use_graphs else 0
         )
