@@ -33,6 +33,18 @@ class EngineConfig(Section):
     )
     cuda_graphs: bool = Field(True, description="Capture decode steps in CUDA graphs (CUDA only).")
     triton_kernels: bool = Field(True, description="Fused Triton kernels for the forward pass (CUDA only).")
+    quantization: Literal["none", "fp8"] = Field(
+        "none",
+        description="fp8: the decoder layers' linear weights in e4m3 with 128×128 block scales (the layout of "
+        "published FP8 checkpoints), quantized at load and at every weight update; CUDA with compute "
+        "capability 8.9+ (docs/inference-engine.md, 'FP8 weights').",
+    )
+    fp8_kernel: Literal["triton", "blockwise", "rowwise"] = Field(
+        "triton",
+        description="The FP8 matmul: triton (block-scaled weights, bf16 activations), blockwise "
+        "(torch._scaled_mm, 1x128 activation and 128x128 weight scales; SM90) or rowwise "
+        "(torch._scaled_mm, per-token and per-channel scales; weights re-quantized per row).",
+    )
 
 
 class InferenceConfig(Section):

@@ -18,6 +18,7 @@ from tandem.cli import UserError
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine.api import FinishReason, SampleUpdate, SamplingParams, TokenOutput
 from tandem.inference.engine.block_manager import BlockManager
+from tandem.inference.engine.fp8 import check_device as check_fp8_device
 from tandem.inference.engine.model_runner import Feed, ModelRunner, RunOutput, kv_bytes_per_block
 from tandem.inference.engine.models import build_model
 from tandem.inference.engine.sampler import (
@@ -44,11 +45,15 @@ class EngineCore:
         cfg = config.engine
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
+        if cfg.quantization == "fp8":
+            check_fp8_device(self.device, cfg.fp8_kernel)  # (before loading the model: fail fast)
         self.tokenizer = load_tokenizer(config.model.name)
         hf_model = load_model(config.model, self.device)
         model_max = getattr(hf_model.config, "max_position_embeddings", None) or 4096
         self.max_model_len = min(cfg.max_model_len or model_max, model_max)
-        self.model = build_model(hf_model, self.max_model_len, cfg.triton_kernels)
+        self.model = build_model(
+            hf_model, self.max_model_len, cfg.triton_kernels, cfg.quantization, cfg.fp8_kernel
+        )
         self.vocab_size = hf_model.config.vocab_size
         self.eos_token_ids = _eos_ids(hf_model, self.tokenizer)
         self.eos_table = np.zeros(self.vocab_size, dtype=bool)  # token id → is an EOS id

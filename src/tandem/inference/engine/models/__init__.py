@@ -21,6 +21,8 @@ of it; a family subclasses it and says what its layers' MLPs are):
 import torch
 from transformers import PreTrainedModel
 
+from tandem.cli import UserError
+from tandem.inference.engine.fp8 import quantize_model
 from tandem.inference.engine.models.layers import CausalLM
 from tandem.inference.engine.models.qwen3 import Qwen3ForCausalLM
 from tandem.inference.engine.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -42,14 +44,30 @@ def model_class(config: object) -> type[CausalLM]:
     return cls
 
 
-def build_model(hf_model: PreTrainedModel, max_positions: int, use_kernels: bool = True) -> CausalLM:
-    """The engine's implementation of `hf_model`'s architecture, holding the same weights."""
+def build_model(
+    hf_model: PreTrainedModel,
+    max_positions: int,
+    use_kernels: bool = True,
+    quantization: str = "none",
+    fp8_kernel: str = "triton",
+    dtype: torch.dtype = torch.float32,
+) -> CausalLM:
+    """The engine's implementation of `hf_model`'s architecture, holding the same weights (FP8
+    ones with `quantization = "fp8"`: quantized now, or as the checkpoint holds them; `dtype` is
+    what the rest of the model computes in)."""
     config = hf_model.config
     cls = model_class(config)
     device = next(hf_model.parameters()).device
     with torch.device("meta"):
         model = cls(config, max_positions)
     state = cls.from_transformers(dict(hf_model.state_dict()), config)
+    scales = {name: state.pop(name) for name in [n for n in state if n.endswith(".weight_scale_inv")]}
+    if scales and quantization != "fp8":
+        raise UserError(
+            f"the model holds FP8 weights ({next(iter(scales))}): set engine.quantization = 'fp8'"
+        )
     model.load_state_dict(state, strict=True, assign=True)  # shares transformers' tensors
     model.prepare(device, use_kernels)
+    if quantization == "fp8":
+        quantize_model(model, fp8_kernel, scales, dtype)
     return model.eval().requires_grad_(False)
