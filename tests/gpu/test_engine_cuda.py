@@ -122,7 +122,10 @@ def test_fp8_engine_follows_bf16_and_refuses_a_mismatched_update(
             for i, ids in enumerate(PROMPTS):
                 fp8[str(i)] = [t async for u in engine.generate(f"g{i}", ids, GREEDY) for t in u.tokens]
             # the first tokens agree with bf16's greedy (a random tiny model: later ones may part)
-            assert sum(a[0].token_id == b[0].token_id for a, b in zip(fp8.values(), bf16.values())) >= 3
+            assert (
+                sum(a[0].token_id == b[0].token_id for a, b in zip(fp8.values(), bf16.values(), strict=True))
+                >= 3
+            )
             before = [t.token_id async for u in engine.generate("s", PROMPTS[1], params) for t in u.tokens]
             wide = build_tiny_model(out=tmp_path / "wide", num_layers=2, intermediate_size=1024)
             with pytest.raises(WeightLoadError, match="has shape"):

@@ -93,6 +93,7 @@ class ModelRunner:
         )
         self.graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.replay_events: list | None = None  # set to a list to time every graph replay (benchmarks)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
@@ -242,7 +243,14 @@ class ModelRunner:
         if graphed:
             graph = self.graphs.get((size, width)) or self._capture(size, width)
             copy_to(graph.packed, torch.from_numpy(packed))
-            graph.graph.replay()
+            if self.replay_events is not None:
+                events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                events[0].record()
+                graph.graph.replay()
+                events[1].record()
+                self.replay_events.append(events)
+            else:
+                graph.graph.replay()
             hidden, inputs = graph.hidden[:real], graph.inputs
         else:
             device_packed = host_to_device(torch.from_numpy(packed), self.device)
