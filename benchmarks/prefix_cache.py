@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -65,10 +66,14 @@ async def samples(url: str, prompt: list[int], n: int, requests: int) -> None:
         r.raise_for_status()
 
 
-def measure(url: str, work) -> dict:  # noqa: ANN001
+def run_eval(command: list[str]) -> None:
+    subprocess.run(command, check=True, capture_output=True, timeout=1200)
+
+
+def measure(url: str, fn: Callable, arg: object) -> dict:
     before = counters(url)
     start = time.perf_counter()
-    work()
+    fn(arg)
     after = counters(url)
     return {
         "prefill_tokens_computed": after["tandem_prefill_tokens_computed_total"]
@@ -99,21 +104,17 @@ def main() -> None:
         label = "on" if cached else "off"
         server, url = serve(model, cached, args.work_dir / f"server-{label}.log")
         try:
-            results[f"n=8 in one request, cache {label}"] = measure(
-                url, lambda: asyncio.run(samples(url, prompt, 8, 1))
-            )
             other = prompt[::-1]  # (shares nothing with the prompt above)
-            results[f"8 requests of one prompt, cache {label}"] = measure(
-                url,
-                lambda: asyncio.run(samples(url, other, 1, 8)),  # noqa: B023
-            )
             eval_cmd = [sys.executable, "-m", "tandem.evaluate", "--server", url, "--model.name", str(model),
                         "--env.name", "wordle", "--num-tasks", str(args.wordle_tasks), "--n", str(args.wordle_n),
                         "--sampling.temperature", "1", "--sampling.max-tokens", "8", "--seq-len", "1024"]  # fmt: skip
-            results[f"wordle rollouts, cache {label}"] = measure(
-                url,
-                lambda: subprocess.run(eval_cmd, check=True, capture_output=True, timeout=1200),  # noqa: B023
-            )
+            workloads = {
+                "n=8 in one request": (asyncio.run, samples(url, prompt, 8, 1)),
+                "8 requests of one prompt": (asyncio.run, samples(url, other, 1, 8)),
+                "wordle rollouts": (run_eval, eval_cmd),
+            }
+            for workload, (fn, arg) in workloads.items():
+                results[f"{workload}, cache {label}"] = measure(url, fn, arg)
         finally:
             server.terminate()
             server.wait(timeout=60)
