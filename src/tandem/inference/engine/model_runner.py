@@ -11,6 +11,7 @@ width bucket) pairs; padded rows write into block 0 (never handed out) and atten
 of it.
 """
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from tandem.inference.engine.scheduler import ScheduledBatch
 from tandem.inference.engine.sequence import PLACEHOLDER, Sequence
 from tandem.inference.engine.transfer import copy_to, host_to_device, to_device
 
+log = logging.getLogger("tandem.inference")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 CHUNK_GATHER_TOKENS = 1 << 16  # most cached keys one chunk-attention call gathers (batch × context)
 ID, POSITION, SLOT, CONTEXT, FEED = range(5)  # rows of a decode step's packed inputs
@@ -240,8 +242,8 @@ class ModelRunner:
                 host[FEED, fed_rows] = [_feed_row(feed, seqs[i]) for i in fed_rows]
         cols = min(width, blocks.tables.shape[1])
         tables[:real, :cols] = blocks.tables[table_rows, :cols]
-        if graphed:
-            graph = self.graphs.get((size, width)) or self._capture(size, width)
+        graph = (self.graphs.get((size, width)) or self._capture(size, width)) if graphed else None
+        if graph is not None:
             copy_to(graph.packed, torch.from_numpy(packed))
             if self.replay_events is not None:
                 events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -263,7 +265,18 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=inputs[SLOT], decodes=Decodes(None, tables, inputs[CONTEXT]))
         return self.model(ids, inputs[POSITION], self.kv_caches, meta)
 
-    def _capture(self, size: int, width: int) -> _DecodeGraph:
+    def _capture(self, size: int, width: int) -> _DecodeGraph | None:
+        """A new decode graph; None (and no graphs from now on, with a warning) if the model's
+        decode step cannot be captured."""
+        try:
+            return self._try_capture(size, width)
+        except RuntimeError as e:
+            torch.cuda.synchronize()
+            log.warning("decode steps run without CUDA graphs: capturing one failed (%s)", str(e)[:300])
+            self.use_graphs = False
+            return None
+
+    def _try_capture(self, size: int, width: int) -> _DecodeGraph:
         packed = torch.zeros(5 * size + size * width, dtype=torch.int64, device=self.device)
         inputs, tables = packed[: 5 * size].view(5, size), packed[5 * size :].view(size, width)
         inputs[CONTEXT].fill_(1)  # context length 1: padded rows attend to one slot of block 0
