@@ -260,7 +260,9 @@ class EngineCore:
         for seq in seqs:
             seq.num_cached += 1
             seq.token_ids.append(PLACEHOLDER)  # the drawn token's place until it reaches the host
-            if register is not None and (seq.num_hashed + 1) * size <= seq.num_cached:
+            # a block is registered a step after it fills: its last token, this step's input,
+            # may still be on its way from the device (then it is known by the next launch)
+            if register is not None and (seq.num_hashed + 1) * size < seq.num_cached:
                 register(seq, seq.num_cached)
         launched.ending = np.flatnonzero(out.lens + 1 >= plan.limits)
         for i in launched.ending:
