@@ -104,6 +104,7 @@ def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, rows, GROUP
 def quantize_groups(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token and 128 channels: e4m3 [rows, K] and float32 scales [rows, K/128] (column-major,
     as the blockwise `_scaled_mm` wants them), for x's first rows; `rows` ≥ len(x) pads with zeros."""
+    x = x.contiguous()
     m, k = x.shape
     q = torch.zeros(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.ones(k // BLOCK, rows, dtype=torch.float32, device=x.device)
@@ -131,6 +132,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK_K: t
 
 def quantize_rows(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale per token: e4m3 [rows, K] and float32 scales [rows, 1]; `rows` ≥ len(x) pads."""
+    x = x.contiguous()
     m, k = x.shape
     q = torch.zeros(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.ones(rows, 1, dtype=torch.float32, device=x.device)
