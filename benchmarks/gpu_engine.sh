@@ -19,7 +19,8 @@ part() {  # name, timeout (s), command...
   [ "$left" -lt "$limit" ] && limit=$left
   if [ "$limit" -le 10 ]; then echo "$name: skipped (out of time)"; return; fi
   local t0=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  # SIGINT first, so a benchmark's `finally` stops the server it started; SIGKILL 15 s later
+  timeout -s INT -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "$name: exit $? after $(( $(date +%s) - t0 )) s (limit $limit s; log $OUT/$name.log)"
 }
 
