@@ -14,20 +14,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tandem.cli import UserError
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine.api import FinishReason, SampleUpdate, SamplingParams, TokenOutput
 from tandem.inference.engine.block_manager import BlockManager
 from tandem.inference.engine.fp8 import check_device as check_fp8_device
-from tandem.inference.engine.model_runner import Feed, ModelRunner, RunOutput, kv_bytes_per_block
+from tandem.inference.engine.model_runner import Feed, ModelRunner, RunOutput, kv_cache_blocks
 from tandem.inference.engine.models import build_model
 from tandem.inference.engine.sampler import (
     PendingSample,
     SampleResult,
-    SamplingBatch,
     SamplingRows,
     launch_sample,
     sample_key,
+    sampling_batch,
     sampling_rows,
 )
 from tandem.inference.engine.scheduler import ScheduledBatch, Scheduler
@@ -35,9 +34,6 @@ from tandem.inference.engine.sequence import PLACEHOLDER, Request, Sequence, Sta
 from tandem.inference.engine.transfer import to_device
 from tandem.inference.engine.weights import apply_checkpoint
 from tandem.models.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
-
-GiB = 1 << 30
-CPU_DEFAULT_KV_GB = 1.0
 
 
 class EngineCore:
@@ -60,7 +56,7 @@ class EngineCore:
         self.eos_table[[t for t in self.eos_token_ids if 0 <= t < self.vocab_size]] = True
         del hf_model
         self.block_size = cfg.block_size
-        num_blocks = self._num_blocks(config)
+        num_blocks = kv_cache_blocks(config, self.model.config, self.dtype, self.device, self.max_model_len)
         self.runner = ModelRunner(
             self.model,
             num_blocks,
@@ -98,26 +94,6 @@ class EngineCore:
         self.timings = {"schedule": 0.0, "model": 0.0, "sample": 0.0, "append": 0.0}
         self._in_flight: _Launched | None = None  # the step queued on the device, tokens not read yet
         self._touched: dict[str, Request] = {}  # requests with undelivered updates
-
-    def _num_blocks(self, config: InferenceConfig) -> int:
-        cfg = config.engine
-        per_block = kv_bytes_per_block(self.model.config, cfg.block_size, self.dtype)
-        if cfg.kv_cache_memory_gb is not None:
-            budget = cfg.kv_cache_memory_gb * GiB
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            reserve = 2 * GiB + cfg.max_num_batched_tokens * self.vocab_size * 4  # activations, logits
-            budget = free - (1 - cfg.gpu_memory_utilization) * total - reserve
-        else:
-            needed = cfg.max_num_seqs * (self.max_model_len + cfg.block_size) * per_block / cfg.block_size
-            budget = min(CPU_DEFAULT_KV_GB * GiB, needed)
-        num_blocks = int(budget // per_block) + 1  # + the scratch block
-        if num_blocks < 2 or (num_blocks - 1) * cfg.block_size < min(self.max_model_len, 256):
-            raise UserError(
-                f"the KV-cache budget ({budget / GiB:.3f} GiB) holds too few tokens for this model: "
-                "raise engine.kv_cache_memory_gb or engine.gpu_memory_utilization"
-            )
-        return num_blocks
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -292,15 +268,10 @@ class EngineCore:
         if len(rows) != len(complete):
             logits = logits[to_device(rows, torch.int64, logits.device)]
         targets = list(zip(launched.seqs, launched.indices, strict=True))
-        params = [seq.params for seq in launched.seqs]
-        sampling = SamplingBatch(
-            temperatures=[p.temperature for p in params],
-            top_ps=[p.top_p for p in params],
-            top_ks=[p.top_k for p in params],
-            min_ps=[p.min_p for p in params],
-            keys=[seq.request.keys[index] for seq, index in targets],
-            positions=[seq.num_tokens for seq in launched.seqs],
-            num_top_logprobs=max(p.top_logprobs for p in params),
+        sampling = sampling_batch(
+            [seq.params for seq in launched.seqs],
+            [seq.request.keys[index] for seq, index in targets],
+            [seq.num_tokens for seq in launched.seqs],
         )
         positions = to_device(sampling.positions, torch.int64, logits.device)
         launched.pending = self._sample(
@@ -317,15 +288,7 @@ class EngineCore:
 
     def _decode_plan(self, seqs: list[Sequence]) -> "_DecodePlan":
         params = [seq.params for seq in seqs]
-        sampling = SamplingBatch(
-            temperatures=[p.temperature for p in params],
-            top_ps=[p.top_p for p in params],
-            top_ks=[p.top_k for p in params],
-            min_ps=[p.min_p for p in params],
-            keys=[seq.request.keys[seq.index] for seq in seqs],
-            positions=[],
-            num_top_logprobs=max(p.top_logprobs for p in params),
-        )
+        sampling = sampling_batch(params, [seq.request.keys[seq.index] for seq in seqs], [])
         limits = np.fromiter(
             (
                 min(seq.num_prompt_tokens + p.max_tokens, self.max_model_len)

@@ -14,17 +14,24 @@ of it.
 import logging
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from tandem.cli import UserError
 from tandem.inference.engine.attention import AttentionMetadata, Chunks, Decodes, Prompts
 from tandem.inference.engine.block_manager import BlockManager
 from tandem.inference.engine.scheduler import ScheduledBatch
 from tandem.inference.engine.sequence import PLACEHOLDER, Sequence
 from tandem.inference.engine.transfer import copy_to, host_to_device, to_device
 
+if TYPE_CHECKING:
+    from tandem.inference.config import InferenceConfig
+
 log = logging.getLogger("tandem.inference")
+GiB = 1 << 30
+CPU_DEFAULT_KV_GB = 1.0
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 CHUNK_GATHER_TOKENS = 1 << 16  # most cached keys one chunk-attention call gathers (batch × context)
 ID, POSITION, SLOT, CONTEXT, FEED = range(5)  # rows of a decode step's packed inputs
@@ -34,6 +41,36 @@ def kv_bytes_per_block(config: object, block_size: int, dtype: torch.dtype) -> i
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
     return per_token * block_size * torch.finfo(dtype).bits // 8
+
+
+def kv_cache_blocks(
+    config: "InferenceConfig",
+    model_config: object,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+) -> int:
+    """Blocks of the KV cache (the scratch block included): `engine.kv_cache_memory_gb`, else on
+    CUDA what `gpu_memory_utilization` leaves free after a reserve for activations and logits,
+    else on CPU what `max_num_seqs` full contexts need, at most 1 GiB."""
+    cfg = config.engine
+    per_block = kv_bytes_per_block(model_config, cfg.block_size, dtype)
+    if cfg.kv_cache_memory_gb is not None:
+        budget = cfg.kv_cache_memory_gb * GiB
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        reserve = 2 * GiB + cfg.max_num_batched_tokens * model_config.vocab_size * 4  # activations, logits
+        budget = free - (1 - cfg.gpu_memory_utilization) * total - reserve
+    else:
+        needed = cfg.max_num_seqs * (max_model_len + cfg.block_size) * per_block / cfg.block_size
+        budget = min(CPU_DEFAULT_KV_GB * GiB, needed)
+    num_blocks = int(budget // per_block) + 1  # + the scratch block
+    if num_blocks < 2 or (num_blocks - 1) * cfg.block_size < min(max_model_len, 256):
+        raise UserError(
+            f"the KV-cache budget ({budget / GiB:.3f} GiB) holds too few tokens for this model: "
+            "raise engine.kv_cache_memory_gb or engine.gpu_memory_utilization"
+        )
+    return num_blocks
 
 
 @dataclass

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.inference.engine.api import SamplingParams
 from tandem.inference.engine.transfer import HostCopy, to_device
 
 MASK32 = 0xFFFFFFFF
@@ -58,6 +59,21 @@ class SamplingBatch:
     positions: list[int]  # position of the token each row draws
     num_top_logprobs: int = 0
     generator: torch.Generator | None = None  # noise of the unseeded rows
+
+
+def sampling_batch(
+    params: list[SamplingParams], keys: list[int | None], positions: list[int]
+) -> SamplingBatch:
+    """The rows' sampling parameters, one `SamplingParams` per row."""
+    return SamplingBatch(
+        temperatures=[p.temperature for p in params],
+        top_ps=[p.top_p for p in params],
+        top_ks=[p.top_k for p in params],
+        min_ps=[p.min_p for p in params],
+        keys=keys,
+        positions=positions,
+        num_top_logprobs=max(p.top_logprobs for p in params),
+    )
 
 
 @dataclass
