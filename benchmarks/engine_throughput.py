@@ -2,11 +2,15 @@
 
 N requests of P random prompt tokens each generate O tokens (sampling at temperature 1, EOS
 ignored). The engine gets all requests at once and runs to completion; transformers generates
-the same batch in one padded-free `generate` call. Output tokens per second are compared.
+the same batch in one `generate` call. Output tokens per second are compared. Every timed run
+sends prompts no earlier run sent, so the prefix cache finds nothing to reuse (it is measured
+on and off, back to back). The graph-replay bound: every decode graph replay is timed with CUDA
+events; the bound is the output tokens over the replays' GPU time, and the engine's share of it
+is (replay time) / (wall time).
 
     uv run python benchmarks/engine_throughput.py                       # CPU, tiny model
     python benchmarks/engine_throughput.py --shape qwen3-0.6b --num-requests 256 \\
-        --prompt-len 128 --output-len 256 --check --out results.json    # CUDA, bf16
+        --prompt-len 128 --output-len 256 --out results.json            # CUDA, bf16
 
 `--check` first verifies on the device: the decode kernel against the gather path, greedy
 decoding of a float32 tiny model against transformers token for token, and the engine's
@@ -16,37 +20,26 @@ logprobs on the benchmark model against a transformers forward pass.
 import argparse
 import asyncio
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM
 
 from tandem.inference.cli import freeze_heap
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine.api import SamplingParams
 from tandem.inference.engine.core import EngineCore
 from tandem.inference.engine.engine import AsyncEngine
-from tandem.models.loading import save_model
-from tandem.models.tiny import QWEN3_0_6B_SHAPE, TinyModelConfig, build_tiny_model, tiny_qwen3_config
-from tandem.models.tokenizer import train_tokenizer
+from tandem.models.tiny import build_tiny_model
 
-SHAPES = {"tiny": {}, "qwen3-0.6b": QWEN3_0_6B_SHAPE}
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_models import SHAPES, build_random  # noqa: E402
 
 
 def build_model(shape: str, out: Path, device: torch.device) -> Path:
-    """A random-init Qwen3 of `shape`, initialised on `device` (fast for 0.6B on a GPU)."""
-    if (out / "config.json").exists():
-        return out
-    if shape == "tiny":
-        return build_tiny_model(out=out)
-    cfg = TinyModelConfig(out=out, **SHAPES[shape])
-    tokenizer = train_tokenizer()
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(tiny_qwen3_config(cfg, len(tokenizer), tokenizer.eos_token_id, 0))
-    save_model(model.to(torch.bfloat16), tokenizer, out)
-    return out
+    return build_tiny_model(out=out) if shape == "tiny" else build_random(shape, out, device)
 
 
 def engine_config(path: Path, dtype: str, args: argparse.Namespace, **engine: object) -> InferenceConfig:
@@ -61,7 +54,7 @@ def engine_config(path: Path, dtype: str, args: argparse.Namespace, **engine: ob
     return InferenceConfig.model_validate({"model": {"name": str(path), "dtype": dtype}, "engine": engine})
 
 
-def random_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (count, length), generator=gen).tolist()
 
@@ -71,9 +64,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run_core(core: EngineCore, prompts: list[list[int]], output_len: int, tag: str) -> tuple[float, int]:
+def run_core(core: EngineCore, prompts: list[list[int]], output_len: int, tag: str) -> dict:
+    """All requests at once, stepped to the end; with CUDA graphs, their replays' GPU time."""
     params = SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True)
     sync(core.device)
+    if core.runner.use_graphs:
+        core.runner.replay_events = []
+    steps, timings = core.num_steps, dict(core.timings)
     start = time.perf_counter()
     for i, ids in enumerate(prompts):
         core.add_request(f"{tag}-{i}", ids, params, 1)
@@ -82,7 +79,21 @@ def run_core(core: EngineCore, prompts: list[list[int]], output_len: int, tag: s
         for _, updates in core.step():
             tokens += sum(len(u.tokens) for u in updates)
     sync(core.device)
-    return time.perf_counter() - start, tokens
+    seconds = time.perf_counter() - start
+    result = {"seconds": seconds, "output_tokens": tokens, "tok_per_s": tokens / seconds}
+    result["steps"] = core.num_steps - steps
+    result["host_seconds_by_phase"] = {k: v - timings[k] for k, v in core.timings.items()}
+    events, core.runner.replay_events = core.runner.replay_events, None
+    if events:
+        replay = sum(a.elapsed_time(b) for a, b in events) / 1e3
+        result.update(
+            graph_replays=len(events),
+            graph_replay_seconds=replay,
+            graph_replay_ms_per_step=1e3 * replay / len(events),
+            graph_replay_bound_tok_per_s=tokens / replay,
+            share_of_graph_replay_bound=replay / seconds,
+        )
+    return result
 
 
 def run_async(
@@ -116,22 +127,6 @@ def run_hf(path: Path, prompts: list[list[int]], output_len: int, device: torch.
     seconds = time.perf_counter() - start
     del model
     return seconds, (out.shape[1] - ids.shape[1]) * out.shape[0]
-
-
-def time_graph_replays(core: EngineCore, repeats: int = 50) -> dict[str, float]:
-    """GPU time of one captured decode step (model only: no scheduling, sampling or logits)."""
-    timings = {}
-    for (size, width), graph in core.runner.graphs.items():
-        if size < max(s for s, _ in core.runner.graphs):
-            continue
-        graph.graph.replay()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            graph.graph.replay()
-        torch.cuda.synchronize()
-        timings[f"batch{size}_width{width}"] = (time.perf_counter() - start) / repeats * 1e3
-    return timings
 
 
 def sweep_kernel(device: torch.device, batch: int, context: int) -> list[dict]:
@@ -226,7 +221,7 @@ def check_device(args: argparse.Namespace, device: torch.device, work: Path, ben
     # 2. greedy, float32 tiny model, engine (graphs + kernel) vs transformers
     tiny = build_model("tiny", work / "tiny", device)
     core = EngineCore(engine_config(tiny, "float32", args, max_num_seqs=16, kv_cache_memory_gb=1.0))
-    prompts = random_prompts(6, 1, core.vocab_size)
+    prompts = random_prompts(6, 1, core.vocab_size, seed=100)
     prompts = [p * k for p, k in zip(prompts, (3, 17, 33, 5, 40, 9), strict=True)]
     greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     for i, ids in enumerate(prompts):
@@ -251,7 +246,7 @@ def check_device(args: argparse.Namespace, device: torch.device, work: Path, ben
     del core, hf
     # 3. logprobs of the benchmark model (bf16) vs a transformers forward pass in float32
     core = EngineCore(engine_config(bench_model, "bfloat16", args, max_num_seqs=8, kv_cache_memory_gb=2.0))
-    ids = random_prompts(1, 64, core.vocab_size)[0]
+    ids = random_prompts(1, 64, core.vocab_size, seed=101)[0]
     core.add_request("lp", ids, SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True, seed=1), 1)
     tokens = []
     while core.has_work():
@@ -279,7 +274,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--shape", choices=sorted(SHAPES), default=None, help="default: tiny on CPU, 0.6B on CUDA"
+        "--shape", choices=["tiny", *SHAPES], default=None, help="default: tiny on CPU, 0.6B on CUDA"
     )
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=32)
@@ -321,74 +316,83 @@ def main() -> None:
 
     if args.sweep_kernel and device.type == "cuda":
         results["kernel_sweep"] = sweep_kernel(device, args.num_requests, args.prompt_len + args.output_len)
-    rows = []
-    core = EngineCore(engine_config(path, dtype, args))
-    freeze_heap()  # as the server does after start-up
-    prompts = random_prompts(args.num_requests, args.prompt_len, min(core.vocab_size, len(core.tokenizer)))
-    cold = run_core(core, prompts, args.output_len, "cold")  # includes CUDA-graph capture
-    rows.append(("tandem engine (first run)", *cold))
-    steps_before = core.num_steps
-    rows.append(("tandem engine", *run_core(core, prompts, args.output_len, "warm")))
-    results["engine_steps"] = core.num_steps - steps_before
-    results["decode_graph_replay_ms"] = time_graph_replays(core) if core.runner.graphs else {}
-    results["engine_step_seconds_by_phase"] = core.timings
-    if args.profile:
-        results["profile"] = profile_decode(core, prompts)
-        print(results["profile"], flush=True)
-    del core
+    vocab = None
+    fresh = iter(range(1, 1000))  # a new prompt seed for every timed run: no prefix is shared
+
+    def prompts() -> list[list[int]]:
+        return random_prompts(args.num_requests, args.prompt_len, vocab, seed=next(fresh))
+
+    runs: dict[str, dict] = {}
+    for cached in (True, False):
+        core = EngineCore(engine_config(path, dtype, args, prefix_caching=cached))
+        freeze_heap()  # as the server does after start-up
+        vocab = min(core.vocab_size, len(core.tokenizer))
+        name = "tandem EngineCore" + ("" if cached else ", prefix cache off")
+        if cached:
+            runs["tandem EngineCore (first run: graph capture)"] = run_core(
+                core, prompts(), args.output_len, "c"
+            )
+        else:
+            run_core(core, prompts(), args.output_len, "c")  # (its graphs)
+        runs[name] = run_core(core, prompts(), args.output_len, "w")
+        if cached and args.profile:
+            results["profile"] = profile_decode(core, prompts())
+            print(results["profile"], flush=True)
+        del core
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     if args.compare_unfused and not args.no_triton_kernels and device.type == "cuda":
         core = EngineCore(engine_config(path, dtype, args, triton_kernels=False))
-        run_core(core, prompts, args.output_len, "cold")
-        rows.append(("tandem engine, torch ops", *run_core(core, prompts, args.output_len, "warm")))
-        results["decode_graph_replay_ms_torch_ops"] = time_graph_replays(core)
+        run_core(core, prompts(), args.output_len, "c")
+        runs["tandem EngineCore, torch ops"] = run_core(core, prompts(), args.output_len, "w")
         del core
     engine = AsyncEngine(engine_config(path, dtype, args))
     freeze_heap()
-    run_async(engine, prompts[: min(8, len(prompts))], 4)  # warm-up
+    run_async(engine, prompts()[: min(8, args.num_requests)], 4)  # warm-up
     for name, stream in (("streams", True), ("whole", False)):
-        steps_before, timings_before = engine.core.num_steps, dict(engine.core.timings)
-        rows.append((f"tandem AsyncEngine, {name}", *run_async(engine, prompts, args.output_len, stream)))
-        results[f"async_{name}_steps"] = engine.core.num_steps - steps_before
-        results[f"async_{name}_step_seconds_by_phase"] = {
-            k: v - timings_before[k] for k, v in engine.core.timings.items()
+        seconds, tokens = run_async(engine, prompts(), args.output_len, stream)
+        runs[f"tandem AsyncEngine, {name}"] = {
+            "seconds": seconds,
+            "output_tokens": tokens,
+            "tok_per_s": tokens / seconds,
         }
     asyncio.run(engine.shutdown())
     del engine
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if not args.skip_hf:
-        rows.append(
-            ("transformers generate", *run_hf(path, prompts, args.output_len, device, getattr(torch, dtype)))
-        )
+        seconds, tokens = run_hf(path, prompts(), args.output_len, device, getattr(torch, dtype))
+        runs["transformers generate"] = {
+            "seconds": seconds,
+            "output_tokens": tokens,
+            "tok_per_s": tokens / seconds,
+        }
+    results["runs"] = runs
+    on, off = runs["tandem EngineCore"], runs["tandem EngineCore, prefix cache off"]
+    results["prefix_cache_cost"] = 1 - on["tok_per_s"] / off["tok_per_s"]
 
     print(
         f"\n{shape} on {results['device']}, {dtype}: {args.num_requests} requests × "
         f"{args.prompt_len} prompt + {args.output_len} output tokens"
     )
     print(
-        json.dumps(
-            {
-                k: results[k]
-                for k in (
-                    "engine_steps",
-                    "decode_graph_replay_ms",
-                    "decode_graph_replay_ms_torch_ops",
-                    "engine_step_seconds_by_phase",
-                    "async_streams_steps",
-                    "async_whole_steps",
-                    "async_whole_step_seconds_by_phase",
-                )
-                if k in results
-            }
-        )
+        f"| {'system':<46} | {'seconds':>8} | {'output tok/s':>12} | {'steps':>5} | graph replay ms/step | share of bound |"
     )
-    print(f"| {'system':<28} | {'seconds':>8} | {'output tok/s':>12} |")
-    print(f"|{'-' * 30}|{'-' * 10}|{'-' * 14}|")
-    for name, seconds, tokens in rows:
-        print(f"| {name:<28} | {seconds:8.2f} | {tokens / seconds:12,.0f} |")
-    results["rows"] = [
-        {"system": n, "seconds": s, "output_tokens": t, "tok_per_s": t / s} for n, s, t in rows
-    ]
+    print(f"|{'-' * 48}|{'-' * 10}|{'-' * 14}|{'-' * 7}|----------------------|----------------|")
+    for name, r in runs.items():
+        replay = f"{r['graph_replay_ms_per_step']:20.2f}" if "graph_replay_ms_per_step" in r else f"{'-':>20}"
+        share = (
+            f"{r['share_of_graph_replay_bound']:14.0%}"
+            if "share_of_graph_replay_bound" in r
+            else f"{'-':>14}"
+        )
+        steps = f"{r['steps']:5d}" if "steps" in r else f"{'-':>5}"
+        print(
+            f"| {name:<46} | {r['seconds']:8.2f} | {r['tok_per_s']:12,.0f} | {steps} | {replay} | {share} |"
+        )
+    print(
+        f"prefix cache on vs off (no prompt shares a prefix): {results['prefix_cache_cost']:+.1%} throughput cost"
+    )
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
 

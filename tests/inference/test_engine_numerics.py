@@ -1,4 +1,4 @@
-"""The native engine against transformers on the tiny Qwen3 (CPU, float32)."""
+"""The native engine against transformers on a tiny model of every family (CPU, float32)."""
 
 import asyncio
 from pathlib import Path
@@ -12,7 +12,13 @@ from tandem.inference.engine import AsyncEngine
 from tandem.inference.engine.api import SampleUpdate, SamplingParams, TokenOutput
 from tandem.inference.engine.core import EngineCore
 from tandem.inference.engine.model_runner import kv_bytes_per_block
+from tandem.inference.engine.models import ARCHITECTURES
+from tandem.models.tiny import build_tiny_model
 
+FAMILIES = {  # a tiny shape per architecture the engine serves (the rest of the shape: tiny.py's defaults)
+    "Qwen3ForCausalLM": {},
+    "Qwen3MoeForCausalLM": {"num_experts": 8, "experts_per_token": 2, "moe_intermediate_size": 64},
+}
 PROMPTS = ["hello world", "abc", "the quick brown fox jumps over the lazy dog", "x", "reverse: tandem"]
 
 
@@ -41,14 +47,25 @@ def run_sync(core: EngineCore, requests: dict[str, tuple[list[int], SamplingPara
     return {"tokens": out, "reasons": reasons}
 
 
-@pytest.fixture(scope="module")
-def hf_model(tiny_model: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+def test_every_architecture_has_a_tiny_shape_here() -> None:
+    assert set(FAMILIES) == set(ARCHITECTURES)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = build_tiny_model(out=tmp_path_factory.mktemp("family") / "model", **FAMILIES[request.param])
+    assert AutoModelForCausalLM.from_pretrained(path).config.architectures == [request.param]
+    return path
 
 
 @pytest.fixture(scope="module")
-def core(tiny_model: Path) -> EngineCore:
-    return EngineCore(engine_config(tiny_model, max_num_batched_tokens=64))
+def hf_model(family_model: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(family_model, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def core(family_model: Path) -> EngineCore:
+    return EngineCore(engine_config(family_model, max_num_batched_tokens=64))
 
 
 def hf_greedy(hf_model: torch.nn.Module, ids: list[int], new: int) -> list[int]:
@@ -68,7 +85,7 @@ def hf_logprobs(
     return logprobs.gather(1, torch.tensor(completion)[:, None])[:, 0]
 
 
-def test_greedy_matches_transformers_batched_with_shared_prompts(core, hf_model, tiny_model) -> None:
+def test_greedy_matches_transformers_batched_with_shared_prompts(core, hf_model) -> None:
     tok = core.tokenizer
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     requests = {f"r{i}": (tok.encode(p), params, 3 if i % 2 else 1) for i, p in enumerate(PROMPTS)}
@@ -101,11 +118,11 @@ def test_logprobs_match_transformers_forward(core, hf_model, temperature: float)
                 assert first[0][0] == completion[0]
 
 
-def test_chunked_prefill_and_preemption_keep_greedy_outputs(tiny_model, hf_model) -> None:
+def test_chunked_prefill_and_preemption_keep_greedy_outputs(family_model, hf_model) -> None:
     """A 16-block cache and 8-token steps: prompts are prefilled in chunks and running samples
     get preempted and recomputed, yet every sample equals transformers' greedy output."""
     per_block = kv_bytes_per_block(hf_model.config, 16, torch.float32)
-    cfg = engine_config(tiny_model, max_num_batched_tokens=8, kv_cache_memory_gb=16 * per_block / 2**30)
+    cfg = engine_config(family_model, max_num_batched_tokens=8, kv_cache_memory_gb=16 * per_block / 2**30)
     core = EngineCore(cfg)
     assert core.blocks.num_usable == 16
     tok = core.tokenizer
@@ -121,9 +138,9 @@ def test_chunked_prefill_and_preemption_keep_greedy_outputs(tiny_model, hf_model
     assert core.blocks.num_free == core.blocks.num_usable
 
 
-def test_async_engine_streams_and_stops(tiny_model, hf_model) -> None:
+def test_async_engine_streams_and_stops(family_model, hf_model) -> None:
     async def main() -> tuple[dict[int, list[SampleUpdate]], list[int]]:
-        engine = AsyncEngine(engine_config(tiny_model))
+        engine = AsyncEngine(engine_config(family_model))
         try:
             ids = engine.tokenizer.encode("hello")
             expected = hf_greedy(hf_model, ids, 12)
@@ -145,3 +162,27 @@ def test_async_engine_streams_and_stops(tiny_model, hf_model) -> None:
         assert tokens == expected[:stop]
         assert updates[index][-1].finish_reason == "stop"
         assert all(u.finish_reason is None for u in updates[index][:-1])
+
+
+def test_a_one_token_prompt_chunk_next_to_decodes(family_model, hf_model) -> None:
+    """A step budget of 4 with three samples decoding leaves one token for a new prompt: that
+    step holds only one-token rows, yet the prompt's row is a chunk, not a decode."""
+    core = EngineCore(engine_config(family_model, max_num_batched_tokens=4))
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    early = {f"e{i}": ([5 + i, 6, 7], params, 1) for i in range(3)}
+    for rid, (ids, p, n) in early.items():
+        core.add_request(rid, ids, p, n)
+    got: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for rid, updates in core.step(lookahead=False):
+            got.setdefault(rid, []).extend(t.token_id for u in updates for t in u.tokens)
+
+    for _ in range(4):
+        step()
+    late = list(range(20, 30))
+    core.add_request("late", late, params, 1)
+    while core.has_work():
+        step()
+    for rid, (ids, _, _) in {**early, "late": (late, params, 1)}.items():
+        assert got[rid] == hf_greedy(hf_model, ids, 16), rid

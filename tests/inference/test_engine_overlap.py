@@ -129,3 +129,17 @@ def test_abort_and_finish_sample_while_a_step_is_in_flight(tiny_model: Path) -> 
     assert core.blocks.num_free == core.blocks.num_usable
     assert reasons == {("cut", 0): "length", ("cut", 1): "stop", ("kept", 0): "length"}
     assert len(got[("cut", 1)]) == cut_at and len(got[("kept", 0)]) == 50
+
+
+def test_a_stream_interval_sends_the_first_tokens_at_once_then_waits(tiny_model: Path) -> None:
+    core = make_core(tiny_model)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    core.add_request("every", [5, 6, 7], params, 1)
+    core.add_request("spaced", [5, 6, 8], params, 1, stream_interval_s=3600.0)
+    sizes: dict[str, list[int]] = {"every": [], "spaced": []}
+    while core.has_work():
+        for rid, updates in core.step():
+            sizes[rid].append(sum(len(u.tokens) for u in updates))
+    assert sum(sizes["every"]) == sum(sizes["spaced"]) == 30
+    assert len(sizes["every"]) >= 29  # a delivery per step
+    assert sizes["spaced"][0] == 1 and len(sizes["spaced"]) == 2  # the first token, then the rest at the end

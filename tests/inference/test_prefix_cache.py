@@ -82,6 +82,24 @@ def test_repeated_prompt_leaves_one_token_to_compute(engines: tuple[EngineCore, 
     assert_same(again, serve(plain, ids, n=3))
 
 
+def test_requests_admitted_together_share_their_prompt(engines: tuple[EngineCore, EngineCore]) -> None:
+    """8 requests of one prompt in one step (what a client that does not use `n` sends): the
+    first one's full blocks are registered as it is admitted, the other seven reuse them."""
+    cached, plain = engines
+    ids = prompt(7, 3 * BLOCK + 5)
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=3)
+    requests = {f"s{i}": (ids, params, 1) for i in range(8)}
+    hits, computed = cached.blocks.hit_tokens_total, cached.scheduler.prefill_tokens_total
+    got = run_sync(cached, requests)["tokens"]
+    assert cached.blocks.hit_tokens_total - hits == 7 * 3 * BLOCK
+    assert cached.scheduler.prefill_tokens_total - computed == len(ids) + 7 * 5
+    computed = plain.scheduler.prefill_tokens_total
+    want = run_sync(plain, requests)["tokens"]
+    assert plain.scheduler.prefill_tokens_total - computed == 8 * len(ids)
+    for rid in requests:
+        assert_same([got[rid][0]], [want[rid][0]])
+
+
 def test_new_weights_make_the_cache_stale(
     engines: tuple[EngineCore, EngineCore], tiny_model: Path, tmp_path: Path
 ) -> None:

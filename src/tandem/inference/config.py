@@ -34,6 +34,18 @@ class EngineConfig(Section):
     )
     cuda_graphs: bool = Field(True, description="Capture decode steps in CUDA graphs (CUDA only).")
     triton_kernels: bool = Field(True, description="Fused Triton kernels for the forward pass (CUDA only).")
+    quantization: Literal["none", "fp8"] = Field(
+        "none",
+        description="fp8: the decoder layers' linear weights in e4m3 with 128×128 block scales (the layout of "
+        "published FP8 checkpoints), quantized at load and at every weight update; CUDA with compute "
+        "capability 8.9+ (docs/inference-engine.md, 'FP8 weights').",
+    )
+    fp8_kernel: Literal["triton", "blockwise", "rowwise"] = Field(
+        "triton",
+        description="The FP8 matmul: triton (block-scaled weights, bf16 activations), blockwise "
+        "(torch._scaled_mm, 1x128 activation and 128x128 weight scales; SM90) or rowwise "
+        "(torch._scaled_mm, per-token and per-channel scales; weights re-quantized per row).",
+    )
 
 
 class InferenceConfig(Section):
@@ -49,6 +61,12 @@ class InferenceConfig(Section):
     seed: int = Field(0, description="Seed of unseeded sampling.")
     pause_timeout_s: float = Field(
         600, gt=0, description="How long a generation request waits while the server is paused before a 503."
+    )
+    stream_interval_s: float = Field(
+        0.05,
+        ge=0,
+        description="Least time between two chunks of one streamed response (the first is sent at once); "
+        "0 sends every engine step's tokens. Fewer, larger chunks keep hundreds of streams cheap.",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Server log level.")
     access_log: bool = Field(False, description="Log every HTTP request (uvicorn's access log).")

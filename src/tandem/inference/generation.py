@@ -66,6 +66,7 @@ class PromptJob:
     include_stop: bool
     skip_special_tokens: bool
     incremental: bool  # decode as tokens arrive (streaming); otherwise once at the end
+    stream_interval_s: float = 0.0  # a streamed response's least time between chunks (after the first)
 
 
 async def run_prompt(engine: Engine, tokenizer: Tokenizer, job: PromptJob) -> AsyncIterator[Choice]:
@@ -85,7 +86,8 @@ async def run_prompt(engine: Engine, tokenizer: Tokenizer, job: PromptJob) -> As
     started = False
     # without streaming or stop strings nothing needs the tokens before the request ends
     stream = job.incremental or bool(job.stop)
-    generating = engine.generate(job.request_id, job.prompt_ids, job.params, job.n, stream=stream)
+    interval = job.stream_interval_s if job.incremental else 0.0  # (stop strings alone: every step)
+    generating = engine.generate(job.request_id, job.prompt_ids, job.params, job.n, stream, interval)
     async with aclosing(generating) as updates:
         while True:
             try:

@@ -92,6 +92,13 @@ def render_metrics(stats: EngineStats, counters: ServerCounters, tokens_per_s: f
         "Prompt tokens whose keys and values came from the prefix cache.",
         stats.prefix_cache_hit_tokens_total,
     )
+    metric(
+        lines,
+        "tandem_prefill_tokens_computed_total",
+        "counter",
+        "Prompt tokens whose keys and values were computed (recomputation after preemption included).",
+        stats.prefill_tokens_total,
+    )
     metric(lines, "tandem_kv_cache_usage", "gauge", "Fraction of KV-cache blocks in use.", kv_usage)
     metric(lines, "tandem_kv_cache_blocks_used", "gauge", "KV-cache blocks in use.", stats.kv_blocks_used)
     metric(lines, "tandem_kv_cache_blocks_total", "gauge", "KV-cache blocks in all.", stats.kv_blocks_total)

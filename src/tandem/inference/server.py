@@ -249,6 +249,7 @@ class Server:
                 include_stop=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
                 incremental=stream,
+                stream_interval_s=self.config.stream_interval_s,
             )
             for i, ids in enumerate(prompts)
         ]

@@ -1,9 +1,9 @@
 """Turn one sample's growing list of token ids into text, and find stop strings in it.
 
 Decoding token by token is wrong for byte-level vocabularies (one character may span several
-tokens) and decoding everything each time is quadratic, so `TextTracker` re-decodes only a short
-window: the tokens since the last clean boundary. A window whose text ends in U+FFFD (an
-incomplete UTF-8 sequence) waits for more tokens.
+tokens) and decoding everything each time is quadratic, so `TextTracker` feeds each new token
+to the tokenizer's own incremental decoder (`tokenizers.decoders.DecodeStream`, one call into
+Rust per token), which holds back an incomplete UTF-8 sequence until it is complete.
 
 Stop strings are searched only in the newly decoded text (plus the tail that could start a match).
 On a match the text is cut before the stop string (or after it with `include_stop`), the tokens
@@ -13,10 +13,14 @@ known not to be one. Without stop strings and streaming, the text is decoded onc
 """
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
+
+from tokenizers.decoders import DecodeStream
 
 
 class Tokenizer(Protocol):
+    backend_tokenizer: Any  # the `tokenizers.Tokenizer` of a fast tokenizer
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
@@ -39,9 +43,7 @@ class TextTracker:
         self.token_ids: list[int] = []
         self.text = ""
         self.stopped_by: str | None = None
-        self._window_start = 0  # tokens before this are fully represented in self.text
-        self._window_text_len = 0  # length of the decoded text of token_ids[_window_start:_read]
-        self._read = 0
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens) if self.incremental else None
         self._emitted = 0
         self._longest_stop = max((len(s) for s in self.stop), default=0)
 
@@ -54,31 +56,23 @@ class TextTracker:
         if not self.incremental:
             self.token_ids.extend(token_ids)
             return len(token_ids)
-        if not self.stop:  # nothing to find between tokens: decode the new ones together
+        if self.stopped_by is not None:
+            return 0
+        backend, step = self.tokenizer.backend_tokenizer, self._stream.step
+        if not self.stop:  # nothing to find between tokens
             self.token_ids.extend(token_ids)
-            self._advance()
+            self.text += "".join([piece for t in token_ids if (piece := step(backend, t))])
             return len(token_ids)
         for used, token_id in enumerate(token_ids, start=1):
-            if self.stopped_by is not None:
-                return used - 1
             self.token_ids.append(token_id)
-            self._advance()
-            if self.stopped_by is not None:
-                return used
+            piece = step(backend, token_id)
+            if piece:
+                search_from = max(0, len(self.text) - self._longest_stop + 1)
+                self.text += piece
+                self._find_stop(search_from)
+                if self.stopped_by is not None:
+                    return used
         return len(token_ids)
-
-    def _advance(self) -> None:
-        window = self.token_ids[self._window_start :]
-        window_text = self._decode(window)
-        if len(window_text) <= self._window_text_len or window_text.endswith("\ufffd"):
-            return  # nothing new yet, or an incomplete character: wait for the next token
-        new_text = window_text[self._window_text_len :]
-        search_from = max(0, len(self.text) - self._longest_stop + 1)
-        self.text += new_text
-        self._window_start, self._read = self._read, len(self.token_ids)
-        self._window_text_len = len(self._decode(self.token_ids[self._window_start : self._read]))
-        if self.stop:
-            self._find_stop(search_from)
 
     def _find_stop(self, search_from: int) -> None:
         best: tuple[int, str] | None = None
@@ -92,13 +86,13 @@ class TextTracker:
             self.stopped_by = s
 
     def finish(self) -> None:
-        """The sample ended: flush text still waiting for a complete character."""
+        """The sample ended: decode the lazy text, or flush a character still incomplete."""
         if not self.incremental:
             self.text = self._decode(self.token_ids)
-        elif self.stopped_by is None and self._read < len(self.token_ids):
-            window_text = self._decode(self.token_ids[self._window_start :])
-            self.text += window_text[self._window_text_len :]
-            self._read = len(self.token_ids)
+        elif self.stopped_by is None:
+            full = self._decode(self.token_ids)
+            if len(full) > len(self.text) and full.startswith(self.text):
+                self.text = full
 
     def take_delta(self, final: bool = False) -> str:
         """Text not yet handed out; holds back a tail that may begin a stop string unless `final`."""

@@ -63,6 +63,7 @@ class EngineStats:
     paused: bool
     steps_total: int = 0  # engine steps run since start
     prefix_cache_hit_tokens_total: int = 0  # prompt tokens taken from the prefix cache, not computed
+    prefill_tokens_total: int = 0  # prompt tokens computed (recomputation after preemption included)
 
 
 class EngineDeadError(RuntimeError):
@@ -85,9 +86,11 @@ class Engine(Protocol):
         params: SamplingParams,
         n: int = 1,
         stream: bool = True,
+        stream_interval_s: float = 0.0,
     ) -> AsyncIterator[SampleUpdate]:
         """Stream updates for the n samples of one prompt until all have finished (with
-        `stream=False`, one update per sample when the whole request has finished). Closing the
+        `stream=False`, one update per sample when the whole request has finished; with
+        `stream_interval_s`, at most one update per that many seconds after the first). Closing the
         iterator early (client gone) aborts the request and frees its KV blocks. A request the
         engine cannot serve (empty or too long prompt, n out of range, ids outside the
         vocabulary) raises ValueError at the first iteration."""

@@ -10,8 +10,9 @@ attends by the cheapest path that fits it:
   the batch. Shapes are fixed per batch bucket, so a CUDA graph captures a pure decode step.
 - whole prompts (nothing cached yet): one SDPA call over a padded batch of the new keys and
   values, without reading the cache.
-- continued prompt chunks (chunked prefill, recompute after preemption): one SDPA call per
-  sequence over its gathered blocks, with a causal mask offset by what is cached.
+- continued prompt chunks (prefix-cache hits, chunked prefill, recompute after preemption): one
+  SDPA call over a padded batch of their gathered blocks, with causal masks offset by what is
+  cached (split into groups when the gathered keys would be large).
 """
 
 from dataclasses import dataclass, field
@@ -46,12 +47,15 @@ class Prompts:
 
 @dataclass
 class Chunks:
-    """Prompt chunks that continue a cached prefix: one SDPA call each."""
+    """Prompt chunks that continue a cached prefix (a prefix-cache hit, chunked prefill,
+    recomputation), as one padded batch over their gathered blocks: one SDPA call."""
 
-    starts: list[int]  # first row of each chunk among the step's tokens
-    query_lens: list[int]
-    context_lens: list[int]
-    block_tables: list[torch.Tensor] = field(default_factory=list)
+    index: torch.Tensor  # [C, L] their rows among the step's tokens; padding repeats a valid row
+    block_tables: torch.Tensor  # [C, W], padded with block 0
+    mask: torch.Tensor  # [C, 1, L, W * block_size]: query i of chunk c sees key j ≤ its position
+    rows: torch.Tensor  # the step's token rows of the valid entries, in order
+    picks: torch.Tensor  # their positions in the flattened [C * L] batch
+    grouped_mask: torch.Tensor | None = None  # `mask` per query head of a KV head (built once)
 
 
 @dataclass
@@ -59,7 +63,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot each new token's key/value is written to
     decodes: Decodes | None = None
     prompts: Prompts | None = None
-    chunks: Chunks | None = None
+    chunks: list[Chunks] = field(default_factory=list)  # groups small enough to gather at once
 
 
 def write_kv(
@@ -88,8 +92,8 @@ def paged_attention(
         out[d.rows] = decode_attention(q[d.rows], k_cache, v_cache, d.block_tables, d.context_lens, scale)
     if meta.prompts is not None:
         _prompt_attention(q, k, v, meta.prompts, scale, out)
-    if meta.chunks is not None:
-        _chunk_attention(q, k_cache, v_cache, meta.chunks, scale, out)
+    for chunks in meta.chunks:
+        _chunk_attention(q, k_cache, v_cache, chunks, scale, out)
     return out
 
 
@@ -134,13 +138,18 @@ def _prompt_attention(
 def _chunk_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c: Chunks, scale: float, out: torch.Tensor
 ) -> None:
-    for start, q_len, ctx_len, blocks in zip(
-        c.starts, c.query_lens, c.context_lens, c.block_tables, strict=True
-    ):
-        k = k_cache[blocks].flatten(0, 1)[:ctx_len].transpose(0, 1)  # [kv_heads, ctx, d]
-        v = v_cache[blocks].flatten(0, 1)[:ctx_len].transpose(0, 1)
-        rows = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
-        mask = torch.arange(ctx_len, device=q.device)[None, :] <= rows
-        qs = q[start : start + q_len].transpose(0, 1)
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[start : start + q_len] = o.transpose(0, 1)
+    """The query heads of a KV head are laid out as that head's query rows (as in decode), so
+    grouped-query attention needs no repeated keys."""
+    count, length = c.index.shape
+    heads, dim = q.shape[1:]
+    kv_heads = k_cache.shape[2]
+    group = heads // kv_heads
+    k = k_cache[c.block_tables].flatten(1, 2).transpose(1, 2)  # [C, kv_heads, W * block_size, d]
+    v = v_cache[c.block_tables].flatten(1, 2).transpose(1, 2)
+    qg = q[c.index].view(count, length, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
+    qg = qg.reshape(count, kv_heads, group * length, dim)
+    if c.grouped_mask is None:
+        c.grouped_mask = c.mask.repeat(1, 1, group, 1)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=c.grouped_mask, scale=scale)
+    o = o.view(count, kv_heads, group, length, dim).permute(0, 3, 1, 2, 4).reshape(count * length, heads, dim)
+    out[c.rows] = o[c.picks]

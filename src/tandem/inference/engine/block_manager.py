@@ -5,8 +5,9 @@ block (if any) is copied for each new sample, so every block a sequence writes i
 and no later copy-on-write is needed. Block 0 is never handed out: padded rows of a batch write
 their keys and values there.
 
-Prefix cache: every full block whose keys and values are computed is registered under a hash
-of all tokens up to its end (chained block by block). A new sequence starts from the longest
+Prefix cache: every full block whose keys and values are computed (or are being computed by
+the step being launched) is registered under a hash of all tokens up to its end (chained block
+by block). A new sequence starts from the longest
 run of registered blocks that match its prompt, so a multi-turn conversation re-sent with one
 more turn, or a prompt repeated by another request, computes only its new tokens. A block
 whose last user is gone stays registered and reusable until it is needed for new tokens; the
@@ -20,7 +21,6 @@ tables is one fancy-indexing copy instead of a Python loop over sequences.
 """
 
 from collections import OrderedDict
-from collections.abc import Iterable
 
 import numpy as np
 
@@ -117,17 +117,13 @@ class BlockManager:
             self._write(seq, 0)
         return seq.num_cached
 
-    def register(self, seqs: Iterable[Sequence]) -> None:
-        """Register the blocks of `seqs` that are now full and computed (and whose tokens are known)."""
-        if not self.prefix_caching:
-            return
-        size = self.block_size
-        for seq in seqs:
-            if seq.cache_epoch != self.epoch:
-                continue  # its keys and values predate the current weights
-            while (seq.num_hashed + 1) * size <= seq.num_cached:
-                if not self._register_next(seq):
-                    break
+    def register(self, seq: Sequence, num_tokens: int) -> None:
+        """Register `seq`'s full blocks among its first `num_tokens` tokens (whose keys and values
+        are computed, or are being computed in the step being launched) while their tokens are known."""
+        if not self.prefix_caching or seq.cache_epoch != self.epoch:
+            return  # (a sequence whose keys and values predate the current weights registers nothing)
+        while (seq.num_hashed + 1) * self.block_size <= num_tokens and self._register_next(seq):
+            pass
 
     def _register_next(self, seq: Sequence) -> bool:
         """Register `seq`'s next full block; False while one of its tokens is still on its way."""

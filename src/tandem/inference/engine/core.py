@@ -5,28 +5,36 @@ directly. A step schedules a batch, runs the model, samples, forks the n samples
 just finished prefilling, appends tokens, and finishes samples that hit a stop condition.
 """
 
+import importlib.util
 import itertools
+import random
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from tandem.cli import UserError
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine.api import FinishReason, SampleUpdate, SamplingParams, TokenOutput
 from tandem.inference.engine.block_manager import BlockManager
-from tandem.inference.engine.model_runner import Feed, ModelRunner, kv_bytes_per_block
+from tandem.inference.engine.fp8 import check_device as check_fp8_device
+from tandem.inference.engine.model_runner import Feed, ModelRunner, RunOutput, kv_cache_blocks
 from tandem.inference.engine.models import build_model
-from tandem.inference.engine.sampler import PendingSample, SamplingBatch, launch_sample, sample_key
+from tandem.inference.engine.sampler import (
+    PendingSample,
+    SampleResult,
+    SamplingRows,
+    launch_sample,
+    sample_key,
+    sampling_batch,
+    sampling_rows,
+)
 from tandem.inference.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.inference.engine.sequence import PLACEHOLDER, Request, Sequence, Status
 from tandem.inference.engine.transfer import to_device
 from tandem.inference.engine.weights import apply_checkpoint
 from tandem.models.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
-
-GiB = 1 << 30
-CPU_DEFAULT_KV_GB = 1.0
 
 
 class EngineCore:
@@ -34,18 +42,31 @@ class EngineCore:
         cfg = config.engine
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
+        if cfg.quantization == "fp8":
+            check_fp8_device(self.device, cfg.fp8_kernel)  # (before loading the model: fail fast)
         self.tokenizer = load_tokenizer(config.model.name)
         hf_model = load_model(config.model, self.device)
         model_max = getattr(hf_model.config, "max_position_embeddings", None) or 4096
         self.max_model_len = min(cfg.max_model_len or model_max, model_max)
-        self.model = build_model(hf_model, self.max_model_len, cfg.triton_kernels)
+        self.model = build_model(
+            hf_model, self.max_model_len, cfg.triton_kernels, cfg.quantization, cfg.fp8_kernel
+        )
         self.vocab_size = hf_model.config.vocab_size
         self.eos_token_ids = _eos_ids(hf_model, self.tokenizer)
+        self.eos_table = np.zeros(self.vocab_size, dtype=bool)  # token id → is an EOS id
+        self.eos_table[[t for t in self.eos_token_ids if 0 <= t < self.vocab_size]] = True
         del hf_model
         self.block_size = cfg.block_size
-        num_blocks = self._num_blocks(config)
+        num_blocks = kv_cache_blocks(config, self.model.config, self.dtype, self.device, self.max_model_len)
         self.runner = ModelRunner(
-            self.model, num_blocks, cfg.block_size, self.device, self.dtype, cfg.cuda_graphs, cfg.max_num_seqs
+            self.model,
+            num_blocks,
+            cfg.block_size,
+            self.device,
+            self.dtype,
+            cfg.cuda_graphs,
+            cfg.max_num_seqs,
+            max_rows=cfg.max_num_seqs + cfg.max_n,  # a step draws at most this many rows (scheduler.py)
         )
         self.blocks = BlockManager(
             num_blocks, cfg.block_size, -(-self.max_model_len // cfg.block_size), cfg.prefix_caching
@@ -63,29 +84,17 @@ class EngineCore:
         self.num_steps = 0
         self._arrivals = itertools.count()
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        # one-pass sampling on CUDA (triton_sample.py); its unseeded rows take a seed per step
+        self.fused_sampling = (
+            self.device.type == "cuda"
+            and cfg.triton_kernels
+            and importlib.util.find_spec("triton") is not None
+        )
+        self._noise = random.Random(config.seed)
+        self._plan: _DecodePlan | None = None  # the per-row constants of the last decode batch
         self.timings = {"schedule": 0.0, "model": 0.0, "sample": 0.0, "append": 0.0}
         self._in_flight: _Launched | None = None  # the step queued on the device, tokens not read yet
         self._touched: dict[str, Request] = {}  # requests with undelivered updates
-
-    def _num_blocks(self, config: InferenceConfig) -> int:
-        cfg = config.engine
-        per_block = kv_bytes_per_block(self.model.config, cfg.block_size, self.dtype)
-        if cfg.kv_cache_memory_gb is not None:
-            budget = cfg.kv_cache_memory_gb * GiB
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            reserve = 2 * GiB + cfg.max_num_batched_tokens * self.vocab_size * 4  # activations, logits
-            budget = free - (1 - cfg.gpu_memory_utilization) * total - reserve
-        else:
-            needed = cfg.max_num_seqs * (self.max_model_len + cfg.block_size) * per_block / cfg.block_size
-            budget = min(CPU_DEFAULT_KV_GB * GiB, needed)
-        num_blocks = int(budget // per_block) + 1  # + the scratch block
-        if num_blocks < 2 or (num_blocks - 1) * cfg.block_size < min(self.max_model_len, 256):
-            raise UserError(
-                f"the KV-cache budget ({budget / GiB:.3f} GiB) holds too few tokens for this model: "
-                "raise engine.kv_cache_memory_gb or engine.gpu_memory_utilization"
-            )
-        return num_blocks
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -115,14 +124,17 @@ class EngineCore:
         params: SamplingParams,
         n: int,
         stream: bool = True,
+        stream_interval_s: float = 0.0,
     ) -> None:
         """With `stream=False` the request's updates are held until all its samples have
-        finished, then delivered as one update per sample."""
+        finished, then delivered as one update per sample; with `stream_interval_s`, a
+        streaming request's tokens are delivered at most that often (the first ones at once)."""
         self.validate(prompt_token_ids, params, n)
         if request_id in self.requests:
             raise ValueError(f"request id '{request_id}' is already running")
         keys = [None if params.seed is None else sample_key(params.seed, i) for i in range(n)]
         request = Request(request_id, list(prompt_token_ids), params, n, keys, next(self._arrivals), stream)
+        request.stream_interval = stream_interval_s
         seq = Sequence(request, 0, list(prompt_token_ids), len(prompt_token_ids), fan_out=n)
         request.sequences[0] = seq
         self.requests[request_id] = request
@@ -144,6 +156,7 @@ class EngineCore:
         if request is None:
             return
         for seq in request.sequences.values():
+            seq.finish_reason = "abort"
             self.scheduler.remove(seq)
         request.sequences.clear()
         if request in self.held:
@@ -199,45 +212,73 @@ class EngineCore:
         """Run the model and queue the sampling of `batch`; the tokens stay on the device."""
         start = time.perf_counter()
         self.num_steps += 1
-        launched = _Launched([], [], self.weight_version)
+        launched = _Launched(self.weight_version, [], [], [])
         if not batch.seqs:
             return launched
-        seqs = [
-            seq
-            for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True)
-            if seq.num_cached + count == seq.num_tokens
-        ]
         feed = None if previous is None or previous.pending is None else previous.feed()
-        logits = self.runner.run(batch, self.blocks, feed)
+        out = self.runner.run(batch, self.blocks, feed)
+        if batch.all_decodes:
+            self._launch_decodes(batch.seqs, out, launched)
+        else:
+            self._launch_mixed(batch, out, launched)
+        self.timings["model"] += time.perf_counter() - start
+        return launched
+
+    def _launch_decodes(self, seqs: list[Sequence], out: RunOutput, launched: "_Launched") -> None:
+        """A batch of decodes: per-row sampling constants come from the plan of the same
+        sequences (built when the batch changes), and the per-sequence work is one loop."""
+        plan = self._plan
+        if plan is None or plan.seqs != seqs:
+            plan = self._plan = self._decode_plan(seqs)
+        launched.seqs, launched.plan, launched.positions = seqs, plan, out.lens
+        launched.pending = self._sample(out.logits, plan.rows, out.positions)
+        register = self.blocks.register if self.blocks.prefix_caching else None
+        size = self.block_size
+        for seq in seqs:
+            seq.num_cached += 1
+            seq.token_ids.append(PLACEHOLDER)  # the drawn token's place until it reaches the host
+            # a block is registered a step after it fills: its last token, this step's input,
+            # may still be on its way from the device (then it is known by the next launch)
+            if register is not None and (seq.num_hashed + 1) * size < seq.num_cached:
+                register(seq, seq.num_cached)
+        launched.ending = np.flatnonzero(out.lens + 1 >= plan.limits)
+        for i in launched.ending:
+            self.scheduler.retire(seqs[i])  # its last token: out of the next batch
+
+    def _launch_mixed(self, batch: ScheduledBatch, out: RunOutput, launched: "_Launched") -> None:
+        """Prompts, chunks and forks: a row per sample drawn (n for a prompt that finishes)."""
+        complete = []
+        register = self.blocks.register if self.blocks.prefix_caching else None
         for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_cached += count
-        self.blocks.register(batch.seqs)
-        if not seqs:
-            self.timings["model"] += time.perf_counter() - start
-            return launched
+            if register is not None and (seq.num_hashed + 1) * self.block_size <= seq.num_cached:
+                register(seq, seq.num_cached)
+            if seq.num_cached == seq.num_tokens:
+                complete.append(seq)
+        if not complete:
+            return
         rows: list[int] = []
-        for row, seq in enumerate(seqs):
+        for row, seq in enumerate(complete):
             indices = range(seq.request.n) if seq.fan_out > 1 else (seq.index,)
             for index in indices:
                 rows.append(row)
-                launched.targets.append((seq, index))
+                launched.seqs.append(seq)
+                launched.indices.append(index)
             launched.forks = launched.forks or seq.fan_out > 1
-        if len(rows) != len(seqs):
+        logits = out.logits
+        if len(rows) != len(complete):
             logits = logits[to_device(rows, torch.int64, logits.device)]
-        params = [seq.params for seq, _ in launched.targets]
-        sampling = SamplingBatch(
-            temperatures=[p.temperature for p in params],
-            top_ps=[p.top_p for p in params],
-            top_ks=[p.top_k for p in params],
-            min_ps=[p.min_p for p in params],
-            keys=[seq.request.keys[index] for seq, index in launched.targets],
-            positions=[seq.num_tokens for seq, _ in launched.targets],
-            num_top_logprobs=max(p.top_logprobs for p in params),
-            generator=self.generator,
+        targets = list(zip(launched.seqs, launched.indices, strict=True))
+        sampling = sampling_batch(
+            [seq.params for seq in launched.seqs],
+            [seq.request.keys[index] for seq, index in targets],
+            [seq.num_tokens for seq in launched.seqs],
         )
-        launched.pending = launch_sample(logits, sampling)
-        # the sampled token's place in its sequence: a placeholder until it reaches the host
-        for seq, index in launched.targets:
+        positions = to_device(sampling.positions, torch.int64, logits.device)
+        launched.pending = self._sample(
+            logits, sampling_rows(sampling, self.vocab_size, logits.device), positions
+        )
+        for seq, index in targets:
             if index != seq.index:
                 launched.positions.append(-1)  # a sample forked off at the end of this step
                 continue
@@ -245,8 +286,32 @@ class EngineCore:
             launched.positions.append(len(seq.token_ids) - 1)
             if self._reaches_length(seq, len(seq.token_ids)):
                 self.scheduler.retire(seq)  # its last token: out of the next batch
-        self.timings["model"] += time.perf_counter() - start
-        return launched
+
+    def _decode_plan(self, seqs: list[Sequence]) -> "_DecodePlan":
+        params = [seq.params for seq in seqs]
+        sampling = sampling_batch(params, [seq.request.keys[seq.index] for seq in seqs], [])
+        limits = np.fromiter(
+            (
+                min(seq.num_prompt_tokens + p.max_tokens, self.max_model_len)
+                for seq, p in zip(seqs, params, strict=True)
+            ),
+            np.int64,
+            len(seqs),
+        )
+        return _DecodePlan(
+            seqs=seqs,
+            rows=sampling_rows(sampling, self.vocab_size, self.device),
+            limits=limits,
+            eos_rows=np.fromiter((not p.ignore_eos for p in params), bool, len(seqs)),
+            stop_rows=[i for i, p in enumerate(params) if p.stop_token_ids],
+        )
+
+    def _sample(self, logits: torch.Tensor, rows: SamplingRows, positions: torch.Tensor) -> PendingSample:
+        count = logits.shape[0]
+        if count > len(self.runner.sampled):
+            raise RuntimeError(f"{count} rows to sample; the engine holds {len(self.runner.sampled)}")
+        fused_seed = self._noise.getrandbits(31) if self.fused_sampling and rows.fused else None
+        return launch_sample(logits, rows, positions, self.generator, self.runner.sampled[:count], fused_seed)
 
     def _finish_step(self, launched: "_Launched") -> None:
         """Wait for a launched step's tokens; fork, append, and finish samples."""
@@ -256,16 +321,58 @@ class EngineCore:
         result = launched.pending.result()
         sampled = time.perf_counter()
         self.timings["sample"] += sampled - start
-        targets = launched.targets
-        owners: list[Sequence | None] = [seq for seq, _ in targets]
+        if launched.plan is not None:
+            self._finish_decodes(launched, result)
+        else:
+            self._finish_mixed(launched, result)
+        self.timings["append"] += time.perf_counter() - sampled
+
+    def _finish_decodes(self, launched: "_Launched", result: SampleResult) -> None:
+        plan, seqs, version = launched.plan, launched.seqs, launched.version
+        tokens = result.token_ids
+        stops = plan.eos_rows & self.eos_table[np.asarray(tokens)]
+        for i in plan.stop_rows:
+            stops[i] = stops[i] or tokens[i] in seqs[i].params.stop_token_ids
+        tops = itertools.repeat(())
+        if result.top_ids is not None:  # alternatives, for the rows that asked for them
+            ks = [seq.params.top_logprobs for seq in seqs]
+            tops = [
+                tuple(zip(ids[:k], lps[:k], strict=True))
+                for ids, lps, k in zip(result.top_ids, result.top_logprobs, ks, strict=True)
+            ]
+        touched = self._touched
+        delivered = 0
+        for seq, token, logprob, position, top in zip(
+            seqs, tokens, result.logprobs, launched.positions.tolist(), tops, strict=False
+        ):
+            if seq.finish_reason is not None:
+                continue  # finished or aborted while this step ran: the token is dropped
+            seq.token_ids[position] = token
+            request = seq.request
+            pending = request.pending.get(seq.index)
+            if pending is None:
+                pending = request.pending[seq.index] = []
+                if request.stream:
+                    touched[request.request_id] = request
+            pending.append(TokenOutput(token, logprob, version, top))
+            delivered += 1
+        self.generated_tokens_total += delivered
+        for i in np.flatnonzero(stops):
+            if seqs[i].finish_reason is None:
+                self._finish(seqs[i], "stop")
+        for i in launched.ending:
+            if seqs[i].finish_reason is None:
+                self._finish(seqs[i], "length")
+
+    def _finish_mixed(self, launched: "_Launched", result: SampleResult) -> None:
+        owners: list[Sequence | None] = list(launched.seqs)
         if launched.forks:  # the prompt's samples become sequences (before the prompt gets its token)
+            targets = zip(launched.seqs, launched.indices, strict=True)
             owners = [seq if index == seq.index else self._fork(seq, index) for seq, index in targets]
         version = launched.version
         top_ids = result.top_ids
-        requests = self.requests
-        for i, ((seq, index), target) in enumerate(zip(targets, owners, strict=True)):
-            request = seq.request
-            if target is None or index in request.finished or requests.get(request.request_id) is not request:
+        for i, (seq, target) in enumerate(zip(launched.seqs, owners, strict=True)):
+            if target is None or target.finish_reason is not None:
                 continue  # finished or aborted while this step ran: the token is dropped
             top: tuple[tuple[int, float], ...] = ()
             if top_ids is not None and seq.params.top_logprobs > 0:
@@ -280,9 +387,8 @@ class EngineCore:
                 target.token_ids[position] = token.token_id
             self._append(target, token, position)
         if launched.forks:
-            for seq, _ in targets:
+            for seq in launched.seqs:
                 seq.fan_out = 1
-        self.timings["append"] += time.perf_counter() - sampled
 
     def _reaches_length(self, seq: Sequence, num_tokens: int) -> bool:
         return num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens or num_tokens >= self.max_model_len
@@ -314,7 +420,8 @@ class EngineCore:
         pending = request.pending.get(seq.index)
         if pending is None:
             pending = request.pending[seq.index] = []
-            self._touched[request.request_id] = request
+            if request.stream:
+                self._touched[request.request_id] = request
         pending.append(token)
         self.generated_tokens_total += 1
         params = seq.params
@@ -326,7 +433,8 @@ class EngineCore:
             self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        self.blocks.register((seq,))  # its last tokens are known now: a next turn can reuse them
+        seq.finish_reason = reason
+        self.blocks.register(seq, seq.num_cached)  # its last tokens are known now: a next turn can reuse them
         self.scheduler.remove(seq)
         seq.request.sequences.pop(seq.index, None)
         self._mark_finished(seq.request, seq.index, reason)
@@ -337,25 +445,39 @@ class EngineCore:
         self._touched[request.request_id] = request
 
     def _collect_updates(self) -> list[tuple[str, list[SampleUpdate]]]:
+        """The undelivered tokens of every touched request. A whole-response request is touched
+        only when a sample finishes, and delivered once all have; a streaming request with an
+        interval waits for it (unless it is complete)."""
         out = []
-        held = []
+        requests = self.requests
+        held: dict[str, Request] = {}
+        now = time.monotonic()
         for request_id, request in self._touched.items():
-            if self.requests.get(request_id) is not request:
-                continue  # aborted
-            if not request.stream and not request.done:
-                held.append((request_id, request))  # whole-response request: delivered at its end
-                continue
-            updates = [
-                SampleUpdate(index, tokens, request.finished.get(index))
-                for index, tokens in sorted(request.pending.items())
-            ]
-            request.pending.clear()
+            finished = request.finished
+            done = len(finished) == request.n
+            if requests.get(request_id) is not request or not (request.stream or done):
+                continue  # aborted, or a whole response that is not complete yet
+            if request.stream_interval and not done:
+                if now < request.next_delivery:
+                    held[request_id] = request
+                    continue
+                request.next_delivery = now + request.stream_interval
+            pending = request.pending
+            if len(pending) == 1:
+                ((index, tokens),) = pending.items()
+                updates = [SampleUpdate(index, tokens, finished.get(index))]
+            else:
+                updates = [
+                    SampleUpdate(index, tokens, finished.get(index))
+                    for index, tokens in sorted(pending.items())
+                ]
+            request.pending = {}
             out.append((request_id, updates))
-            if request.done:
-                del self.requests[request_id]
+            if done:
+                del requests[request_id]
                 if request in self.held:  # finished by finish_sample before it started
                     self.held.remove(request)
-        self._touched = dict(held)
+        self._touched = held
         return out
 
     def apply_weights(
@@ -377,16 +499,33 @@ def _eos_ids(hf_model: torch.nn.Module, tokenizer: object) -> frozenset[int]:
 
 
 @dataclass
+class _DecodePlan:
+    """Per-row constants of a decode batch, kept while the batch holds the same sequences."""
+
+    seqs: list[Sequence]
+    rows: SamplingRows
+    limits: np.ndarray  # the token count at which each row's sample ends by length
+    eos_rows: np.ndarray  # bool: EOS ends the row's sample (not ignore_eos)
+    stop_rows: list[int]  # rows with stop_token_ids of their own
+
+
+@dataclass
 class _Launched:
     """A step whose model run and sampling are queued on the device."""
 
-    targets: list[tuple[Sequence, int]]  # per sampled row: the sequence sampled for, the sample index
-    positions: list[int]  # per row: the index of its placeholder in the sequence's token_ids (-1: a fork)
     version: int  # the weights the step runs with
+    seqs: list[Sequence]  # per drawn row: the sequence drawn for (the prompt, for its new forks)
+    indices: list[int]  # per row: the sample index drawn (empty in a decode step: each row's own)
+    positions: list[int] | np.ndarray  # per row: the index of its placeholder in token_ids (-1: a fork)
+    plan: _DecodePlan | None = None  # decode steps
+    ending: np.ndarray | None = None  # decode steps: rows whose sample ends by length with this token
     pending: PendingSample | None = None  # None: nothing sampled (a prompt chunk, an empty batch)
     forks: bool = False  # a prompt's n > 1 samples are drawn: they become sequences when it finishes
 
     def feed(self) -> Feed:
-        """The sampled ids as the next step's inputs, by sequence."""
-        rows = {seq.seq_id: row for row, (seq, index) in enumerate(self.targets) if index == seq.index}
-        return Feed(self.pending.token_ids, rows)
+        """Where the next step finds these draws (ModelRunner.sampled), by sequence."""
+        if not self.indices:
+            return Feed(self.seqs)
+        return Feed(
+            [seq if index == seq.index else None for seq, index in zip(self.seqs, self.indices, strict=True)]
+        )

@@ -85,6 +85,7 @@ class AsyncEngine:
         params: SamplingParams,
         n: int = 1,
         stream: bool = True,
+        stream_interval_s: float = 0.0,
     ) -> AsyncIterator[SampleUpdate]:
         self.core.validate(prompt_token_ids, params, n)
         if request_id in self._streams:
@@ -93,7 +94,11 @@ class AsyncEngine:
         self._streams[request_id] = _Stream(asyncio.get_running_loop(), updates)
         remaining = n
         try:
-            await self._call(lambda: self.core.add_request(request_id, prompt_token_ids, params, n, stream))
+            await self._call(
+                lambda: self.core.add_request(
+                    request_id, prompt_token_ids, params, n, stream, stream_interval_s
+                )
+            )
             while remaining:
                 merged: dict[int, SampleUpdate] = {}
                 batch = await updates.get()
@@ -160,6 +165,7 @@ class AsyncEngine:
             paused=self.paused,
             steps_total=core.num_steps,
             prefix_cache_hit_tokens_total=core.blocks.hit_tokens_total,
+            prefill_tokens_total=core.scheduler.prefill_tokens_total,
         )
 
     async def shutdown(self) -> None:

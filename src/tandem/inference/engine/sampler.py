@@ -5,6 +5,9 @@ form of categorical sampling). For a request with a seed the noise is counter-ba
 (the sample's key, the position of the token being drawn, the vocabulary index), so a seeded
 sample draws the same tokens whatever else is in the batch, after a preemption, and on CPU or
 GPU. Rows without a seed take their noise from the engine's torch.Generator (one fast kernel).
+On CUDA, a batch without top-k, top-p, min-p and alternatives is drawn by one fused kernel
+(triton_sample.py) with the same noise for seeded rows and hashed noise from a per-step seed
+for the others.
 
 The returned logprob is log_softmax(logits / T) at the drawn token (T = 1 for greedy rows),
 computed from the same logits the token was drawn from.
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.inference.engine.api import SamplingParams
 from tandem.inference.engine.transfer import HostCopy, to_device
 
 MASK32 = 0xFFFFFFFF
@@ -45,7 +49,7 @@ def uniform_noise(keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> to
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling parameters (all length `rows`)."""
+    """Per-row sampling parameters (all length `rows`), as the host knows them."""
 
     temperatures: list[float]
     top_ps: list[float]
@@ -55,6 +59,67 @@ class SamplingBatch:
     positions: list[int]  # position of the token each row draws
     num_top_logprobs: int = 0
     generator: torch.Generator | None = None  # noise of the unseeded rows
+
+
+def sampling_batch(
+    params: list[SamplingParams], keys: list[int | None], positions: list[int]
+) -> SamplingBatch:
+    """The rows' sampling parameters, one `SamplingParams` per row."""
+    return SamplingBatch(
+        temperatures=[p.temperature for p in params],
+        top_ps=[p.top_p for p in params],
+        top_ks=[p.top_k for p in params],
+        min_ps=[p.min_p for p in params],
+        keys=keys,
+        positions=positions,
+        num_top_logprobs=max(p.top_logprobs for p in params),
+    )
+
+
+@dataclass
+class SamplingRows:
+    """A batch's sampling parameters on the device, built once and reused while the batch's
+    rows stay the same (a run of decode steps): launching a step copies nothing for them."""
+
+    temperatures: torch.Tensor  # [rows] float32; ≤ 0 greedy
+    keys: torch.Tensor  # [rows] int64: a seeded row's key, -1 for unseeded rows
+    random: bool  # some row samples (temperature > 0)
+    seeded_rows: torch.Tensor | None  # indices of the seeded rows, None when there are none
+    min_ps: torch.Tensor | None
+    top_k: tuple[torch.Tensor, torch.Tensor, int] | None  # (k - 1 per row, k on per row, largest k)
+    top_ps: torch.Tensor | None
+    num_top_logprobs: int
+
+    @property
+    def fused(self) -> bool:
+        """Whether the one-pass kernel (triton_sample.py) covers these rows: no filters, no alternatives."""
+        return (
+            self.min_ps is None and self.top_k is None and self.top_ps is None and not self.num_top_logprobs
+        )
+
+
+def sampling_rows(batch: SamplingBatch, vocab: int, device: torch.device) -> SamplingRows:
+    seeded = [i for i, key in enumerate(batch.keys) if key is not None]
+    temps, keys = to_device(
+        [batch.temperatures, [-1 if key is None else key for key in batch.keys]], torch.float64, device
+    )
+    ks = [k if 0 < k < vocab else 0 for k in batch.top_ks]
+    top_k = None
+    if any(ks):
+        k_index, k_on = to_device(
+            [[max(k, 1) - 1 for k in ks], [int(k > 0) for k in ks]], torch.int64, device
+        )
+        top_k = (k_index, k_on, max(ks))
+    return SamplingRows(
+        temperatures=temps.float(),
+        keys=keys.long(),
+        random=any(t > 0 for t in batch.temperatures),
+        seeded_rows=to_device(seeded, torch.int64, device) if seeded else None,
+        min_ps=to_device(batch.min_ps, torch.float32, device) if any(p > 0 for p in batch.min_ps) else None,
+        top_k=top_k,
+        top_ps=to_device(batch.top_ps, torch.float32, device) if any(p < 1.0 for p in batch.top_ps) else None,
+        num_top_logprobs=batch.num_top_logprobs,
+    )
 
 
 @dataclass
@@ -69,10 +134,10 @@ class PendingSample:
     """Tokens drawn on the device, on their way to the host. `token_ids` (on the device) can feed
     the next step before `result()` has waited for them."""
 
-    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor, top: tuple | None) -> None:
+    def __init__(self, token_ids: torch.Tensor, result: torch.Tensor, top: tuple | None) -> None:
         self.token_ids = token_ids
-        # one device→host copy for ids and logprobs (float64 holds every token id exactly)
-        tensors = [torch.stack([token_ids.double(), logprobs.double()])]
+        # one device→host copy for ids and logprobs ([2, rows] float64 holds every token id exactly)
+        tensors = [result]
         if top is not None:
             tensors += [top[1], top[0]]  # ids, values
         self._copy = HostCopy(*tensors)
@@ -87,58 +152,69 @@ class PendingSample:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
-    """logits: [rows, vocab] float32. Waits for the result."""
-    return launch_sample(logits, batch).result()
+    """logits: [rows, vocab]. Waits for the result (the torch path; tests and one-off use)."""
+    rows = sampling_rows(batch, logits.shape[-1], logits.device)
+    positions = to_device(batch.positions, torch.int64, logits.device)
+    return launch_sample(logits, rows, positions, batch.generator).result()
 
 
-def launch_sample(logits: torch.Tensor, batch: SamplingBatch) -> PendingSample:
-    """Queue the sampling of `logits` ([rows, vocab] float32) without waiting for the device."""
-    device, vocab = logits.device, logits.shape[-1]
-    temps = to_device(batch.temperatures, torch.float32, device)
-    greedy = temps <= 0
-    scaled = logits / torch.where(greedy, 1.0, temps)[:, None]
+def launch_sample(
+    logits: torch.Tensor,
+    rows: SamplingRows,
+    positions: torch.Tensor,
+    generator: torch.Generator | None,
+    tokens_out: torch.Tensor | None = None,
+    fused_seed: int | None = None,
+) -> PendingSample:
+    """Queue the sampling of `logits` ([rows, vocab]) without waiting for the device.
+
+    positions: [rows] int64 on the device, the position of the token each row draws. The drawn
+    ids are also written to `tokens_out` when given (the next step's inputs read them there).
+    With `fused_seed` (CUDA, `rows.fused`) the one-pass kernel draws, unseeded rows from that seed.
+    """
+    count = logits.shape[0]
+    if tokens_out is None:
+        tokens_out = torch.empty(count, dtype=torch.int64, device=logits.device)
+    if fused_seed is not None:
+        from tandem.inference.engine.triton_sample import fused_sample
+
+        result = fused_sample(logits, rows.temperatures, rows.keys, positions, fused_seed, tokens_out)
+        return PendingSample(tokens_out, result, None)
+    vocab = logits.shape[-1]
+    greedy = rows.temperatures <= 0
+    scaled = logits.float() / torch.where(greedy, 1.0, rows.temperatures)[:, None]
     logprobs = torch.log_softmax(scaled, dim=-1)
     tokens = logprobs.argmax(dim=-1)
-    if any(t > 0 for t in batch.temperatures):  # decided on the host: no device sync
-        probs = _filtered_probs(logprobs.exp(), batch, device)
-        noise = torch.empty_like(probs).exponential_(generator=batch.generator)
-        seeded = [i for i, key in enumerate(batch.keys) if key is not None]
-        if seeded:
-            keys, positions, rows = to_device(
-                [[batch.keys[i] for i in seeded], [batch.positions[i] for i in seeded], seeded],
-                torch.int64,
-                device,
-            )
-            noise[rows] = -torch.log(uniform_noise(keys, positions, vocab))
+    if rows.random:  # decided on the host: no device sync
+        probs = _filtered_probs(logprobs.exp(), rows)
+        noise = torch.empty_like(probs).exponential_(generator=generator)
+        if rows.seeded_rows is not None:
+            seeded = rows.seeded_rows
+            noise[seeded] = -torch.log(uniform_noise(rows.keys[seeded], positions[seeded], vocab))
         drawn = (probs / noise).argmax(dim=-1)
         tokens = torch.where(greedy, tokens, drawn)
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    tokens_out.copy_(tokens)
     top = None
-    if batch.num_top_logprobs > 0:
-        top = logprobs.topk(min(batch.num_top_logprobs, vocab), dim=-1)
-    return PendingSample(tokens, chosen, top)
+    if rows.num_top_logprobs > 0:
+        top = logprobs.topk(min(rows.num_top_logprobs, vocab), dim=-1)
+    return PendingSample(tokens_out, torch.stack([tokens.double(), chosen.double()]), top)
 
 
-def _filtered_probs(probs: torch.Tensor, batch: SamplingBatch, device: torch.device) -> torch.Tensor:
+def _filtered_probs(probs: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     """Zero the tokens that min-p, top-k and top-p exclude (the most likely token always stays)."""
-    vocab = probs.shape[-1]
-    if any(p > 0 for p in batch.min_ps):
-        min_p = to_device(batch.min_ps, torch.float32, device)
-        probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
-    ks = [k if 0 < k < vocab else 0 for k in batch.top_ks]
-    if any(ks):
-        top = probs.topk(max(ks), dim=-1).values
-        k_index, k_on = to_device(
-            [[max(k, 1) - 1 for k in ks], [int(k > 0) for k in ks]], torch.int64, device
-        )
+    if rows.min_ps is not None:
+        probs = probs.masked_fill(probs < rows.min_ps[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+    if rows.top_k is not None:
+        k_index, k_on, largest = rows.top_k
+        top = probs.topk(largest, dim=-1).values
         threshold = top.gather(1, k_index[:, None])
         threshold = torch.where(k_on[:, None] > 0, threshold, 0.0)
         probs = probs.masked_fill(probs < threshold, 0.0)
-    if any(p < 1.0 for p in batch.top_ps):
-        top_p = to_device(batch.top_ps, torch.float32, device)
+    if rows.top_ps is not None:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop_sorted = mass_before >= top_p[:, None] * sorted_probs.sum(dim=-1, keepdim=True)
+        drop_sorted = mass_before >= rows.top_ps[:, None] * sorted_probs.sum(dim=-1, keepdim=True)
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     return probs

@@ -4,8 +4,8 @@ Every step the running sequences go first (decodes take one token, a partly pref
 takes the next chunk), then waiting sequences join in arrival order while the token budget,
 `max_num_seqs` and free KV blocks allow; a joining sequence first takes the blocks of its
 longest cached prefix (block_manager.py) and computes only the rest. A prompt longer than the
-remaining budget is prefilled in chunks over several steps. When a running sequence needs a block and none is free, the newest
-running sequence is preempted: its blocks are freed and it goes back to the front of the queue
+remaining budget is prefilled in chunks over several steps. When a running sequence needs a
+block and none is free, the newest running sequence is preempted: its blocks are freed and it goes back to the front of the queue
 to be recomputed later, so the cache never overflows.
 """
 
@@ -21,6 +21,9 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # tokens each sequence computes this step
     num_preempted: int = 0
+    # every sequence computes its one uncached token and draws one token for itself: the decode
+    # path (model_runner.py) and the core's per-step shortcuts apply
+    all_decodes: bool = True
 
     @property
     def num_tokens(self) -> int:
@@ -39,6 +42,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefill_tokens_total = 0  # prompt tokens computed (recomputation included)
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -52,33 +56,49 @@ class Scheduler:
         again later with preemption allowed)."""
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [])
+        seqs, counts = batch.seqs, batch.num_new_tokens
         preempted_before = self.num_preemptions
         capacity = self.blocks.block_size
+        running = self.running
+        all_decodes = True
+        prefill = 0
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            count = min(len(seq.token_ids) - seq.num_cached, budget)
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            cached = seq.num_cached
+            uncached = len(seq.token_ids) - cached
+            count = uncached if uncached < budget else budget
             # (the common case, a decode within its last block, needs no allocation)
-            while len(seq.block_table) * capacity < seq.num_cached + count and not self.blocks.allocate(
-                seq, seq.num_cached + count
+            if len(seq.block_table) * capacity < cached + count and not self._make_room(
+                seq, cached + count, preempt
             ):
                 if not preempt:
                     return None
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            else:
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(count)
-                budget -= count
-                i += 1
+                continue  # `seq` itself was preempted
+            seqs.append(seq)
+            counts.append(count)
+            if uncached != 1 or seq.fan_out != 1:
+                all_decodes = False
+                prefill += count
+            elif cached < seq.num_prompt_tokens:  # a prompt's last token
+                prefill += 1
+            budget -= count
+            i += 1
         if admit_new and self.num_preemptions == preempted_before:
+            admitted = len(seqs)
             budget = self._admit(batch, budget)
+            if len(seqs) > admitted:
+                all_decodes = False
+                prefill += sum(counts[admitted:])
         batch.num_preempted = self.num_preemptions - preempted_before
+        batch.all_decodes = all_decodes
+        self.prefill_tokens_total += prefill
         return batch
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> int:
+        """Waiting sequences join. A joining prompt's full blocks are registered in the prefix
+        cache at once, so a later one in this same batch already shares them: each layer writes
+        every token's keys and values before any attention reads the cache."""
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if self.running and len(self.running) + seq.fan_out > self.max_num_seqs:
@@ -89,6 +109,7 @@ class Scheduler:
                 self.blocks.free(seq)  # the matched blocks go back; the next try matches again
                 break
             self.blocks.hit_tokens_total += hit
+            self.blocks.register(seq, seq.num_cached + count)
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -96,6 +117,18 @@ class Scheduler:
             batch.num_new_tokens.append(count)
             budget -= count
         return budget
+
+    def _make_room(self, seq: Sequence, num_tokens: int, preempt: bool) -> bool:
+        """Allocate `seq`'s blocks for `num_tokens`, preempting the newest running sequences
+        while none is free (unless `preempt` is False); False if `seq` did not get them."""
+        while not self.blocks.allocate(seq, num_tokens):
+            if not preempt:
+                return False
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -70,6 +70,8 @@ class Request:
     keys: list[int | None]  # per sample, the sampler key derived from the seed (None: unseeded)
     arrival: int
     stream: bool = True  # False: updates are held until every sample has finished
+    stream_interval: float = 0.0  # seconds between a streaming request's deliveries (0: every step)
+    next_delivery: float = 0.0  # time.monotonic() before which it is not delivered again
     sequences: dict[int, Sequence] = field(default_factory=dict)  # live sequences by sample index
     finished: dict[int, FinishReason] = field(default_factory=dict)
     cancelled: dict[int, FinishReason] = field(default_factory=dict)  # finish once forked

@@ -22,8 +22,11 @@ from tandem.transport.weight_link import TransferError
 
 
 def expected_parameters(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """The model's tensors by checkpoint name, and the names a checkpoint may leave out (tied)."""
-    params = dict(model.state_dict())
+    """The model's tensors by checkpoint name, and the names a checkpoint may leave out (tied).
+    An engine model names them itself (`checkpoint_tensors`: FP8 layers hold slots that quantize
+    what is copied into them, fp8.py)."""
+    tensors = getattr(model, "checkpoint_tensors", None)
+    params = dict(tensors() if tensors is not None else model.state_dict())
     optional = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     return params, optional
 

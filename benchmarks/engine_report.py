@@ -1,0 +1,75 @@
+"""One table of issue 11's targets from the JSON files benchmarks/gpu_engine.sh writes.
+
+    python benchmarks/engine_report.py OUT_DIR
+
+A measurement whose file is missing or incomplete shows as "-" (its log in OUT_DIR says why).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+
+def load(folder: Path, name: str) -> dict:
+    path = folder / name
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def get(data: dict, *keys: str) -> float | None:
+    for key in keys:
+        if not isinstance(data, dict) or key not in data:
+            return None
+        data = data[key]
+    return data if isinstance(data, int | float) else None
+
+
+def main() -> None:
+    folder = Path(sys.argv[1])
+    engine, http, fp8, moe = (load(folder, f) for f in ("engine.json", "http.json", "fp8.json", "moe.json"))
+    phases = http.get("phases", {})
+    runs = engine.get("runs", {})
+    hf = get(runs, "transformers generate", "tok_per_s")
+    whole = get(phases, "tandem server, whole", "output_tokens_per_s")
+    rows = [
+        ("HTTP whole responses, tok/s", whole, ">=", 60_000, "{:,.0f}"),
+        ("HTTP streaming, tok/s", get(phases, "tandem server, streaming", "output_tokens_per_s"), ">=", 40_000, "{:,.0f}"),
+        ("HTTP streaming, TTFT p50 (ms)", get(phases, "tandem server, streaming", "ttft_p50_ms"), "<=", 300, "{:,.0f}"),
+        ("EngineCore, share of its graph-replay bound", get(runs, "tandem EngineCore", "share_of_graph_replay_bound"), ">=", 0.70, "{:.0%}"),
+        ("EngineCore, tok/s", get(runs, "tandem EngineCore", "tok_per_s"), "", None, "{:,.0f}"),
+        ("EngineCore, graph-replay bound tok/s", get(runs, "tandem EngineCore", "graph_replay_bound_tok_per_s"), "", None, "{:,.0f}"),
+        ("prefix cache cost, HTTP whole, nothing shared", get(phases, "prefix_cache_cost"), "<=", 0.03, "{:+.1%}"),
+        ("prefix cache cost, EngineCore, nothing shared", get(engine, "prefix_cache_cost"), "<=", 0.03, "{:+.1%}"),
+        ("transformers generate (same run), tok/s", hf, "", None, "{:,.0f}"),
+        ("HTTP whole / transformers", whole / hf if whole and hf else None, "", None, "{:.1f}x"),
+        ("FP8 / bf16 decode, 64 concurrent", get(fp8, "fp8_speedup_64"), ">=", 1.5, "{:.2f}x"),
+        ("FP8 / bf16 decode, 256 concurrent", get(fp8, "fp8_speedup_256"), ">=", 1.25, "{:.2f}x"),
+        ("FP8 sampler vs bf16 trainer, KL (k3)", get(fp8, "mismatch", "fp8", "kl_k3"), "", None, "{:.2e}"),
+        ("bf16 sampler vs bf16 trainer, KL (k3)", get(fp8, "mismatch", "bf16", "kl_k3"), "", None, "{:.2e}"),
+        ("Qwen3-30B-A3B shape (cut), decode tok/s, 64", get(moe, "decode_64", "decode_tok_per_s"), "", None, "{:,.0f}"),
+        ("Qwen3-30B-A3B shape (cut), decode tok/s, 256", get(moe, "decode_256", "decode_tok_per_s"), "", None, "{:,.0f}"),
+    ]  # fmt: skip
+    print(
+        f"\nissue 11 on {engine.get('device') or http.get('setup', {}).get('device', '?')} (files in {folder})"
+    )
+    print(f"| {'measure':<46} | {'value':>10} | {'target':>9} | met |")
+    print(f"|{'-' * 48}|{'-' * 12}|{'-' * 11}|-----|")
+    for name, value, op, target, fmt in rows:
+        shown = fmt.format(value) if value is not None else "-"
+        goal = f"{op} {fmt.format(target)}" if target is not None else ""
+        met = (
+            ""
+            if target is None or value is None
+            else ("yes" if (value >= target if op == ">=" else value <= target) else "NO")
+        )
+        print(f"| {name:<46} | {shown:>10} | {goal:>9} | {met:>3} |")
+    if fp8:
+        print(
+            f"FP8 kernel chosen by the matmul table: {fp8.get('kernel')}; totals (µs): {fp8.get('matmul_total_us')}"
+        )
+
+
+if __name__ == "__main__":
+    main()

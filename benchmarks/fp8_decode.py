@@ -1,0 +1,207 @@
+"""FP8 weights on one GPU: the three FP8 matmuls side by side on a Qwen3-8B shape's layers, then
+bf16 vs FP8 decode tok/s through the engine at 64 and 256 concurrent requests, and the mismatch
+between the FP8 sampler and a bf16 trainer on the same tokens, all in one run.
+
+    python benchmarks/fp8_decode.py --out fp8.json                     # CUDA (SM89+; SM90 for blockwise)
+
+Matmuls: bf16 `F.linear` against `Fp8Weight` with each kernel ("triton", "blockwise",
+"rowwise", fp8.py) at M = 64 and 256 rows, timed with CUDA events; the fastest in total is the
+one the FP8 engine then runs with (`--kernel` to force one). Engines: random-init Qwen3-8B shape
+(bf16; `bench_models.py`), P prompt + O output tokens, temperature 1. Mismatch: the tokens the
+FP8 engine sampled (and the bf16 engine, as the baseline) are scored by transformers in bf16 —
+the trainer's stand-in — and KL(sampler ‖ trainer) is estimated per token as mean(log μ − log π)
+(k1) and mean((π/μ − 1) − log(π/μ)) (k3). A random-init model's next-token distribution is
+close to uniform, so these KLs are far below a trained model's: compare fp8 against the bf16
+baseline row, not against RL runs.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from tandem.inference.config import InferenceConfig
+from tandem.inference.engine.api import SamplingParams
+from tandem.inference.engine.core import EngineCore
+from tandem.inference.engine.fp8 import FP8_KERNELS, Fp8Weight
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_models import SHAPES, build_random, decode_throughput  # noqa: E402
+
+
+def layer_shapes(shape: dict) -> dict[str, tuple[int, int]]:
+    q, kv = shape["num_heads"] * shape["head_dim"], shape["num_kv_heads"] * shape["head_dim"]
+    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
+    return {
+        "qkv": (q + 2 * kv, hidden),
+        "o": (hidden, q),
+        "gate_up": (2 * inter, hidden),
+        "down": (hidden, inter),
+    }
+
+
+def time_us(fn, repeats: int = 50) -> float:  # noqa: ANN001
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats * 1e3
+
+
+def matmuls(shape: dict, rows: tuple[int, ...]) -> list[dict]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out = []
+    for name, (n, k) in layer_shapes(shape).items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+        weights = {}
+        for kernel in FP8_KERNELS:
+            weights[kernel] = Fp8Weight(n, k, kernel, torch.device("cuda"))
+            weights[kernel].load(0, w)
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+            row = {"layer": name, "N": n, "K": k, "M": m, "bf16_us": time_us(lambda: F.linear(x, w))}  # noqa: B023
+            for kernel, fp8 in weights.items():
+                try:
+                    ref = x.float() @ fp8.dequantized(torch.float32).T
+                    row[f"{kernel}_rel_err"] = ((fp8(x).float() - ref).norm() / ref.norm()).item()
+                    row[f"{kernel}_us"] = time_us(lambda: fp8(x))  # noqa: B023
+                except Exception as e:  # a kernel this torch / device lacks: say so, keep going
+                    row[f"{kernel}_error"] = f"{type(e).__name__}: {e}"[:300]
+            out.append(row)
+            print(json.dumps(row), flush=True)
+    return out
+
+
+def engine(path: Path, args: argparse.Namespace, **engine: object) -> EngineCore:
+    settings = {
+        "max_num_seqs": max(args.concurrency),
+        "max_model_len": args.prompt_len + args.output_len + 64,
+        "kv_cache_memory_gb": args.kv_cache_gb,
+        **engine,
+    }
+    return EngineCore(
+        InferenceConfig.model_validate(
+            {"model": {"name": str(path), "dtype": "bfloat16"}, "engine": settings}
+        )
+    )
+
+
+def sample_with_logprobs(
+    core: EngineCore, count: int, args: argparse.Namespace
+) -> list[tuple[list[int], list]]:
+    vocab = min(core.vocab_size, len(core.tokenizer))
+    gen = torch.Generator().manual_seed(7)
+    prompts = torch.randint(3, vocab, (count, args.prompt_len), generator=gen).tolist()
+    params = SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True, seed=11)
+    for i, ids in enumerate(prompts):
+        core.add_request(f"kl{i}", ids, params, 1)
+    got: dict[str, list] = {}
+    while core.has_work():
+        for rid, updates in core.step():
+            got.setdefault(rid, []).extend(t for u in updates for t in u.tokens)
+    return [(prompts[i], got[f"kl{i}"]) for i in range(count)]
+
+
+def mismatch(path: Path, samples: dict[str, list[tuple[list[int], list]]]) -> dict[str, dict]:
+    """KL(sampler ‖ bf16 transformers) per sampler, on the tokens it drew."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+    out = {}
+    for name, rows in samples.items():
+        diffs = []
+        for prompt, tokens in rows:
+            ids = torch.tensor([prompt + [t.token_id for t in tokens]], device=device)
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+            trainer = logits.log_softmax(-1).gather(1, ids[0, len(prompt) :, None])[:, 0].double()
+            sampler = torch.tensor([t.logprob for t in tokens], device=device, dtype=torch.float64)
+            diffs.append(sampler - trainer)
+        d = torch.cat(diffs)
+        out[name] = {
+            "tokens": d.numel(),
+            "kl_k1": d.mean().item(),
+            "kl_k3": ((-d).exp() - 1 + d).mean().item(),
+            "max_abs_logprob_diff": d.abs().max().item(),
+        }
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--kv-cache-gb", type=float, default=30.0)
+    parser.add_argument("--kernel", choices=FP8_KERNELS, help="default: the fastest in the matmul table")
+    parser.add_argument("--kl-samples", type=int, default=32)
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/tandem-fp8-bench"))
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    results: dict = {"device": torch.cuda.get_device_name(), "shape": args.shape}
+    results["config"] = {k: str(v) for k, v in vars(args).items()}
+    table = matmuls(SHAPES[args.shape], tuple(args.concurrency))
+    results["matmuls"] = table
+
+    def usable(r: dict, k: str) -> bool:  # ran, and computed what the dequantized weight gives
+        return f"{k}_us" in r and r[f"{k}_rel_err"] < 0.05
+
+    totals = {k: sum(r[f"{k}_us"] if usable(r, k) else float("inf") for r in table) for k in FP8_KERNELS}
+    results["matmul_total_us"] = {"bf16": sum(r["bf16_us"] for r in table), **totals}
+    kernel = args.kernel or min(totals, key=totals.get)
+    results["kernel"] = kernel
+    path = build_random(args.shape, args.work_dir / args.shape, torch.device("cuda"))
+    samples = {}
+    for name, settings in (("bf16", {}), ("fp8", {"quantization": "fp8", "fp8_kernel": kernel})):
+        start = time.perf_counter()
+        core = engine(path, args, **settings)
+        results[f"{name}_engine_start_s"] = time.perf_counter() - start
+        results[f"{name}_weights_gib"] = torch.cuda.memory_allocated() / 2**30 - args.kv_cache_gb
+        for c in args.concurrency:
+            results[f"{name}_decode_{c}"] = decode_throughput(
+                core, c, args.prompt_len, args.output_len, seed=c
+            )
+            print(name, json.dumps(results[f"{name}_decode_{c}"]), flush=True)
+        samples[name] = sample_with_logprobs(core, args.kl_samples, args)
+        del core
+        torch.cuda.empty_cache()
+    results["mismatch"] = mismatch(path, samples)
+
+    print(f"\n{args.shape} on {results['device']}: FP8 matmuls (µs; rel. error vs the dequantized weight)")
+    print(f"| {'layer':<8} | {'M':>4} | {'bf16':>8} | " + " | ".join(f"{k:>18}" for k in FP8_KERNELS) + " |")
+    for r in table:
+        cells = [
+            f"{r[f'{k}_us']:8.1f} ({r[f'{k}_rel_err']:.1e})" if f"{k}_us" in r else f"{'failed':>18}"
+            for k in FP8_KERNELS
+        ]
+        print(f"| {r['layer']:<8} | {r['M']:4d} | {r['bf16_us']:8.1f} | " + " | ".join(cells) + " |")
+    print(f"engine FP8 kernel: {kernel}")
+    print("| concurrency | bf16 tok/s (decode) | fp8 tok/s (decode) | fp8 / bf16 (decode) |")
+    for c in args.concurrency:
+        b, f = results[f"bf16_decode_{c}"], results[f"fp8_decode_{c}"]
+        ratio = f["decode_tok_per_s"] / b["decode_tok_per_s"]
+        results[f"fp8_speedup_{c}"] = ratio
+        print(f"| {c:11d} | {b['tok_per_s']:8,.0f} ({b['decode_tok_per_s']:8,.0f}) | "
+              f"{f['tok_per_s']:8,.0f} ({f['decode_tok_per_s']:8,.0f}) | {ratio:19.2f} |")  # fmt: skip
+    for name, m in results["mismatch"].items():
+        print(f"mismatch {name} sampler vs bf16 transformers: KL k1 {m['kl_k1']:.2e}, k3 {m['kl_k3']:.2e}, "
+              f"max |Δ logprob| {m['max_abs_logprob_diff']:.3f} over {m['tokens']} tokens")  # fmt: skip
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

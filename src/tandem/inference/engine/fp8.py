@@ -1,0 +1,188 @@
+"""FP8 weights (`engine.quantization = "fp8"`): e4m3 with 128×128 block scales, quantized at load
+and at every weight update.
+
+Layout: a linear layer's weight [N, K] is held as `weight` e4m3 [N, K] and `weight_scale_inv`
+float32 [N/128, K/128], the dequantized weight being each element times the scale of its
+128×128 block: the layout of published FP8 checkpoints (`quantization_config.weight_block_size =
+[128, 128]`, DeepSeek-V3 and Qwen3-*-FP8), so their tensors are taken as they are. Quantized are
+the decoder layers' projections (q|k|v, o, gate|up and down of dense MLPs); not the embedding,
+the output head, the norms, the MoE router or the experts. Every part's N and K must be
+multiples of 128, or the engine refuses the model at start.
+
+The matmul (`engine.fp8_kernel`; benchmarks/fp8_matmul.py measures all three on the device):
+- "triton": triton_fp8.fp8_matmul reads the stored weight and block scales; bf16 activations.
+- "blockwise": torch._scaled_mm with DeepSeek's recipe (activations quantized per token and 128
+  channels, weights per 128×128 block; cuBLAS, SM90 and CUDA ≥ 12.9): the stored layout as is.
+- "rowwise": torch._scaled_mm with one scale per token and one per output channel (CUTLASS,
+  SM89+): the weight is re-quantized per row at load and update, a conversion that drops the
+  block scales (coarser: one scale for a whole row).
+Batches of more than PREFILL_ROWS rows (prefill) widen the weight to bf16 and use the bf16 matmul.
+
+Weight updates: `fp8_slots` holds, for every quantized layer's checkpoint name, a `Slot`
+that a checkpoint or transfer tensor is copied into (weights.py reads them through
+`CausalLM.checkpoint_tensors`): the copy quantizes it into that layer's rows.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.cli import UserError
+
+BLOCK = 128
+E4M3_MAX = 448.0
+FP8_KERNELS = ("triton", "blockwise", "rowwise")
+PREFILL_ROWS = 512
+
+
+def quantize_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] → (e4m3 [N, K], float32 scale_inv [N/128, K/128]); N and K multiples of 128."""
+    n, k = weight.shape
+    blocks = weight.float().reshape(n // BLOCK, BLOCK, k // BLOCK, BLOCK)
+    scale_inv = (blocks.abs().amax(dim=(1, 3)) / E4M3_MAX).clamp(min=1e-12)
+    q = (blocks / scale_inv[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(n, k), scale_inv
+
+
+def dequantize_blocks(
+    q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    n, k = q.shape
+    blocks = q.float().reshape(n // BLOCK, BLOCK, k // BLOCK, BLOCK) * scale_inv[:, None, :, None]
+    return blocks.reshape(n, k).to(dtype)
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] → (e4m3 [N, K], float32 scale [N]): one scale per row."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / E4M3_MAX).clamp(min=1e-12)
+    return (w / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+class Fp8Weight:
+    """One projection's FP8 weight, and the matmul that reads it (Projection.matmul)."""
+
+    def __init__(self, rows: int, cols: int, kernel: str, device: torch.device) -> None:
+        self.kernel = kernel
+        self.weight = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=device)
+        if kernel == "rowwise":
+            self.scale = torch.empty(1, rows, dtype=torch.float32, device=device)  # scale_b of _scaled_mm
+        else:  # [N/128, K/128], K/128 padded to a multiple of 4 (cuBLAS' layout for 128×128 scales)
+            groups = cols // BLOCK
+            self.scale = torch.ones(rows // BLOCK, -(-groups // 4) * 4, dtype=torch.float32, device=device)
+        self.groups = cols // BLOCK
+
+    def load(self, start: int, weight: torch.Tensor) -> None:
+        """Quantize `weight` ([rows, K], any float dtype) into rows start… of this weight."""
+        end = start + weight.shape[0]
+        if self.kernel == "rowwise":
+            q, scale = quantize_rows(weight)
+            self.weight[start:end], self.scale[0, start:end] = q, scale
+        else:
+            q, scale_inv = quantize_blocks(weight)
+            self.weight[start:end], self.scale[start // BLOCK : end // BLOCK, : self.groups] = q, scale_inv
+
+    def load_quantized(self, start: int, q: torch.Tensor, scale_inv: torch.Tensor) -> None:
+        """Take a checkpoint's e4m3 rows and their 128×128 scales as they are (re-quantized per
+        row for the row-wise kernel)."""
+        if self.kernel == "rowwise":
+            self.load(start, dequantize_blocks(q, scale_inv))
+            return
+        end = start + q.shape[0]
+        self.weight[start:end], self.scale[start // BLOCK : end // BLOCK, : self.groups] = q, scale_inv
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.kernel == "rowwise":
+            return (self.weight.float() * self.scale[0, :, None]).to(dtype)
+        return dequantize_blocks(self.weight, self.scale[:, : self.groups], dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows > PREFILL_ROWS or not x.is_cuda:
+            return F.linear(x, self.dequantized(x.dtype))
+        from tandem.inference.engine import triton_fp8
+
+        if self.kernel == "triton":
+            return triton_fp8.fp8_matmul(x, self.weight, self.scale)
+        if self.kernel == "blockwise":  # cuBLASLt wants the rows padded to a multiple of 4
+            xq, xs = triton_fp8.quantize_groups(x, -(-rows // 4) * 4)
+            out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.scale.t(), out_dtype=x.dtype)
+        else:
+            xq, xs = triton_fp8.quantize_rows(x, -(-rows // 16) * 16)
+            out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.scale, out_dtype=x.dtype)
+        return out[:rows]
+
+
+class Slot:
+    """What a weight update copies one quantized layer's tensor into: `copy_` quantizes it into
+    the layer's rows of the fused FP8 weight. Shaped and typed as the layer's weight was."""
+
+    is_meta = False
+
+    def __init__(self, fp8: Fp8Weight, start: int, rows: int, cols: int, dtype: torch.dtype) -> None:
+        self.fp8, self.start = fp8, start
+        self.shape = torch.Size([rows, cols])
+        self.dtype = dtype
+        self.is_cuda = fp8.weight.is_cuda
+
+    def copy_(self, tensor: torch.Tensor, non_blocking: bool = False) -> "Slot":
+        self.fp8.load(self.start, tensor.to(self.fp8.weight.device, non_blocking=non_blocking))
+        return self
+
+
+def check_device(device: torch.device, kernel: str) -> None:
+    """Refuse, in one line naming the setting, a device the FP8 kernel cannot run on."""
+    if device.type != "cuda":
+        raise UserError(
+            f"engine.quantization = 'fp8' needs a CUDA GPU (compute capability 8.9+); the device is {device}"
+        )
+    major, minor = torch.cuda.get_device_capability(device)
+    name = torch.cuda.get_device_name(device)
+    if (major, minor) < (8, 9):
+        raise UserError(
+            f"engine.quantization = 'fp8' needs compute capability 8.9+ (FP8); {name} has {major}.{minor}"
+        )
+    if kernel == "blockwise" and (major, minor) != (9, 0):
+        raise UserError(
+            f"engine.fp8_kernel = 'blockwise' runs on SM90 (Hopper) only; {name} has {major}.{minor}"
+        )
+
+
+def quantize_model(
+    model: nn.Module, kernel: str, scales: dict[str, torch.Tensor], dtype: torch.dtype
+) -> None:
+    """Give every decoder projection of `model` (after `prepare`) an FP8 weight and drop its
+    `dtype` one. A projection whose weight is already e4m3 (a published FP8 checkpoint) takes
+    its `weight_scale_inv` from `scales` (by checkpoint name) as it is."""
+    plan = []
+    for name, projection in model.projections():
+        owner = model.get_submodule(name.rsplit(".", 1)[0])
+        rows, cols = projection.weight.shape
+        for part, _, part_rows in projection.parts:
+            if part_rows % BLOCK or cols % BLOCK:
+                raise UserError(
+                    f"engine.quantization = 'fp8': cannot quantize {name.rsplit('.', 1)[0]}.{part} "
+                    f"[{part_rows}, {cols}]: both sizes must be multiples of {BLOCK}"
+                )
+        plan.append((name, owner, projection))
+    slots: dict[str, Slot] = {}
+    for name, owner, projection in plan:
+        weight = projection.weight
+        rows, cols = weight.shape
+        prefix = name.rsplit(".", 1)[0]
+        fp8 = Fp8Weight(rows, cols, kernel, weight.device)
+        for part, start, part_rows in projection.parts:
+            key = f"{prefix}.{part}"
+            if weight.dtype == torch.float8_e4m3fn:
+                if f"{key}_scale_inv" not in scales:
+                    raise UserError(f"the checkpoint holds {key} in FP8 without its {key}_scale_inv")
+                fp8.load_quantized(start, weight[start : start + part_rows], scales[f"{key}_scale_inv"])
+            else:
+                fp8.load(start, weight[start : start + part_rows])
+            slots[key] = Slot(fp8, start, part_rows, cols, dtype)
+            linear = owner.get_submodule(part.rsplit(".", 1)[0])
+            linear.weight = nn.Parameter(
+                torch.empty(part_rows, cols, dtype=dtype, device="meta"), requires_grad=False
+            )
+        projection.weight, projection.matmul = None, fp8
+    model.fp8_slots = slots

@@ -1,0 +1,324 @@
+"""Layers the engine's model families share, over the paged KV cache, and the base class that
+holds the contract between a family and the engine (models/__init__.py states it).
+
+Parameter names equal Hugging Face checkpoint names, so a checkpoint's state dict loads as is
+and weight updates address tensors by their usual names. Tokens of all sequences in a step are
+flattened into one `[T]` batch. Several bias-free projections that read the same input (q|k|v,
+gate|up) run as one matmul (`Projection`): after loading, their Hugging Face-named weights
+become views into the fused weight. On CUDA the elementwise chains run as fused Triton kernels
+(kernels.py); on CPU as the torch ops below, which follow transformers' order of rounding.
+"""
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from tandem.inference.engine.attention import AttentionMetadata, paged_attention, write_kv
+
+try:
+    from tandem.inference.engine import kernels
+except ImportError:  # no Triton: the torch path everywhere
+    kernels = None
+
+
+@dataclass
+class Rope:
+    positions: torch.Tensor
+    cos_table: torch.Tensor  # [max_positions, head_dim], float32
+    sin_table: torch.Tensor
+    cos: torch.Tensor | None = None  # the rows of `positions`, in the activation dtype (torch path)
+    sin: torch.Tensor | None = None
+
+
+class Projection:
+    """x·Wᵀ (+ b) for one weight that may hold several linear layers' rows (fused). `parts` are
+    the (name, first row, rows) of the layers in it, named as in the checkpoint. `matmul`, when
+    set, replaces the bf16 matmul (FP8 weights, fp8.py)."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, parts: list[tuple[str, int, int]]
+    ) -> None:
+        self.weight: torch.Tensor | None = weight
+        self.bias = bias
+        self.parts = parts
+        self.matmul: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.matmul(x) if self.matmul is not None else F.linear(x, self.weight)
+        return out if self.bias is None else out + self.bias
+
+
+def fuse_linears(owner: nn.Module, names: list[str]) -> Projection:
+    """One Projection over `owner`'s linear layers `names`; each layer's weight (and bias)
+    becomes a view of the fused one, so loading a checkpoint into them fills it."""
+    linears = [getattr(owner, name) for name in names]
+    weight = (
+        torch.cat([lin.weight.detach() for lin in linears])
+        if len(linears) > 1
+        else linears[0].weight.detach()
+    )
+    biased = linears[0].bias is not None
+    bias = (
+        (torch.cat([lin.bias.detach() for lin in linears]) if len(linears) > 1 else linears[0].bias.detach())
+        if biased
+        else None
+    )
+    parts, start = [], 0
+    for name, lin in zip(names, linears, strict=True):
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(weight[start : start + rows], requires_grad=False)
+        if biased:
+            lin.bias = nn.Parameter(bias[start : start + rows], requires_grad=False)
+        parts.append((f"{name}.weight", start, rows))
+        start += rows
+    return Projection(weight, bias, parts)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.use_kernels = False
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), or (norm(x), x) without a residual."""
+        if self.use_kernels:
+            return kernels.rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
+        return self.normalize(x), x
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_theta(config: PretrainedConfig) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    if params.get("rope_type", "default") != "default":
+        raise ValueError(f"rope type {params['rope_type']!r} is not supported by the native engine")
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin table computed in float32 like the reference, cast to the activations' dtype on use."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype, gather: bool) -> Rope:
+        rope = Rope(positions, self.cos, self.sin)
+        if gather:
+            rope.cos = self.cos[positions].to(dtype)[:, None, :]
+            rope.sin = self.sin[positions].to(dtype)[:, None, :]
+        return rope
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def head_dim(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with per-head q/k RMSNorm (Qwen3's) and rotary embeddings."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim(config)
+        self.scale = self.head_dim**-0.5
+        bias = getattr(config, "attention_bias", False)
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.use_kernels = False
+        self.qkv: Projection | None = None
+        self.out: Projection | None = None
+
+    def fuse(self) -> None:
+        self.qkv = fuse_linears(self, ["q_proj", "k_proj", "v_proj"])
+        self.out = fuse_linears(self, ["o_proj"])
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Rope,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        qkv = self.qkv(x)
+        if self.use_kernels:
+            q, k, v = kernels.qk_norm_rope_store(
+                qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                rope.cos_table, rope.sin_table, rope.positions, *kv_cache, meta.slot_mapping,
+            )  # fmt: skip
+        else:
+            kv_width = self.num_kv_heads * self.head_dim
+            q, k, v = qkv.split([self.num_heads * self.head_dim, kv_width, kv_width], -1)
+            q = self.q_norm.normalize(q.reshape(tokens, self.num_heads, self.head_dim))
+            k = self.k_norm.normalize(k.reshape(tokens, self.num_kv_heads, self.head_dim))
+            v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+            q, k = apply_rope(q, rope.cos, rope.sin), apply_rope(k, rope.cos, rope.sin)
+            write_kv(*kv_cache, k, v, meta.slot_mapping)
+        out = paged_attention(q, k, v, *kv_cache, meta, self.scale)
+        return self.out(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.use_kernels = False
+        self.gate_up: Projection | None = None
+        self.down: Projection | None = None
+
+    def fuse(self) -> None:
+        self.gate_up = fuse_linears(self, ["gate_proj", "up_proj"])
+        self.down = fuse_linears(self, ["down_proj"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up(x)
+        if self.use_kernels:
+            return self.down(kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, mlp: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: Rope,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x is the previous block's output, not yet added to the residual stream."""
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, rope, kv_cache, meta), residual)
+        return self.mlp(h), residual
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and output head. A family subclasses it and says
+    what each layer's MLP is (`mlp`); everything the engine calls is defined here."""
+
+    def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.model.layers = nn.ModuleList(
+            DecoderLayer(config, self.mlp(config, i)) for i in range(config.num_hidden_layers)
+        )
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.max_positions = max_positions
+        self.use_kernels = False
+        self.rotary = self._rotary()
+
+    def mlp(self, config: PretrainedConfig, index: int) -> nn.Module:
+        """The MLP of layer `index` (the family's choice)."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_transformers(
+        cls, state_dict: dict[str, torch.Tensor], config: PretrainedConfig
+    ) -> dict[str, torch.Tensor]:
+        """A transformers model's tensors under this class's (checkpoint) names; the same by default."""
+        return state_dict
+
+    def graph_safe(self, dtype: torch.dtype) -> bool:
+        """Whether a decode step in `dtype` runs without host syncs (so a CUDA graph can capture it)."""
+        return True
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """What a weight update addresses, by checkpoint name: the parameters, where FP8 weights
+        hold a slot that quantizes what is copied into it (fp8.py) instead."""
+        slots = getattr(self, "fp8_slots", {})
+        return {
+            name: slots.get(name, t)
+            for name, t in self.state_dict().items()
+            if not t.is_meta or name in slots
+        }
+
+    def projections(self) -> Iterator[tuple[str, Projection]]:
+        """Every fused projection, by the name of the module that holds it."""
+        for name, module in self.named_modules():
+            for attr in ("qkv", "out", "gate_up", "down"):
+                projection = getattr(module, attr, None)
+                if isinstance(projection, Projection):
+                    yield f"{name}.{attr}", projection
+
+    def _rotary(self) -> RotaryEmbedding:
+        return RotaryEmbedding(head_dim(self.config), rope_theta(self.config), self.max_positions)
+
+    def prepare(self, device: torch.device, use_kernels: bool) -> None:
+        """After loading weights onto the meta model: build the rope table on `device`, fuse the
+        projections, and choose the fused kernels (CUDA with Triton) or the torch path."""
+        with torch.device(device):
+            self.rotary = self._rotary()
+        self.use_kernels = use_kernels and device.type == "cuda" and kernels is not None
+        for module in self.modules():
+            if hasattr(module, "fuse"):
+                module.fuse()
+            if hasattr(module, "use_kernels"):
+                module.use_kernels = self.use_kernels
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, one row per input token."""
+        x = self.model.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype, gather=not self.use_kernels)
+        residual = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        return self.model.norm(x, residual)[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, vocab] in the model's dtype (the sampler reads them as they are)."""
+        return self.lm_head(hidden)

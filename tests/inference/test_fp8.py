@@ -1,0 +1,213 @@
+"""FP8 weights (CPU): 128×128 block quantization against a reference, the checkpoint layout,
+quantize-at-load and quantize-at-update through the weight-loading path, refused shapes and
+devices. The CUDA kernels are checked in tests/gpu/test_fp8_cuda.py and, interpreted, below."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tandem.cli import UserError
+from tandem.inference.config import InferenceConfig
+from tandem.inference.engine.api import WeightLoadError
+from tandem.inference.engine.attention import AttentionMetadata, Prompts
+from tandem.inference.engine.core import EngineCore
+from tandem.inference.engine.fp8 import (
+    E4M3_MAX,
+    Fp8Weight,
+    dequantize_blocks,
+    quantize_blocks,
+    quantize_model,
+)
+from tandem.inference.engine.models import build_model
+from tandem.inference.engine.weights import apply_checkpoint, read_checkpoint
+from tandem.models.tiny import build_tiny_model
+
+
+def reference_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block quantization written out block by block."""
+    n, k = weight.shape
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    scale_inv = torch.empty(n // 128, k // 128)
+    for i in range(n // 128):
+        for j in range(k // 128):
+            block = weight[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].float()
+            scale_inv[i, j] = block.abs().max() / 448.0
+            q[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] = (block / scale_inv[i, j]).to(
+                torch.float8_e4m3fn
+            )
+    return q, scale_inv
+
+
+def test_block_quantization_matches_the_reference_and_bounds_the_error() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(256, 384) * torch.logspace(-3, 1, 384)  # blocks of very different ranges
+    q, scale_inv = quantize_blocks(weight)
+    ref_q, ref_scale = reference_blocks(weight)
+    assert q.dtype == torch.float8_e4m3fn and scale_inv.shape == (2, 3) and scale_inv.dtype == torch.float32
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.allclose(scale_inv, ref_scale)
+    blocks = q.float().reshape(2, 128, 3, 128).abs().amax(dim=(1, 3))
+    assert torch.equal(blocks, torch.full((2, 3), E4M3_MAX))  # each block's largest value maps to e4m3's
+    restored = dequantize_blocks(q, scale_inv)
+    bound = (
+        scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1) * E4M3_MAX / 16
+    )  # half an ulp at the top
+    assert ((restored - weight).abs() <= bound).all()
+
+
+def test_checkpoint_tensors_are_taken_as_they_are() -> None:
+    torch.manual_seed(1)
+    q, scale_inv = quantize_blocks(torch.randn(256, 256))
+    fp8 = Fp8Weight(384, 256, "triton", torch.device("cpu"))
+    fp8.load_quantized(128, q, scale_inv)
+    assert torch.equal(fp8.weight[128:].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(fp8.scale[1:3, :2], scale_inv) and fp8.scale.shape == (3, 4)  # K/128 padded to 4
+    rowwise = Fp8Weight(256, 256, "rowwise", torch.device("cpu"))
+    rowwise.load_quantized(0, q, scale_inv)  # converted: one scale per row
+    exact = dequantize_blocks(q, scale_inv)
+    assert rowwise.scale.shape == (1, 256)
+    assert (rowwise.dequantized(torch.float32) - exact).abs().max() <= exact.abs().max() / 16
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two tiny Qwen3s whose layers are multiples of 128 wide (hidden 256, heads of 64)."""
+    root = tmp_path_factory.mktemp("fp8")
+    return build_tiny_model(out=root / "a", num_layers=2), build_tiny_model(
+        out=root / "b", num_layers=2, seed=1
+    )
+
+
+def engine_model(path: Path, quantization: str = "fp8", kernel: str = "triton") -> torch.nn.Module:
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return build_model(hf, 64, use_kernels=False, quantization=quantization, fp8_kernel=kernel)
+
+
+def logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """A whole-prompt forward pass straight into the model (a KV cache of one sequence)."""
+    config = model.config
+    n = len(ids)
+    cache = torch.zeros(2, config.num_hidden_layers, 2, 64, config.num_key_value_heads, config.head_dim)
+    index = torch.arange(n)[None]
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n), prompts=Prompts(index, None, torch.arange(n), torch.arange(n))
+    )
+    caches = [(cache[0, i], cache[1, i]) for i in range(config.num_hidden_layers)]
+    with torch.no_grad():
+        return model.logits(model(torch.tensor(ids), torch.arange(n), caches, meta)).float()
+
+
+IDS = [5, 17, 99, 3, 250, 41, 8, 77]
+
+
+@pytest.mark.parametrize("kernel", ["triton", "rowwise"])
+def test_quantized_model_stays_close_and_updates_quantize_into_place(model_dirs, kernel: str) -> None:
+    a, b = model_dirs
+    fp8, reference = engine_model(a, kernel=kernel), engine_model(a, quantization="none")
+    projections = dict(fp8.projections())
+    assert projections and all(p.weight is None and p.matmul is not None for p in projections.values())
+    kl = torch.nn.functional.kl_div(logits(fp8, IDS).log_softmax(-1), logits(reference, IDS).log_softmax(-1),
+                                    log_target=True, reduction="batchmean")  # fmt: skip
+    assert kl < 1e-3, kl
+    # an update of bf16/fp32 tensors by checkpoint name is quantized into the FP8 weights
+    tensors = read_checkpoint(b, fp8)
+    slot = fp8.checkpoint_tensors()["model.layers.0.self_attn.k_proj.weight"]
+    assert slot.shape == (128, 256) and slot.dtype == torch.float32
+    apply_checkpoint(fp8, tensors)
+    assert torch.allclose(logits(fp8, IDS), logits(engine_model(b, kernel=kernel), IDS), atol=1e-5)
+
+
+def test_an_update_with_wrong_shapes_is_refused_and_the_weights_stay(model_dirs, tmp_path: Path) -> None:
+    a, _ = model_dirs
+    fp8 = engine_model(a)
+    before = logits(fp8, IDS)
+    wide = build_tiny_model(out=tmp_path / "wide", num_layers=2, intermediate_size=1024)
+    with pytest.raises(
+        WeightLoadError, match=r"proj\.weight.* has shape \(256, 1024\), the model needs \(256, 768\)"
+    ):
+        read_checkpoint(wide, fp8)
+    assert torch.equal(logits(fp8, IDS), before)
+
+
+def test_an_fp8_checkpoints_tensors_load_as_they_are(model_dirs) -> None:
+    """What transformers hands over for a published FP8 checkpoint: e4m3 weights and their
+    weight_scale_inv; the engine keeps the bits."""
+    a, _ = model_dirs
+    model = engine_model(a, quantization="none")
+    scales, expected = {}, {}
+    for name, projection in model.projections():
+        prefix = name.rsplit(".", 1)[0]
+        parts = []
+        for part, start, rows in projection.parts:
+            q, scale_inv = quantize_blocks(projection.weight[start : start + rows])
+            scales[f"{prefix}.{part}_scale_inv"], expected[f"{prefix}.{part}"] = scale_inv, q
+            parts.append(q)
+        projection.weight = torch.cat(parts)
+    quantize_model(model, "triton", scales, torch.float32)
+    k_proj = "model.layers.1.self_attn.k_proj.weight"
+    slot = model.checkpoint_tensors()[k_proj]
+    stored = slot.fp8.weight[slot.start : slot.start + slot.shape[0]]
+    assert torch.equal(stored.view(torch.uint8), expected[k_proj].view(torch.uint8))
+
+
+def test_layers_that_are_not_multiples_of_128_are_refused(tmp_path: Path) -> None:
+    path = build_tiny_model(out=tmp_path / "narrow", num_layers=1, hidden_size=64, head_dim=16)
+    with pytest.raises(
+        UserError, match=r"cannot quantize model\.layers\.0\.self_attn\.q_proj\.weight \[64, 64\]"
+    ):
+        engine_model(path)
+
+
+def test_fp8_on_a_cpu_fails_at_start_in_one_line(model_dirs) -> None:
+    a, _ = model_dirs
+    config = {"model": {"name": str(a)}, "engine": {"quantization": "fp8"}}
+    with pytest.raises(UserError, match="engine.quantization = 'fp8' needs a CUDA GPU"):
+        EngineCore(InferenceConfig.model_validate(config))
+    result = subprocess.run(
+        [sys.executable, "-m", "tandem.inference.cli", "--model", str(a), "--engine.quantization", "fp8"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "engine.quantization = 'fp8'" in lines[0], lines
+
+
+KERNEL_SCRIPT = """
+import torch
+from tandem.inference.engine.fp8 import dequantize_blocks, quantize_blocks
+from tandem.inference.engine.triton_fp8 import fp8_matmul, quantize_groups, quantize_rows
+
+torch.manual_seed(0)
+w = torch.randn(256, 384)
+q, scale_inv = quantize_blocks(w)
+scale = torch.ones(2, 4)
+scale[:, :3] = scale_inv
+x = torch.randn(5, 384)
+out = fp8_matmul(x, q, scale)
+ref = x @ dequantize_blocks(q, scale_inv).T
+assert out.shape == (5, 256) and torch.allclose(out, ref, atol=1e-3, rtol=1e-4), (out - ref).abs().max()
+# the activation quantizers: scales exactly amax / 448 in the layout _scaled_mm wants; values
+# only roughly (the interpreter rounds to e4m3 less exactly than the GPU, which the GPU test checks)
+xq, xs = quantize_groups(x, 8)
+assert xq.shape == (8, 384) and xs.shape == (8, 3) and xs.stride() == (1, 8)
+assert torch.allclose(xs[:5], x.view(5, 3, 128).abs().amax(-1) / 448) and (xs[5:] == 1).all()
+back = (xq[:5].float().view(5, 3, 128) * xs[:5, :, None]).view(5, 384)
+assert ((back - x).abs() <= xs[:5].repeat_interleave(128, 1) * 448 * 0.15).all()
+assert (xq[5:].float() == 0).all()
+rq, rs = quantize_rows(x, 16)
+assert rq.shape == (16, 384) and rs.shape == (16, 1) and torch.allclose(rs[:5, 0], x.abs().amax(-1) / 448)
+assert ((rq[:5].float() * rs[:5] - x).abs() <= rs[:5] * 448 * 0.15).all()
+print("ok")
+"""
+
+
+def test_fp8_kernels_in_the_triton_interpreter() -> None:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", KERNEL_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
