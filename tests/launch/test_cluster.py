@@ -69,7 +69,12 @@ def test_each_node_starts_its_own_processes(tmp_path: Path) -> None:
     trainer = plan_node(cfg, cluster, cluster.unit("trainer-1"), gpus + ["4"])
     (spec,) = trainer.specs()
     assert spec.name == "trainer" and spec.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
-    assert spec.env["TANDEM_WEIGHTS_GROUP"] == "train-a:29500"
+    weights = trainer.trainer.weights  # the weight group meets on the first trainer node
+    assert (weights.host, weights.port, weights.num_servers) == ("train-a", 29500, 4)
+    assert [(c.weights.host, c.weights.port, c.weights.server_index) for c in second.inference] == [
+        ("train-a", 29500, 2),
+        ("train-a", 29500, 3),
+    ]
     assert spec.argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert spec.argv[3:10] == [
         "--nnodes=2",
@@ -154,8 +159,10 @@ def test_weights_group_on_one_machine(tmp_path: Path) -> None:
         tmp_path, **{"cluster.inference_nodes": 0, "cluster.trainer_nodes": 1, "cluster.hosts": None}
     )
     plan = plan_run(cfg, [])
-    assert plan.weights_group_address == "127.0.0.1:29500"
-    assert {s.env.get("TANDEM_WEIGHTS_GROUP") for s in plan.specs()} == {"127.0.0.1:29500", None}
+    sections = [plan.trainer, plan.orchestrator, *plan.inference]
+    addresses = {(s.weights.host, s.weights.port) for s in sections}
+    (address,) = addresses  # every process agrees on one address: loopback, a free port
+    assert address[0] == "127.0.0.1" and address[1] > 0
 
 
 def test_unshared_run_dir_warning(tmp_path: Path) -> None:
