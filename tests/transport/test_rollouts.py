@@ -186,7 +186,7 @@ def test_timeout_names_the_marker(tmp_path: Path) -> None:
 def test_missing_corrupt_and_mismatched_files(tmp_path: Path) -> None:
     per_rank = pack_samples(make_samples(6), seq_len=64, num_ranks=2, micro_batch_tokens=64, step=1)
     write_step(tmp_path, 1, per_rank)
-    with pytest.raises(RolloutError, match="packed for 2 trainer ranks, but the trainer runs 4"):
+    with pytest.raises(RolloutError, match="packed for 2 trainer data-parallel groups of cp = 1, but the trainer runs 4 of cp = 1"):
         read_rank(tmp_path, 1, 0, timeout_s=1, num_ranks=4)
 
     path = rank_path(tmp_path, 1, 1)
