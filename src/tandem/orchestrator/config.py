@@ -166,7 +166,9 @@ class OrchestratorConfig(Section):
             )
         if self.num_ranks % self.cp:
             raise PydanticCustomError(
-                "shape", f"trainer.parallel.cp = {self.cp} does not divide the {self.num_ranks} trainer ranks"
+                "shape",
+                f"cp ({self.cp}) must divide num_ranks ({self.num_ranks}): the trainer's context-parallel "
+                "groups (trainer.parallel.cp) split its ranks",
             )
         if self.micro_batch_tokens < self.seq_len:
             raise PydanticCustomError(
