@@ -58,7 +58,11 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize(
     "options",
-    [{"activation_checkpointing": "selective"}, {"activation_checkpointing": "full"}, {"activation_offload": True}],
+    [
+        {"activation_checkpointing": "selective"},
+        {"activation_checkpointing": "full"},
+        {"activation_offload": True},
+    ],
 )
 def test_memory_settings_keep_the_gradients_and_save_memory(tiny: Path, options: dict) -> None:
     world = init_distributed("cuda")
