@@ -7,7 +7,8 @@ ranks do (RANK, WORLD_SIZE, MASTER_ADDR/PORT), so the 4-rank test pays for one i
 instead of five. Each rank runs every case of CASES in turn on the same global batch: builds the
 trainer's model with that case's trainer.parallel settings, runs the SFT or the RL trainer's
 micro-batch loss over its data-parallel group's share (the trainers' own functions, normalised
-by the global loss-token count and scaled by the world size as they do) and one backward. Rank 0
+by the global loss-token count and scaled by the world size as they do) and one backward; RL
+cases then also take the RL trainer's whole step and keep the statistics it logs. Rank 0
 writes, per case, the global loss and the full gradients (in checkpoint names) to OUT
 (torch.save); the test compares each case with its cp = 1 case; `shard_width` is how many
 columns of each row a rank held.
@@ -26,11 +27,12 @@ import torch
 from tandem.config.base import ModelConfig, cp_width_multiple
 from tandem.trainer.config import ParallelConfig
 from tandem.trainer.model import build_trainer_model
+from tandem.trainer.optim import build_optimizer
 from tandem.trainer.packing import MicroBatch as SFTBatch
-from tandem.trainer.parallel import all_reduce_sum, data_shard, init_distributed, shutdown
+from tandem.trainer.parallel import World, all_reduce_sum, data_shard, init_distributed, shutdown
 from tandem.trainer.rl.config import RLTrainerConfig
 from tandem.trainer.rl.loss import build_objective
-from tandem.trainer.rl.train import micro_batch_loss
+from tandem.trainer.rl.train import micro_batch_loss, train_step
 from tandem.trainer.sft.train import token_loss_sum
 from tandem.trainer.weight_stream import iter_hf_weights
 from tandem.transport.rollouts import Sample, pack_samples
@@ -95,20 +97,37 @@ def sft_loss(model: torch.nn.Module, world_size: int, group: int, groups: int) -
     return float(all_reduce_sum(partial.detach())) / tokens
 
 
+def rl_micro_batches(model: torch.nn.Module, group: int, groups: int, parallel: ParallelConfig) -> list:
+    multiple = cp_width_multiple(parallel.cp, parallel.cp_style)
+    per_group = pack_samples(rl_samples(model.hf_config.vocab_size), 48, groups, 96, width_multiple=multiple)
+    assert all(mb.input_ids.shape[1] % multiple == 0 for mb in per_group[group])
+    return per_group[group]
+
+
 def rl_loss(
     model: torch.nn.Module, world_size: int, group: int, groups: int, parallel: ParallelConfig
 ) -> float:
-    cfg = RLTrainerConfig()
+    cfg = RLTrainerConfig(parallel=parallel)
     objective = build_objective(cfg.loss)
-    multiple = cp_width_multiple(parallel.cp, parallel.cp_style)
-    per_group = pack_samples(rl_samples(model.hf_config.vocab_size), 48, groups, 96, width_multiple=multiple)
     total = torch.zeros(())
-    for mb in per_group[group]:
-        assert mb.input_ids.shape[1] % multiple == 0
+    for mb in rl_micro_batches(model, group, groups, parallel):
         loss, _ = micro_batch_loss(model, objective, mb, cfg, torch.device("cpu"))
         (loss * world_size).backward()
         total += loss.detach()
     return float(all_reduce_sum(total))
+
+
+def rl_step_stats(
+    model: torch.nn.Module, world: World, group: int, groups: int, parallel: ParallelConfig
+) -> dict:
+    """The RL trainer's whole step (trainer/rl/train.py train_step) and the statistics it logs."""
+    cfg = RLTrainerConfig(parallel=parallel)
+    optimizer = build_optimizer(model, cfg.optim)
+    micro_batches = rl_micro_batches(model, group, groups, parallel)
+    stats = train_step(model, build_objective(cfg.loss), optimizer, micro_batches, 0, cfg, world)
+    return {
+        k: stats[k] for k in ("loss", "loss_tokens", "samples", "tokens", "reward", "mismatch_kl", "entropy")
+    }
 
 
 def run_rank(paths: dict[str, str], out: str) -> None:
@@ -128,6 +147,9 @@ def run_rank(paths: dict[str, str], out: str) -> None:
         cp = model.context_parallel
         shard = WIDTH if cp is None else len(cp.columns(cp.padded_width(WIDTH), torch.device("cpu")))
         results[name] = {"loss": value, "grads": grads, "shard_width": shard}
+        if loss == "rl":
+            model.zero_grad(set_to_none=True)
+            results[name]["stats"] = rl_step_stats(model, world, group, groups, parallel)
     if world.is_main:
         torch.save(results, out)
     shutdown()

@@ -71,6 +71,9 @@ def test_cp_matches_cp1(results: dict, case: str) -> None:
         assert scale > 0, name
         difference = float((got["grads"][name] - grad).abs().max())
         assert difference <= 1e-5 * scale, f"{name}: {difference:.3g} off at scale {scale:.3g}"
+    if "stats" in reference:  # the RL trainer's step logs the same, counting each sample once
+        assert got["stats"] == pytest.approx(reference["stats"], rel=1e-5)
+        assert reference["stats"]["samples"] == 10 and reference["stats"]["loss_tokens"] > 0
 
 
 def test_bad_parallel_settings_fail_at_start_in_one_line(models: tuple[Path, Path]) -> None:
