@@ -2,11 +2,11 @@
 
 `model.impl` chooses: "tandem" builds the checkpoint's family from models/<model_type>/ on the
 meta device, parallelises it (expert and context parallelism, activation checkpointing or
-offload, compile, FSDP2) and
-then fills each rank's shards straight from the safetensors files; "hf" loads transformers'
-model and shards it; "auto" is tandem's when the model type has an implementation. Either way
-the result is an FSDP2 module with `sequence_logprobs(input_ids, position_ids, temperature,
-chunk_size)` as a forward method and `hf_config`, the checkpoint's transformers config.
+offload, compile, FSDP2) and then fills each rank's shards straight from the safetensors files;
+"hf" loads transformers' model and shards it; "auto" is tandem's when the model type has an
+implementation. Either way the result is an FSDP2 module with `sequence_logprobs(input_ids,
+position_ids, temperature, chunk_size)` as a forward method and `hf_config`, the checkpoint's
+transformers config.
 """
 
 from pathlib import Path
