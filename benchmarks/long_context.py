@@ -8,7 +8,7 @@ Each (shape, setting, trainer) runs in its own process: it builds the trainer's 
 (trainer/model.py: fp32 weights, bf16 compute under FSDP2, torch.compile per block, flex
 attention, the chunked output head; random init, vocabulary 151,936) with the setting's
 `[trainer.parallel]` keys, and trains one packed row holding one document of L tokens, for L in
-LENGTHS up to --max-len, in turn, until one does not fit. A length trains when a whole optimizer
+LENGTHS (4k … 512k) up to --max-len, in turn, until one does not fit. A length trains when a whole optimizer
 step (forward, backward, clipping, AdamW) finishes; the longest is the last that did, below the
 first that ran out of memory (so the answer is bracketed by the grid).
 
@@ -22,8 +22,8 @@ Tokens/s: the median of 2 steps after one warm-up (which compiles) at 16k, 32k a
 beyond. MFU counts 6·N·T + 6·L·d·T² per document as benchmarks/trainer_mfu.py does (recompute not
 counted). Peak GPU memory is torch's max allocated at that length; host memory is the drop of
 MemAvailable during the length's steps. With offload, a length whose host memory (extrapolated
-linearly from the previous length, or from a 4k calibration step) would pass 80% of what is
-available is not tried ("host memory").
+linearly from the previous length) would pass 80% of what is available is not tried ("host
+memory").
 
 Rows go to --out (JSONL) as they are measured; a rerun skips the combinations already done, and
 each run starts no new combination after --budget-s seconds (default 540, to fit one 10-minute
@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_mfu import PEAK_FLOPS, hf_config, step_flops  # noqa: E402
 
 K = 1024
-LENGTHS = [16 * K, 32 * K, 48 * K, 64 * K, 96 * K, 128 * K, 192 * K, 256 * K, 384 * K, 512 * K]
+LENGTHS = [4 * K, 8 * K, 16 * K, 32 * K, 48 * K, 64 * K, 96 * K, 128 * K, 192 * K, 256 * K, 384 * K, 512 * K]
 TIMED = (16 * K, 32 * K, 64 * K)  # tokens/s reported here
 SETTINGS = {
     "none": {},
@@ -173,8 +173,8 @@ def run_combo(shape: str, setting: str, trainer: str, lengths: list[int], out: P
     optimizer = build_optimizer(model, OptimConfig(lr=1e-5))
     config = model.hf_config
     host_per_token = None
-    if setting == "offload":
-        lengths = [4 * K, *lengths]  # calibrates the host memory per token
+    if setting == "offload" and lengths and lengths[0] > LENGTHS[0]:
+        lengths = [LENGTHS[0], *lengths]  # (a resumed run) calibrates the host memory per token
     for length in lengths:
         available = mem_available()
         if host_per_token is not None and host_per_token * length > 0.8 * available:
@@ -230,10 +230,10 @@ def print_table(rows: list[dict]) -> None:
         measured = sorted(
             (r for k, r in latest.items() if k[:3] == combo and k[3]), key=lambda r: r["length"]
         )
-        trained = [r for r in measured if r["status"] == "ok" and r["length"] >= 16 * K]
+        trained = [r for r in measured if r["status"] == "ok"]
         failed = next((r for r in measured if r["status"] != "ok"), None)
         done = (*combo, None) in latest
-        longest = f"{trained[-1]['length'] // K}k" if trained else "< 16k"
+        longest = f"{trained[-1]['length'] // K}k" if trained else f"< {LENGTHS[0] // K}k"
         beyond = (
             f"{failed['length'] // K}k ({failed['status']})"
             if failed

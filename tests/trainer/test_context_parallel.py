@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cp_worker import CASES, WIDTH
 
 from tandem.cli import UserError
 from tandem.config.base import ModelConfig, cp_width_multiple
@@ -31,8 +32,6 @@ from tandem.transport.rollouts import Sample, pack_samples
 
 WORKER = Path(__file__).parent / "cp_worker.py"
 SMALL = {"num_layers": 2, "hidden_size": 64, "head_dim": 16, "intermediate_size": 128}  # 4 heads, 2 KV
-sys.path.insert(0, str(WORKER.parent))
-from cp_worker import CASES, WIDTH  # noqa: E402
 
 
 @pytest.fixture(scope="module")
