@@ -47,6 +47,8 @@ SHAPES = {
                  head_dim=128, intermediate_size=3072, tie_word_embeddings=True),
     "1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                  head_dim=128, intermediate_size=6144, tie_word_embeddings=True),
+    "4b": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+               head_dim=128, intermediate_size=9728, tie_word_embeddings=True),
     # Qwen3-30B-A3B with 8 of its 48 layers
     "moe": dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4,
                 head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,

@@ -91,7 +91,10 @@ def test_cross_filling_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert {plan.orchestrator.run_dir, plan.trainer.run_dir, *(c.run_dir for c in plan.inference)} == {run}
     assert plan.orchestrator.resume and plan.trainer.resume
     assert plan.orchestrator.max_steps == plan.trainer.max_steps == 3  # top level, not the sections' defaults
-    assert plan.orchestrator.seq_len == 128 and plan.inference[0].engine.max_model_len == 128
+    assert (
+        plan.orchestrator.seq_len == plan.trainer.seq_len == 128
+        and plan.inference[0].engine.max_model_len == 128
+    )
     assert plan.trainer.model.name == plan.inference[1].model.name == "tiny"
     assert plan.inference[0].engine.gpu_memory_utilization == 0.85  # not colocated on CPU
 
@@ -108,6 +111,12 @@ def test_cross_filling_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert plan_run(cfg, [], cores=9).cpu_threads is None  # the user's own setting is inherited
     assert specs["inference_1"].health_url == "http://127.0.0.1:8001/health"
     assert specs["inference_0"].role == "service" and specs["trainer"].role == "job"
+
+
+def test_orchestrator_packs_for_the_trainers_context_parallelism(tmp_path: Path) -> None:
+    parallel = {"trainer.parallel.cp": 2, "trainer.parallel.cp_style": "ring", "deployment.trainer_nproc": 4}
+    orchestrator = plan_run(config(tmp_path, **parallel), []).orchestrator
+    assert (orchestrator.num_ranks, orchestrator.cp, orchestrator.width_multiple) == (4, 2, 4)
 
 
 def test_gpu_placement_and_colocation(tmp_path: Path) -> None:
@@ -148,6 +157,10 @@ def test_gpu_placement_and_colocation(tmp_path: Path) -> None:
         ),
         ({"trainer.run_dir": "elsewhere"}, "trainer.run_dir = 'elsewhere' conflicts with"),
         ({"orchestrator.num_ranks": 4}, "derives from deployment.trainer_nproc"),
+        (
+            {"trainer.parallel.cp": 2},
+            "cp (2) must divide num_ranks (1): the trainer's context-parallel groups",
+        ),
         ({"orchestrator.max_steps": 9}, "orchestrator.max_steps (9) and trainer.max_steps (3) differ"),
         ({"model.name": ""}, "model.name is empty"),
         ({"trainer.model.name": "other"}, "same checkpoint"),

@@ -186,7 +186,10 @@ def test_timeout_names_the_marker(tmp_path: Path) -> None:
 def test_missing_corrupt_and_mismatched_files(tmp_path: Path) -> None:
     per_rank = pack_samples(make_samples(6), seq_len=64, num_ranks=2, micro_batch_tokens=64, step=1)
     write_step(tmp_path, 1, per_rank)
-    with pytest.raises(RolloutError, match="packed for 2 trainer ranks, but the trainer runs 4"):
+    with pytest.raises(
+        RolloutError,
+        match="packed for 2 trainer data-parallel groups of cp = 1, but the trainer runs 4 of cp = 1",
+    ):
         read_rank(tmp_path, 1, 0, timeout_s=1, num_ranks=4)
 
     path = rank_path(tmp_path, 1, 1)
@@ -206,3 +209,21 @@ def test_missing_corrupt_and_mismatched_files(tmp_path: Path) -> None:
     (step_dir(tmp_path, 1) / "rank_1.bin").write_bytes(rank_path(tmp_path, 1, 0).read_bytes())
     with pytest.raises(RolloutError, match="expected format 1, step 1, rank 1"):
         read_rank(tmp_path, 1, 1, timeout_s=1)
+
+
+def test_context_parallel_groups_share_files_of_padded_width(tmp_path: Path) -> None:
+    """4 trainer ranks of cp = 2 (ring: widths a multiple of 4) are 2 data-parallel groups."""
+    samples = make_samples(9, seed=4)
+    per_group = pack_samples(
+        samples, seq_len=64, num_ranks=2, micro_batch_tokens=128, step=2, width_multiple=4
+    )
+    assert len(per_group) == 2 and len(per_group[0]) == len(per_group[1])
+    assert all(mb.input_ids.shape[1] % 4 == 0 for group in per_group for mb in group)
+    assert sum(mb.num_tokens for group in per_group for mb in group) == sum(len(s) for s in samples)
+    write_step(tmp_path, 2, per_group, cp=2)
+    assert len(read_rank(tmp_path, 2, 1, timeout_s=1, num_ranks=2, cp=2)) == len(per_group[1])
+    with pytest.raises(
+        RolloutError,
+        match="packed for 2 trainer data-parallel groups of cp = 2, but the trainer runs 4 of cp = 1",
+    ):
+        read_rank(tmp_path, 2, 0, timeout_s=1, num_ranks=4)

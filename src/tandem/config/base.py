@@ -38,5 +38,15 @@ class ModelConfig(Section):
     trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint's repository.")
 
 
+CPStyle = Literal["ulysses", "ring"]
+"""How context parallelism splits a packed row over its ranks (models/context_parallel.py)."""
+
+
+def cp_width_multiple(cp: int, style: CPStyle) -> int:
+    """What a packed row's width must be a multiple of under context parallelism: one chunk per
+    rank (ulysses), or two per rank for the zigzag causal load balancing (ring)."""
+    return cp if style == "ulysses" or cp == 1 else 2 * cp
+
+
 SHARED_FIELDS = ("model", "seq_len", "max_steps", "run_dir", "seed")
 """Fields written once at the top of a config file that flow into every sub-section declaring them."""

@@ -38,6 +38,8 @@ DERIVED_FROM = {
     "resume": "the top-level resume (--resume)",
     "servers": "inference.port / deployment.inference_ports",
     "num_ranks": "deployment.trainer_nproc",
+    "cp": "trainer.parallel.cp",
+    "cp_style": "trainer.parallel.cp_style",
     "weights.transport": "the top-level weights.transport",
     "weights.host": "the top-level weights.host (several nodes: the first trainer node)",
     "weights.port": "the top-level weights.port (a free port when 0; several nodes: cluster.weights_group_port)",
@@ -351,8 +353,10 @@ def _jobs(
     whole (what run_dir/configs/rl.toml holds)."""
     inference = per_server[0]
     shared, owned = _shared(config), {"run_dir": config.run_dir, "resume": config.resume}
+    parallel = config.trainer.parallel
+    trainer_shape = {"num_ranks": num_ranks, "cp": parallel.cp, "cp_style": parallel.cp_style}
     orchestrator = _fill(
-        config.orchestrator, "orchestrator", shared, owned | {"servers": servers, "num_ranks": num_ranks}
+        config.orchestrator, "orchestrator", shared, owned | {"servers": servers} | trainer_shape
     )
     if inference.api_key and orchestrator.client.api_key is None:
         orchestrator = _update("orchestrator", orchestrator, {"client": {"api_key": inference.api_key}})

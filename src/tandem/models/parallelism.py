@@ -1,19 +1,24 @@
-"""How a tandem model is parallelised for training: FSDP2, activation checkpointing, compile.
+"""How a tandem model is parallelised for training: FSDP2, context parallelism, activation
+checkpointing and offload, compile.
 
-The mesh is two-dimensional, (efsdp, ep) with ep innermost, so each expert-parallel group is a
-run of consecutive ranks. Dense parameters are FSDP-sharded over all of it (flattened to `dp`);
-expert weights are split over `ep` (each rank holds num_experts / ep experts) and FSDP-sharded
-over `efsdp` along their second dimension (so the two shardings never split the same dim).
+The ranks are laid out twice, ep and cp innermost, so each expert-parallel and each
+context-parallel group is a run of consecutive ranks: `mesh` is (efsdp, ep), `cp_mesh` is
+(dp, cp) over the same ranks. Dense parameters are FSDP-sharded over all ranks (dp × cp, the
+mesh flattened to `dp`); expert weights are split over `ep` (each rank holds num_experts / ep
+experts) and FSDP-sharded over `efsdp` along their second dimension (so the two shardings never
+split the same dim). The ranks of a cp group share a micro-batch, each holding its columns of
+the rows (models/context_parallel.py); the ranks of a dp group read different micro-batches.
 
-Gradients: the trainers scale each rank's loss by world size and FSDP averages over the ranks
-it reduces over. Expert gradients already sum the contributions of the whole ep group (they
-come back through the all-to-all), so their FSDP groups divide by the world size, not by the
-efsdp size: every parameter ends with the gradient of the global loss.
+Gradients: the trainers scale each rank's loss (over its own tokens, divided by the step's
+global token count) by world size and FSDP averages over the ranks it reduces over. Expert
+gradients already sum the contributions of the whole ep group (they come back through the
+all-to-all), so their FSDP groups divide by the world size, not by the efsdp size: every
+parameter ends with the gradient of the global loss, with or without CP.
 
 Order (each a function of this module, applied by a family's parallelize.py): expert
-parallelism, then activation checkpointing and torch.compile per block, then FSDP per block
-and at the root. None of them renames a parameter, so checkpoints and adapters see the same
-names with and without them.
+parallelism, then context parallelism, activation checkpointing or offload and torch.compile
+per block, then FSDP per block and at the root. None of them renames a parameter, so
+checkpoints and adapters see the same names with and without them.
 """
 
 import functools
@@ -25,12 +30,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from tandem.config.base import CPStyle
+from tandem.models.context_parallel import apply_context_parallel
 from tandem.models.layers.moe import MoE
 from tandem.models.layers.transformer import CausalLM
 
-ActivationCheckpointing = Literal["none", "full"]
+ActivationCheckpointing = Literal["none", "full", "selective"]
 
 
 @dataclass
@@ -40,25 +47,91 @@ class ParallelPlan:
     activation_checkpointing: ActivationCheckpointing = "none"
     compile: bool = False
     reshard_after_forward: bool = True  # FSDP's default, on one GPU too (docs/trainer.md, known problems)
+    cp_mesh: DeviceMesh | None = None  # ("dp", "cp") over the same ranks; None: no context parallelism
+    cp_style: CPStyle = "ulysses"
+    activation_offload: bool = False
 
     @property
     def ep(self) -> int:
         return self.mesh["ep"].size()
+
+    @property
+    def cp(self) -> int:
+        return 1 if self.cp_mesh is None else self.cp_mesh["cp"].size()
 
     @functools.cached_property
     def dp_mesh(self) -> DeviceMesh:
         return self.mesh["efsdp", "ep"]._flatten("dp")
 
 
-def apply_activation_checkpointing(model: CausalLM) -> None:
-    """Recompute each block's activations in backward (full AC), keeping parameter names as they are."""
+@functools.cache
+def _saved_ops() -> frozenset:
+    aten = torch.ops.aten
+    names = (
+        "mm", "addmm", "bmm", "_scaled_mm", "_grouped_mm", "_flash_attention_forward",
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    )  # fmt: skip
+    ops = {getattr(aten, name).default for name in names if hasattr(aten, name)}
+    return frozenset(ops | {torch.ops.higher_order.flex_attention})
+
+
+def _keep_matmuls(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+    """Selective AC: keep what the matmuls and attention kernels computed, recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if op in _saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(model: CausalLM, mode: ActivationCheckpointing) -> None:
+    """Recompute each block's activations in backward, keeping parameter names as they are: all of
+    them (full: a block keeps only its input), or all but the matmul and attention outputs
+    (selective: the norms, activations, RoPE and other elementwise work are recomputed)."""
+    context = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)}
     for layer in model.layers:
         forward = layer.forward
 
         def checkpointed(*args: object, _forward=forward) -> torch.Tensor:
-            return checkpoint(_forward, *args, use_reentrant=False)
+            return checkpoint(
+                _forward, *args, use_reentrant=False, **(context if mode == "selective" else {})
+            )
 
         layer.forward = checkpointed
+
+
+class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
+    """While active, what autograd saves for backward waits in pinned host memory instead of on
+    the GPU, and comes back when backward needs it (copies on the compute stream, so ordered with
+    the kernels that make and use them). Parameters, non-float tensors (masks, indices) and
+    tensors already on the host stay where they are."""
+
+    def __init__(self) -> None:
+        super().__init__(self.pack, self.unpack)
+
+    @staticmethod
+    def pack(t: torch.Tensor) -> object:
+        if isinstance(t, nn.Parameter) or not t.is_floating_point() or t.device.type == "cpu":
+            return t
+        host = torch.empty(t.size(), dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return t.device, host
+
+    @staticmethod
+    def unpack(packed: object) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, host = packed
+        return host.to(device, non_blocking=True)
+
+
+def apply_activation_offload(model: CausalLM) -> None:
+    """Run each block's forward with its saved activations offloaded to host memory."""
+    for layer in model.layers:
+        forward = layer.forward
+
+        def offloaded(*args: object, _forward=forward) -> torch.Tensor:
+            with OffloadActivations():
+                return _forward(*args)
+
+        layer.forward = offloaded
 
 
 def apply_compile(model: CausalLM) -> None:
@@ -96,8 +169,12 @@ def apply_fsdp(model: CausalLM, plan: ParallelPlan) -> None:
 
 def parallelize_decoder(model: CausalLM, plan: ParallelPlan) -> None:
     """Everything but expert parallelism, in order; a family's parallelize.py calls it."""
-    if plan.activation_checkpointing == "full":
-        apply_activation_checkpointing(model)
+    if plan.cp > 1:
+        apply_context_parallel(model, plan.cp_mesh["cp"].get_group(), plan.cp_style)
+    if plan.activation_checkpointing != "none":
+        apply_activation_checkpointing(model, plan.activation_checkpointing)
+    if plan.activation_offload:
+        apply_activation_offload(model)
     if plan.compile:
         apply_compile(model)
     apply_fsdp(model, plan)

@@ -6,7 +6,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from tandem.config.base import ModelConfig, Section
+from tandem.config.base import CPStyle, ModelConfig, Section, cp_width_multiple
 from tandem.transport.config import WeightsConfig
 
 
@@ -99,9 +99,21 @@ class OrchestratorConfig(Section):
 
     batch_size: int = Field(64, gt=0, description="Samples per trainer step (prompts × group_size).")
     group_size: int = Field(8, gt=0, description="Completions per prompt (one request with n=group_size).")
-    num_ranks: int = Field(1, gt=0, description="Trainer data-parallel ranks; one rank_R.bin file each.")
+    num_ranks: int = Field(
+        1, gt=0, description="Trainer ranks; one rank_R.bin file per data-parallel group (num_ranks / cp)."
+    )
+    cp: int = Field(
+        1,
+        gt=0,
+        description="The trainer's context-parallel degree (trainer.parallel.cp): its cp ranks share each "
+        "micro-batch, whose width is padded to what cp_style needs.",
+    )
+    cp_style: CPStyle = Field("ulysses", description="The trainer's trainer.parallel.cp_style.")
     micro_batch_tokens: int = Field(
-        8192, gt=0, description="Token budget of one packed micro-batch (at least seq_len)."
+        8192,
+        gt=0,
+        description="Token budget of one packed micro-batch of a trainer data-parallel group (at least "
+        "seq_len); under context parallelism each of its cp ranks holds 1/cp of it.",
     )
     max_async_level: int = Field(
         1,
@@ -152,6 +164,12 @@ class OrchestratorConfig(Section):
                 f"seq_len ({self.seq_len}) must exceed sampling.max_tokens ({self.sampling.max_tokens}) "
                 "to leave room for the prompt",
             )
+        if self.num_ranks % self.cp:
+            raise PydanticCustomError(
+                "shape",
+                f"cp ({self.cp}) must divide num_ranks ({self.num_ranks}): the trainer's context-parallel "
+                "groups (trainer.parallel.cp) split its ranks",
+            )
         if self.micro_batch_tokens < self.seq_len:
             raise PydanticCustomError(
                 "shape",
@@ -168,6 +186,11 @@ class OrchestratorConfig(Section):
     def environments(self) -> list[EnvConfig]:
         """The environments of the run: [[envs]] when given, else the single [env]."""
         return chosen_environments(self.env, self.envs)
+
+    @property
+    def width_multiple(self) -> int:
+        """What every micro-batch's width is a multiple of, for the trainer's context parallelism."""
+        return cp_width_multiple(self.cp, self.cp_style)
 
     @property
     def groups_per_step(self) -> int:

@@ -197,15 +197,16 @@ class Orchestrator:
         stale = [t for t in batch.trajectories if t.policy_version < oldest_allowed]
         if stale:
             log.warning("step %d: %d samples older than policy %d", step, len(stale), oldest_allowed)
-        per_rank = pack_samples(
+        per_group = pack_samples(
             batch.samples(),
             cfg.seq_len,
-            cfg.num_ranks,
+            cfg.num_ranks // cfg.cp,
             cfg.micro_batch_tokens,
             step=step,
             temperature=cfg.sampling.temperature,
+            width_multiple=cfg.width_multiple,
         )
-        write_step(cfg.run_dir, step, per_rank)
+        write_step(cfg.run_dir, step, per_group, cp=cfg.cp)
         stats = step_metrics(batch, item.waited, time.perf_counter() - item.began)
         self.metrics.log(step, **stats)
         log.debug("wrote %s", step_dir(cfg.run_dir, step))

@@ -2,9 +2,10 @@
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
+from pydantic_core import PydanticCustomError
 
-from tandem.config.base import Section
+from tandem.config.base import CPStyle, Section
 
 
 class OptimConfig(Section):
@@ -35,9 +36,43 @@ class ParallelConfig(Section):
         description="Expert parallelism: split each MoE layer's experts over this many ranks (must divide "
         "the expert count and the world size); tokens move to their experts by all-to-all.",
     )
-    activation_checkpointing: Literal["none", "full"] = Field(
-        "none", description="Recompute each block's activations in backward (full) to save memory."
+    cp: int = Field(
+        1,
+        ge=1,
+        description="Context parallelism: split every packed row along the sequence over this many ranks "
+        "(must divide the world size); they share each micro-batch, each holding 1/cp of its tokens.",
+    )
+    cp_style: CPStyle = Field(
+        "ulysses",
+        description="ulysses: all-to-all from sequence- to head-sharded around attention (query heads must "
+        "be a multiple of cp; KV heads a multiple or divisor of it); ring: keys and values gathered "
+        "from the cp ranks, rows split in 2·cp zigzag chunks for causal balance (any head counts).",
+    )
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        "none",
+        description="Recompute activations in backward to save memory: full = each block keeps only its "
+        "input; selective = keeps its matmul and attention outputs, recomputes the rest.",
+    )
+    activation_offload: bool = Field(
+        False,
+        description="Keep what each block saves for backward in pinned host memory instead of on the GPU "
+        "(with activation_checkpointing = none).",
     )
     compile: Literal["auto", "on", "off"] = Field(
         "auto", description="torch.compile each decoder block; auto = on for CUDA, off on CPU."
     )
+
+    @model_validator(mode="after")
+    def check_offload(self) -> "ParallelConfig":
+        if self.activation_offload and self.activation_checkpointing != "none":
+            raise PydanticCustomError(
+                "offload",
+                "activation_offload needs activation_checkpointing = 'none' (a checkpointed block "
+                "saves nothing through autograd that could be offloaded)",
+            )
+        return self
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether backward runs each block's forward again (MoE load counters see it twice)."""
+        return self.activation_checkpointing != "none"

@@ -1,11 +1,12 @@
 """The trainer's model: tandem's own implementation or transformers', sharded and ready to train.
 
 `model.impl` chooses: "tandem" builds the checkpoint's family from models/<model_type>/ on the
-meta device, parallelises it (expert parallelism, activation checkpointing, compile, FSDP2) and
-then fills each rank's shards straight from the safetensors files; "hf" loads transformers'
-model and shards it; "auto" is tandem's when the model type has an implementation. Either way
-the result is an FSDP2 module with `sequence_logprobs(input_ids, position_ids, temperature,
-chunk_size)` as a forward method and `hf_config`, the checkpoint's transformers config.
+meta device, parallelises it (expert and context parallelism, activation checkpointing or
+offload, compile, FSDP2) and then fills each rank's shards straight from the safetensors files;
+"hf" loads transformers' model and shards it; "auto" is tandem's when the model type has an
+implementation. Either way the result is an FSDP2 module with `sequence_logprobs(input_ids,
+position_ids, temperature, chunk_size)` as a forward method and `hf_config`, the checkpoint's
+transformers config.
 """
 
 from pathlib import Path
@@ -33,7 +34,7 @@ from tandem.models.parallelism import ParallelPlan
 from tandem.models.registry import FAMILIES, UnsupportedConfig, family
 from tandem.trainer.config import ParallelConfig
 from tandem.trainer.logprobs import attach_sequence_logprobs
-from tandem.trainer.parallel import World, apply_fsdp, build_mesh, mixed_precision
+from tandem.trainer.parallel import World, apply_fsdp, build_cp_mesh, build_mesh, mixed_precision
 from tandem.trainer.weight_stream import persistent_tensors
 
 
@@ -69,9 +70,15 @@ def build_trainer_model(
     weights = torch.float32 if cfg.dtype == "auto" else DTYPES[cfg.dtype]
     policy = mixed_precision(world.device, weights, compute_dtype)
     if resolve_impl(cfg, config) == "hf":
-        if parallel.ep > 1:
+        for key in ("ep", "cp"):
+            if getattr(parallel, key) > 1:
+                raise UserError(
+                    f"trainer.parallel.{key} > 1 needs tandem's model implementation (model.impl = 'tandem')"
+                )
+        if parallel.activation_checkpointing != "none" or parallel.activation_offload:
             raise UserError(
-                "trainer.parallel.ep > 1 needs tandem's model implementation (model.impl = 'tandem')"
+                "trainer.parallel.activation_checkpointing and activation_offload need tandem's model "
+                "implementation (model.impl = 'tandem')"
             )
         model = load_model(
             cfg.model_copy(update={"dtype": str(weights).removeprefix("torch.")}), world.device
@@ -95,6 +102,9 @@ def build_trainer_model(
         policy,
         parallel.activation_checkpointing,
         compile_blocks,
+        cp_mesh=build_cp_mesh(world, parallel.cp),
+        cp_style=parallel.cp_style,
+        activation_offload=parallel.activation_offload,
     )
     try:
         fam.parallelize(model, plan)

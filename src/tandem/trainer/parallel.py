@@ -4,7 +4,8 @@ A trainer always runs inside a process group: under `torchrun` it joins the laun
 (NCCL on GPU, gloo on CPU); started as a plain process it forms a group of one. Sharding is
 therefore one code path: `fully_shard` on every decoder layer and then on the root, which
 holds the embeddings, the final norm and the (possibly tied) output head. tandem's own models
-are parallelised by their family's parallelize.py over the mesh built here (`build_mesh`);
+are parallelised by their family's parallelize.py over the meshes built here (`build_mesh`,
+`build_cp_mesh`);
 Hugging Face models (model.impl = "hf") by `apply_fsdp` below.
 """
 
@@ -63,6 +64,26 @@ def build_mesh(world: World, ep: int) -> DeviceMesh:
     if world.size % ep:
         raise UserError(f"trainer.parallel.ep = {ep} does not divide the world size {world.size}")
     return init_device_mesh(world.device.type, (world.size // ep, ep), mesh_dim_names=("efsdp", "ep"))
+
+
+def check_cp(world: World, cp: int) -> None:
+    if world.size % cp:
+        raise UserError(f"trainer.parallel.cp = {cp} does not divide the world size {world.size}")
+
+
+def build_cp_mesh(world: World, cp: int) -> DeviceMesh | None:
+    """The 2-D (dp, cp) mesh over the same ranks, cp innermost; None without context parallelism."""
+    check_cp(world, cp)
+    if cp == 1:
+        return None
+    return init_device_mesh(world.device.type, (world.size // cp, cp), mesh_dim_names=("dp", "cp"))
+
+
+def data_shard(world: World, cp: int) -> tuple[int, int]:
+    """(index, count) of this rank's data-parallel group: the cp consecutive ranks of a context-
+    parallel group read the same micro-batches, each computing its own columns of them."""
+    check_cp(world, cp)
+    return world.rank // cp, world.size // cp
 
 
 def _device_id(device: torch.device) -> torch.device | None:

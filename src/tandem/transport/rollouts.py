@@ -1,10 +1,13 @@
 """Rollouts on disk: samples packed into per-rank micro-batches, one file per trainer rank.
 
     run_dir/rollouts/step_N/rank_R.bin   safetensors bytes; JSON metadata in the header
-    run_dir/rollouts/step_N/READY        written last: {"num_ranks": R}
+    run_dir/rollouts/step_N/READY        written last: {"num_ranks": R, "cp": C}
 
 The orchestrator turns scored `Sample`s into micro-batches with `pack_samples` and writes them
-with `write_step`; trainer rank R reads its list with `read_rank`. Every file is written under a
+with `write_step`; trainer data-parallel group R reads its list with `read_rank`. Under context
+parallelism (cp = C > 1) R counts the trainer's data-parallel groups (its ranks / C): the C
+ranks of a group read the same file, and every micro-batch is as wide as a multiple of what
+their split needs (`cp_width_multiple`). Every file is written under a
 temporary name and renamed, so a reader never sees half a file.
 
 Token alignment: every per-token tensor is aligned with `input_ids`. `loss_mask[t]` says token t
@@ -149,10 +152,17 @@ def balance_ranks(lengths: dict[int, int], num_ranks: int) -> list[list[int]]:
 
 
 def build_micro_batch(
-    rows: list[list[int]], samples: list[Sample], step: int, temperature: float, num_loss_tokens: int
+    rows: list[list[int]],
+    samples: list[Sample],
+    step: int,
+    temperature: float,
+    num_loss_tokens: int,
+    width_multiple: int = 1,
 ) -> MicroBatch:
-    """Lay out `rows` (lists of sample indices) as tensors padded to the longest row."""
-    width = max([sum(len(samples[i]) for i in row) for row in rows] + [1])
+    """Lay out `rows` (lists of sample indices) as tensors padded to the longest row, rounded up
+    to a multiple of `width_multiple`."""
+    longest = max([sum(len(samples[i]) for i in row) for row in rows] + [1])
+    width = -(-longest // width_multiple) * width_multiple
     shape = (max(len(rows), 1), width)
     input_ids = torch.full(shape, PAD_ID, dtype=torch.long)
     position_ids = torch.arange(width).repeat(shape[0], 1)
@@ -214,13 +224,17 @@ def pack_samples(
     micro_batch_tokens: int,
     step: int = 0,
     temperature: float = 1.0,
+    width_multiple: int = 1,
 ) -> list[list[MicroBatch]]:
-    """Pack a step's samples into micro-batches for each of `num_ranks` trainer ranks.
+    """Pack a step's samples into micro-batches for each of `num_ranks` trainer data-parallel
+    groups (ranks, without context parallelism).
 
-    Samples are spread over ranks balanced by token count, packed into rows of at most
-    `seq_len` tokens, and rows are grouped `micro_batch_tokens // seq_len` to a micro-batch.
-    Every rank gets the same number of micro-batches (padded with empty ones) so the ranks'
-    collectives line up. Raises ValueError on a malformed or too long sample.
+    Samples are spread over groups balanced by token count, packed into rows of at most
+    `seq_len` tokens, and rows are grouped `micro_batch_tokens // seq_len` to a micro-batch (the
+    budget of one micro-batch of a group: under context parallelism its ranks share it); its
+    width is rounded up to `width_multiple`. Every group gets the same number of micro-batches
+    (padded with empty ones) so the ranks' collectives line up. Raises ValueError on a malformed
+    or too long sample.
     """
     if seq_len < 2 or num_ranks < 1 or micro_batch_tokens < seq_len:
         raise ValueError(
@@ -244,7 +258,12 @@ def pack_samples(
     return [
         [
             build_micro_batch(
-                groups[k] if k < len(groups) else [], samples, step, temperature, num_loss_tokens
+                groups[k] if k < len(groups) else [],
+                samples,
+                step,
+                temperature,
+                num_loss_tokens,
+                width_multiple,
             )
             for k in range(num_micro_batches)
         ]
@@ -283,13 +302,13 @@ def encode(micro_batches: list[MicroBatch], step: int, rank: int) -> bytes:
     return save_tensors(tensors, metadata={"tandem": json.dumps(header)})
 
 
-def write_step(run_dir: Path, step: int, per_rank: list[list[MicroBatch]]) -> Path:
-    """Write one file per rank, then the READY marker; returns the step directory."""
+def write_step(run_dir: Path, step: int, per_rank: list[list[MicroBatch]], cp: int = 1) -> Path:
+    """Write one file per data-parallel group, then the READY marker; returns the step directory."""
     directory = step_dir(run_dir, step)
     directory.mkdir(parents=True, exist_ok=True)
     for rank, micro_batches in enumerate(per_rank):
         write_atomic(rank_path(run_dir, step, rank), encode(micro_batches, step, rank))
-    write_atomic(directory / READY, json.dumps({"num_ranks": len(per_rank)}).encode())
+    write_atomic(directory / READY, json.dumps({"num_ranks": len(per_rank), "cp": cp}).encode())
     return directory
 
 
@@ -340,17 +359,19 @@ def wait_ready(run_dir: Path, step: int, timeout_s: float, poll_s: float = 0.05)
 
 
 def read_rank(
-    run_dir: Path, step: int, rank: int, timeout_s: float, num_ranks: int | None = None
+    run_dir: Path, step: int, rank: int, timeout_s: float, num_ranks: int | None = None, cp: int = 1
 ) -> list[MicroBatch]:
-    """Wait for step N to be ready, then read rank R's micro-batches.
+    """Wait for step N to be ready, then read data-parallel group R's micro-batches.
 
-    `num_ranks`, when given, is checked against the number of ranks the step was packed for.
+    `num_ranks`, when given, is checked against the number of groups the step was packed for,
+    and `cp` against its context-parallel degree.
     """
     marker = wait_ready(run_dir, step, timeout_s)
-    if num_ranks is not None and marker.get("num_ranks") != num_ranks:
+    packed = (marker.get("num_ranks"), marker.get("cp", 1))
+    if num_ranks is not None and packed != (num_ranks, cp):
         raise RolloutError(
-            f"{step_dir(run_dir, step)} was packed for {marker.get('num_ranks')} trainer ranks, "
-            f"but the trainer runs {num_ranks}"
+            f"{step_dir(run_dir, step)} was packed for {packed[0]} trainer data-parallel groups of cp = "
+            f"{packed[1]}, but the trainer runs {num_ranks} of cp = {cp}"
         )
     path = rank_path(run_dir, step, rank)
     try:

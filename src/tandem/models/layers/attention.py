@@ -17,6 +17,12 @@ before it in its own document, and to nothing else, whichever backend runs:
 
 `auto` picks `sdpa` on CPU and, on CUDA, the backend measured fastest on an H200 with
 benchmarks/trainer_mfu.py (docs/trainer.md has the comparison).
+
+Under ring context parallelism (models/context_parallel.py) a rank's queries are only some
+columns of each row (`query_columns`) while its keys and values are the whole row; the same rule
+then holds with every column's global index: query column c attends to key column j iff j ≤ c
+in c's document. The per-document backends then run one segment per run of consecutive query
+columns within a document, against that document's keys up to the segment's last column.
 """
 
 import functools
@@ -53,25 +59,69 @@ class PackedDocs:
     backend: str
     cu_seqlens: torch.Tensor | None = None  # varlen, sdpa_docs: int32 [docs + 1], flattened offsets
     max_seqlen: int = 0  # varlen: the longest document
-    mask: torch.Tensor | None = None  # sdpa: [rows, 1, width, width] bool, True = attend
+    mask: torch.Tensor | None = None  # sdpa: [rows, 1, queries, width] bool, True = attend
     block_mask: object | None = None  # flex: a BlockMask
+    # only with query_columns (per-document backends): each segment's keys, flattened
+    cu_seqlens_k: torch.Tensor | None = None  # int32 [segments + 1], offsets into kv_index
+    max_seqlen_k: int = 0
+    kv_index: torch.Tensor | None = None  # the flattened key rows of every segment, in order
 
     @classmethod
-    def from_positions(cls, position_ids: torch.Tensor, backend: str) -> "PackedDocs":
+    def from_positions(
+        cls, position_ids: torch.Tensor, backend: str, query_columns: torch.Tensor | None = None
+    ) -> "PackedDocs":
+        """From the whole rows' position ids; `query_columns` (ascending): the columns whose
+        queries this rank computes (ring context parallelism), None = all of them."""
         rows, width = position_ids.shape
         starts = position_ids == 0
         starts[:, 0] = True  # a row always begins a document
         if backend in ("sdpa", "flex"):
             doc_ids = starts.cumsum(dim=1)
             if backend == "flex":
-                return cls(backend, block_mask=_document_block_mask(doc_ids))
-            same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
-            causal = torch.ones(width, width, dtype=torch.bool, device=position_ids.device).tril()
-            return cls(backend, mask=(same_doc & causal)[:, None])
+                return cls(backend, block_mask=_document_block_mask(doc_ids, query_columns))
+            keys = torch.arange(width, device=position_ids.device)
+            queries = keys if query_columns is None else query_columns
+            same_doc = doc_ids[:, queries, None] == doc_ids[:, None, :]
+            return cls(backend, mask=(same_doc & (keys[None, :] <= queries[:, None]))[:, None])
+        if query_columns is not None:
+            return _query_segments(starts, query_columns, backend)
         flat_starts = starts.flatten().nonzero().flatten()
         total = torch.tensor([rows * width], device=position_ids.device)
         cu_seqlens = torch.cat([flat_starts, total]).to(torch.int32)
         return cls(backend, cu_seqlens=cu_seqlens, max_seqlen=int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """What every attention layer calls; context parallelism wraps it (models/context_parallel.py)."""
+        return packed_attention(q, k, v, self, scale)
+
+
+def _query_segments(starts: torch.Tensor, queries: torch.Tensor, backend: str) -> PackedDocs:
+    """Segments for the per-document backends when the queries are some columns of each row: a
+    segment is a run of consecutive query columns in one document; its keys run from the
+    document's first column to the segment's last (so causal is aligned at the bottom right)."""
+    rows, width = starts.shape
+    columns = torch.arange(width, device=starts.device)
+    doc_start = torch.where(starts, columns, 0).cummax(dim=1).values
+    new_segment = starts[:, queries].clone()
+    new_segment[:, 0] = True
+    new_segment[:, 1:] |= (queries[1:] != queries[:-1] + 1)[None]
+    n = len(queries)
+    first = new_segment.flatten().nonzero().flatten()
+    cu_q = torch.cat([first, first.new_tensor([rows * n])])
+    row = first // n
+    key_begin = row * width + doc_start[row, queries[first % n]]
+    key_len = row * width + queries[(cu_q[1:] - 1) % n] + 1 - key_begin
+    cu_k = torch.cat([key_len.new_zeros(1), key_len.cumsum(0)])
+    offsets = torch.arange(int(cu_k[-1]), device=starts.device)
+    kv_index = offsets + torch.repeat_interleave(key_begin - cu_k[:-1], key_len)
+    return PackedDocs(
+        backend,
+        cu_seqlens=cu_q.to(torch.int32),
+        max_seqlen=int((cu_q[1:] - cu_q[:-1]).max()),
+        cu_seqlens_k=cu_k.to(torch.int32),
+        max_seqlen_k=int(key_len.max()),
+        kv_index=kv_index,
+    )
 
 
 def packed_attention(
@@ -94,23 +144,40 @@ def packed_attention(
         )
         return out.transpose(1, 2)
     rows, width, heads, dim = q.shape
-    q, k, v = (t.reshape(rows * width, t.shape[2], dim) for t in (q, k, v))
+    q = q.reshape(rows * width, heads, dim)
+    k, v = (t.reshape(-1, t.shape[2], dim) for t in (k, v))
+    if docs.kv_index is not None:
+        k, v = k[docs.kv_index], v[docs.kv_index]
     if docs.backend == "varlen":
         out = _varlen(q, k, v, docs, scale)
     elif docs.backend == "sdpa_docs":
-        out = _per_document_sdpa(q, k, v, docs.cu_seqlens.tolist(), scale)
+        key_bounds = docs.cu_seqlens if docs.cu_seqlens_k is None else docs.cu_seqlens_k
+        out = _per_document_sdpa(q, k, v, docs.cu_seqlens.tolist(), key_bounds.tolist(), scale)
     else:
         raise ValueError(f"unknown attention backend {docs.backend!r}")
     return out.view(rows, width, heads, dim)
 
 
 def _per_document_sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], key_bounds: list[int], scale: float
 ) -> torch.Tensor:
+    """One SDPA call per segment; a segment with fewer queries than keys holds the last queries
+    of its keys (causal aligned at the bottom right)."""
     outs = []
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        qd, kd, vd = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))
-        outs.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=True))
+    for (start, end), (k_start, k_end) in zip(
+        zip(bounds[:-1], bounds[1:], strict=True),
+        zip(key_bounds[:-1], key_bounds[1:], strict=True),
+        strict=True,
+    ):
+        qd = q[start:end].transpose(0, 1)[None]
+        kd, vd = (t[k_start:k_end].transpose(0, 1)[None] for t in (k, v))
+        n, m = end - start, k_end - k_start
+        mask = None if n == m else torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)
+        outs.append(
+            F.scaled_dot_product_attention(
+                qd, kd, vd, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+            )
+        )
     return torch.cat([o[0].transpose(0, 1) for o in outs])
 
 
@@ -127,7 +194,9 @@ def _varlen(
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     cu, n = docs.cu_seqlens, docs.max_seqlen
-    return varlen_attn(q, k, v, cu, cu, n, n, scale=scale, window_size=(-1, 0), **extra)
+    cu_k, n_k = (cu, n) if docs.cu_seqlens_k is None else (docs.cu_seqlens_k, docs.max_seqlen_k)
+    # causal = window (-1, 0), aligned at the bottom right when a segment has fewer queries than keys
+    return varlen_attn(q, k, v, cu, cu_k, n, n_k, scale=scale, window_size=(-1, 0), **extra)
 
 
 @functools.cache
@@ -137,7 +206,7 @@ def _varlen_supports_gqa() -> bool:
     return "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
-def _document_block_mask(doc_ids: torch.Tensor) -> object:
+def _document_block_mask(doc_ids: torch.Tensor, query_columns: torch.Tensor | None) -> object:
     from torch.nn.attention.flex_attention import create_block_mask
 
     def same_document_causal(
@@ -145,9 +214,15 @@ def _document_block_mask(doc_ids: torch.Tensor) -> object:
     ) -> torch.Tensor:
         return (doc_ids[b, q] == doc_ids[b, kv]) & (q >= kv)
 
+    def of_query_columns(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return same_document_causal(b, h, query_columns[q], kv)
+
     rows, width = doc_ids.shape
+    mask_mod, queries = (
+        (same_document_causal, width) if query_columns is None else (of_query_columns, len(query_columns))
+    )
     return create_block_mask(
-        same_document_causal, rows, None, width, width, device=doc_ids.device, _compile=doc_ids.is_cuda
+        mask_mod, rows, None, queries, width, device=doc_ids.device, _compile=doc_ids.is_cuda
     )
 
 

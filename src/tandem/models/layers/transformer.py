@@ -8,14 +8,18 @@ A family's model.py only chooses the attention and MLP (dense, MoE) of each bloc
 packed rows: `input_ids` and `position_ids` [rows, width], documents separated where the
 position ids restart at 0 (layers/attention.py). There is no KV cache: this is the trainer's
 model; the inference engine has its own.
+
+Under context parallelism (`context_parallel`, set by models/context_parallel.py) the model is
+still given the whole rows of the micro-batch, and runs on this rank's columns of them only:
+`hidden_states` and `sequence_logprobs` then return [rows, this rank's columns].
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.models.layers.attention import PackedDocs, packed_attention
-from tandem.models.layers.chunked_head import next_token_logprobs
+from tandem.models.layers.attention import PackedDocs
+from tandem.models.layers.chunked_head import chunked_logprobs, next_token_logprobs
 from tandem.models.layers.norm import RMSNorm
 from tandem.models.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -68,7 +72,7 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = packed_attention(q, k, v, docs, self.head_dim**-0.5)
+        out = docs.attend(q, k, v, self.head_dim**-0.5)
         return self.wo(out.reshape(rows, width, q_width))
 
 
@@ -107,13 +111,19 @@ class CausalLM(nn.Module):
         self.head = None if tie_embeddings else nn.Linear(dim, vocab_size, bias=False)
         self.rotary = rotary
         self.attention_backend = attention_backend
+        self.context_parallel = None  # a ContextParallel when the rows are split over ranks
 
     @property
     def head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.head is None else self.head.weight
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        docs = PackedDocs.from_positions(position_ids, self.attention_backend)
+        if self.context_parallel is None:
+            docs = PackedDocs.from_positions(position_ids, self.attention_backend)
+        else:
+            input_ids, position_ids, docs = self.context_parallel.shard(
+                input_ids, position_ids, self.attention_backend
+            )
         x = self.embed(input_ids)
         cos, sin = self.rotary(position_ids, x.dtype)
         for layer in self.layers:
@@ -132,9 +142,17 @@ class CausalLM(nn.Module):
         chunk_size: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token logprob of each token given those before it, and the entropy there, [rows, width];
-        column 0 is 0. The head runs chunk by chunk (trainer/logprobs.py)."""
+        column 0 is 0. The head runs chunk by chunk (layers/chunked_head.py).
+
+        Under context parallelism: [rows, this rank's columns], entry j the prediction made at
+        column j of the shard, i.e. of the token after it; `context_parallel.tokens` takes the
+        same entries of any tensor aligned with the tokens (loss mask, sampler logprobs...)."""
         hidden = self.hidden_states(input_ids, position_ids)
-        return next_token_logprobs(hidden, self.head_weight, input_ids, temperature, chunk_size)
+        if self.context_parallel is None:
+            return next_token_logprobs(hidden, self.head_weight, input_ids, temperature, chunk_size)
+        targets = self.context_parallel.tokens(input_ids)
+        logprobs, entropy = chunked_logprobs(hidden, self.head_weight, targets, temperature, chunk_size)
+        return logprobs.clone(), entropy.clone()  # not views: FSDP's backward hook must see them
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:

@@ -94,6 +94,12 @@ class RLTrainerConfig(Section):
         Path("runs/rl"), description="Shared run directory (rollouts, weights, checkpoints)."
     )
     max_steps: int = Field(20, gt=0, description="Optimizer steps; step N consumes rollouts/step_N.")
+    seq_len: int | None = Field(
+        None,
+        gt=0,
+        description="Longest packed row accepted (the run's seq_len, filled in by the launcher): a wider "
+        "micro-batch, beyond the padding context parallelism adds, fails naming its step; unset = unchecked.",
+    )
     seed: int = 0
     optim: RLOptimConfig = RLOptimConfig()
     parallel: ParallelConfig = ParallelConfig()

@@ -5,9 +5,11 @@ reads `rollouts/step_N/rank_R.bin`, takes one optimizer step and publishes versi
 weight transport (`weights/step_{N+1}` on disk, or streamed from memory: weight_publisher.py). Metrics of step N are logged with `step = N`, the same number the
 orchestrator uses for the rollouts it wrote, so rewards and losses line up.
 
-Each rank reads its own micro-batches (the orchestrator balanced them and gave every rank the
-same count). Micro-batch losses are divided by the step's global loss-token count; FSDP2
-averages gradients over ranks, so each rank scales its loss by world_size to get the sum.
+Each data-parallel group reads its own micro-batches (the orchestrator balanced them and gave
+every group the same count); under context parallelism the cp ranks of a group read the same
+file and each computes its own columns of it. Micro-batch losses (over this rank's tokens) are
+divided by the step's global loss-token count; FSDP2 averages gradients over ranks, so each rank
+scales its loss by world_size to get the sum.
 """
 
 import contextlib
@@ -18,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tandem.config.base import cp_width_multiple
+from tandem.models.context_parallel import token_view
 from tandem.models.loading import load_tokenizer
 from tandem.monitor.metrics import MetricsWriter
 from tandem.monitor.progress import TrainingProgress
@@ -25,7 +29,7 @@ from tandem.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_c
 from tandem.trainer.expert_load import expert_load
 from tandem.trainer.model import build_trainer_model
 from tandem.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
-from tandem.trainer.parallel import World, all_reduce_sum, init_distributed, shutdown
+from tandem.trainer.parallel import World, all_reduce_sum, data_shard, init_distributed, shutdown
 from tandem.trainer.rl.config import RLTrainerConfig
 from tandem.trainer.rl.loss import LossInputs, LossStats, build_objective, policy_loss
 from tandem.trainer.weight_publisher import PolicyPublisher
@@ -42,18 +46,31 @@ def micro_batch_loss(
     logprobs, entropy = model.sequence_logprobs(
         mb.input_ids.to(device), mb.position_ids.to(device), mb.temperature, cfg.logprob_chunk_size
     )
+    mine = token_view(model)
     inputs = LossInputs(
         logprobs=logprobs,
-        sampler_logprobs=mb.sampler_logprobs.to(device),
-        advantages=mb.advantages.to(device),
-        loss_mask=mb.loss_mask.to(device),
+        sampler_logprobs=mine(mb.sampler_logprobs.to(device)),
+        advantages=mine(mb.advantages.to(device)),
+        loss_mask=mine(mb.loss_mask.to(device)),
         entropy=entropy.detach(),
     )
     return policy_loss(objective, cfg.loss, inputs, mb.num_loss_tokens)
 
 
-def check_token_ids(micro_batches: list[MicroBatch], vocab_size: int, step: int) -> None:
-    """Fail clearly on ids the embedding cannot look up (on GPU that would be a device assert)."""
+def check_micro_batches(
+    micro_batches: list[MicroBatch], vocab_size: int, cfg: RLTrainerConfig, step: int
+) -> None:
+    """Fail clearly on ids the embedding cannot look up (on GPU that would be a device assert) and
+    on rows wider than seq_len (rounded up to what context parallelism pads to)."""
+    if cfg.seq_len is not None:
+        multiple = cp_width_multiple(cfg.parallel.cp, cfg.parallel.cp_style)
+        limit = -(-cfg.seq_len // multiple) * multiple
+        widest = max(mb.input_ids.shape[1] for mb in micro_batches)
+        if widest > limit:
+            raise RolloutError(
+                f"rollouts/step_{step}: a micro-batch is {widest} tokens wide, longer than seq_len "
+                f"{cfg.seq_len} (rollouts packed for another seq_len?)"
+            )
     for mb in micro_batches:
         low, high = int(mb.input_ids.min()), int(mb.input_ids.max())
         if low < 0 or high >= vocab_size:
@@ -63,12 +80,16 @@ def check_token_ids(micro_batches: list[MicroBatch], vocab_size: int, step: int)
             )
 
 
-def sample_stats(micro_batches: list[MicroBatch], step: int) -> tuple[list[float], float]:
-    """Local sums [samples, reward, staleness, tokens] and the maximum staleness."""
+def sample_stats(
+    micro_batches: list[MicroBatch], step: int, counted: bool = True
+) -> tuple[list[float], float]:
+    """Local sums [samples, reward, staleness, tokens] and the maximum staleness; sums are 0 where
+    not `counted` (the other ranks of a cp group, which hold the same samples)."""
     samples = [s for mb in micro_batches for s in mb.samples]
     staleness = [step - s.policy_version for s in samples]
     tokens = sum(mb.num_tokens for mb in micro_batches)
-    return [len(samples), sum(s.reward for s in samples), sum(staleness), tokens], max(staleness, default=0)
+    sums = [len(samples), sum(s.reward for s in samples), sum(staleness), tokens]
+    return [x * counted for x in sums], max(staleness, default=0)
 
 
 def all_reduce_max(value: torch.Tensor) -> torch.Tensor:
@@ -99,7 +120,7 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
 
     totals = LossStats(all_reduce_sum(local.sums), all_reduce_max(local.max_abs_log_ratio))
-    counts, max_staleness = sample_stats(micro_batches, step)
+    counts, max_staleness = sample_stats(micro_batches, step, counted=world.rank % cfg.parallel.cp == 0)
     counts = all_reduce_sum(torch.tensor(counts, dtype=torch.float64, device=world.device))
     n, reward, staleness, tokens = counts.tolist()
     return {
@@ -140,7 +161,8 @@ def _train(cfg: RLTrainerConfig, world: World) -> dict[str, Any]:
         if world.is_main:
             print(f"trainer: resumed from {resume_from} (next step {start})", flush=True)
 
-    passes = 2 if cfg.parallel.activation_checkpointing == "full" else 1
+    passes = 2 if cfg.parallel.recomputes else 1
+    group, groups = data_shard(world, cfg.parallel.cp)
     publisher = PolicyPublisher(cfg.weights, cfg.run_dir, tokenizer, world, cfg.max_steps)
     publisher.start(model, start)
     metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl", "trainer", enabled=world.is_main)
@@ -150,9 +172,9 @@ def _train(cfg: RLTrainerConfig, world: World) -> dict[str, Any]:
         for step in range(start, cfg.max_steps):
             wait_start = time.monotonic()
             micro_batches = read_rank(
-                cfg.run_dir, step, world.rank, cfg.rollout_timeout_s, num_ranks=world.size
+                cfg.run_dir, step, group, cfg.rollout_timeout_s, num_ranks=groups, cp=cfg.parallel.cp
             )
-            check_token_ids(micro_batches, model.hf_config.vocab_size, step)
+            check_micro_batches(micro_batches, model.hf_config.vocab_size, cfg, step)
             compute_start = time.monotonic()
             stats = train_step(model, objective, optimizer, micro_batches, step, cfg, world)
             stats.update(expert_load(model, passes))

@@ -32,7 +32,8 @@ class DataConfig(Section):
     micro_batch_size: int = Field(
         4,
         gt=0,
-        description="Packed rows of seq_len tokens per forward pass on each rank (accumulated).",
+        description="Packed rows of seq_len tokens per forward pass on each rank (accumulated); under "
+        "context parallelism the cp ranks of a group share them, each holding 1/cp of every row.",
     )
     shuffle: bool = Field(True, description="Reshuffle the examples every epoch (seeded by `seed`).")
 
@@ -90,7 +91,8 @@ class SFTConfig(Section):
         default_factory=TinyShape, description="Shape and init seed of the model init_tiny_model builds."
     )
     parallel: ParallelConfig = Field(
-        default_factory=ParallelConfig, description="Expert parallelism, activation checkpointing, compile."
+        default_factory=ParallelConfig,
+        description="Expert and context parallelism, activation checkpointing and offload, compile.",
     )
     data: DataConfig = Field(default_factory=DataConfig, description="Training data.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and LR schedule.")

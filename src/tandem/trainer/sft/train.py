@@ -1,9 +1,11 @@
 """The SFT loop: packed micro-batches → token-normalised loss → clipped AdamW step.
 
 Every rank builds the same global batch (data order is a pure function of the position), packs
-it into rows of seq_len, and takes its round-robin share of the rows. The loss is the sum of
-token cross-entropies over the global batch divided by its number of loss tokens; since FSDP2
-averages gradients over ranks, each rank scales its partial sum by world_size / global tokens.
+it into rows of seq_len, and its data-parallel group takes its round-robin share of the rows
+(under context parallelism the cp ranks of a group share rows, each computing its own columns
+of them). The loss is the sum of token cross-entropies over the global batch divided by its
+number of loss tokens; since FSDP2 averages gradients over ranks, each rank scales its partial
+sum (over its own tokens) by world_size / global tokens.
 """
 
 import time
@@ -13,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tandem.models.context_parallel import token_view
 from tandem.models.loading import load_tokenizer
 from tandem.monitor.metrics import MetricsWriter
 from tandem.monitor.progress import TrainingProgress
@@ -22,17 +25,18 @@ from tandem.trainer.hf_export import write_hf_model
 from tandem.trainer.model import build_trainer_model
 from tandem.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from tandem.trainer.packing import MicroBatch, make_micro_batches, pack_rows, shard_rows
-from tandem.trainer.parallel import World, all_reduce_sum, barrier, init_distributed, shutdown
+from tandem.trainer.parallel import World, all_reduce_sum, barrier, data_shard, init_distributed, shutdown
 from tandem.trainer.sft.config import SFTConfig
 from tandem.trainer.sft.data import SFTDataset, build_dataset
 from tandem.trainer.sft.evaluation import evaluate_held_out
 
 
 def token_loss_sum(model: nn.Module, batch: MicroBatch) -> torch.Tensor:
-    """Sum of next-token cross-entropies (fp32) over the batch's loss tokens, through the chunked
-    output head (trainer/logprobs.py): the full [tokens, vocab] logits never exist at once."""
+    """Sum of next-token cross-entropies (fp32) over the batch's loss tokens (this rank's, under
+    context parallelism), through the chunked output head (layers/chunked_head.py): the full
+    [tokens, vocab] logits never exist at once. A row's first token is never a loss token."""
     logprobs, _ = model.sequence_logprobs(batch.input_ids, batch.position_ids)
-    return -logprobs[:, 1:][batch.loss_mask[:, 1:]].sum()
+    return -logprobs[token_view(model)(batch.loss_mask)].sum()
 
 
 def train_step(
@@ -46,9 +50,8 @@ def train_step(
     """One optimizer step on the global batch at `position`; returns its statistics."""
     samples = dataset.batch(position, cfg.data.batch_size)
     loss_tokens = sum(s.num_loss_tokens for s in samples)
-    rows, num_micro = shard_rows(
-        pack_rows(samples, cfg.seq_len), world.rank, world.size, cfg.data.micro_batch_size
-    )
+    group, groups = data_shard(world, cfg.parallel.cp)
+    rows, num_micro = shard_rows(pack_rows(samples, cfg.seq_len), group, groups, cfg.data.micro_batch_size)
     pad_id = dataset.tokenizer.pad_token_id or 0
     loss_sum = torch.zeros((), device=world.device)
     for batch in make_micro_batches(rows, cfg.seq_len, pad_id, cfg.data.micro_batch_size, num_micro):
@@ -130,7 +133,7 @@ def _train(cfg: SFTConfig, world: World) -> dict[str, Any]:
             )
         return result
 
-    passes = 2 if cfg.parallel.activation_checkpointing == "full" else 1
+    passes = 2 if cfg.parallel.recomputes else 1
     metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl", "sft", enabled=world.is_main)
     progress = TrainingProgress(cfg.max_steps, step, cfg.log.interval, enabled=world.is_main)
     start, total_tokens, start_step, stats = time.monotonic(), 0, step, {}
