@@ -54,7 +54,9 @@ def write_hf_model(
         tensors = dict(iter_adapter_weights(model))
         if world.is_main:
             tmp.mkdir(parents=True)
-            save_file({n: t.contiguous().cpu() for n, t in tensors.items()}, tmp / ADAPTER_WEIGHTS, {"format": "pt"})
+            save_file(
+                {n: t.contiguous().cpu() for n, t in tensors.items()}, tmp / ADAPTER_WEIGHTS, {"format": "pt"}
+            )
             (tmp / ADAPTER_CONFIG).write_text(json.dumps(model.adapter_config, indent=2))
     elif isinstance(model, CausalLM) or lora:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes) if world.is_main else None

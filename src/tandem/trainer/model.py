@@ -75,7 +75,7 @@ def build_trainer_model(
     `seed` draws their initial values."""
     config = load_hf_config(cfg.name)
     weights = torch.float32 if cfg.dtype == "auto" else DTYPES[cfg.dtype]
-    lora = lora if lora is not None and lora.enabled else None
+    lora = lora if lora_enabled(lora) else None
     policy = mixed_precision(world.device, weights, compute_dtype, adapters=lora is not None)
     if resolve_impl(cfg, config) == "hf":
         if parallel.ep > 1:
@@ -126,6 +126,12 @@ def build_trainer_model(
     model.hf_config = config
     model.train()
     return model
+
+
+def lora_enabled(lora: LoRAConfig | None) -> bool:
+    """Whether the base weights are frozen (LoRA): checkpoints then hold only what trains, and a
+    resume loads the base from the model's checkpoint first."""
+    return lora is not None and lora.enabled
 
 
 def _inject(model: nn.Module, parts: dict[str, list[Part]], lora: LoRAConfig, base: str) -> None:

@@ -60,7 +60,9 @@ def _base_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     return ((n, t) for n, t in named if not is_adapter_tensor(n))
 
 
-def _specs(named: Iterator[tuple[str, torch.Tensor]], layouts: dict | None, dtype: torch.dtype) -> list[TensorSpec]:
+def _specs(
+    named: Iterator[tuple[str, torch.Tensor]], layouts: dict | None, dtype: torch.dtype
+) -> list[TensorSpec]:
     if layouts is None:
         return [TensorSpec(name, tuple(t.shape), dtype) for name, t in named]
     return [
@@ -125,7 +127,9 @@ def _split(layouts: dict | None, name: str, full: torch.Tensor) -> Iterator[tupl
 
 
 @torch.no_grad()
-def iter_adapter_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_adapter_weights(
+    model: nn.Module, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The LoRA adapters as PEFT's tensors, full (collective, like iter_hf_weights)."""
     layouts = adapter_layouts(model)
     for name, tensor in _adapters(model):
