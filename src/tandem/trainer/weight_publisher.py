@@ -61,7 +61,7 @@ class PolicyPublisher:
         sender = self.sender
         if self.world.is_main:
             clear_offer(self.run_dir)
-        dtype = _guarded(lambda: sender.connect(lambda d: _stream(model, d)[0]))
+        dtype = _guarded(lambda: sender.connect(lambda d: update_stream(model, d)[0]))
         if self.world.is_main:
             print(f"trainer: weights by {self.cfg.transport} ({sender.describe()}; {dtype})", flush=True)
         if 0 < version < self.max_steps:  # (a finished run has nothing left to train, nobody to take it)
@@ -80,7 +80,7 @@ class PolicyPublisher:
     def _send(self, model: nn.Module, version: int) -> None:
         sender = self.sender
         assert sender is not None
-        specs, tensors, meta = _stream(model, sender.dtype)
+        specs, tensors, meta = update_stream(model, sender.dtype)
         announce = lambda v: write_offer(self.run_dir, v)  # noqa: E731
         _guarded(lambda: sender.send(version, specs, tensors, announce, meta))
 
@@ -89,7 +89,7 @@ class PolicyPublisher:
             self.sender.close()
 
 
-def _stream(model: nn.Module, dtype: torch.dtype) -> tuple[list[TensorSpec], Iterator, dict]:
+def update_stream(model: nn.Module, dtype: torch.dtype) -> tuple[list[TensorSpec], Iterator, dict]:
     """What one update carries: specs, the tensors (a collective iterator) and the offer's meta.
     Adapters travel in float32 whatever the serving dtype (they are small; the server merges them
     in float32)."""
