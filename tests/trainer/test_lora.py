@@ -121,10 +121,10 @@ def test_two_ranks_match_one_and_resume_on_another_world_size(base: Path, tmp_pa
     assert [r["step"] for r in resumed] == [1, 2]
     for a, b in zip(one, resumed, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5, (a, b)
-    assert one[-1]["loss"] < one[0]["loss"]
     expected = load_file(tmp_path / "one" / "final" / "adapter_model.safetensors")
     got = load_file(tmp_path / "resumed" / "final" / "adapter_model.safetensors")
     assert expected.keys() == got.keys()
+    assert all(t.abs().max() > 0 for n, t in expected.items() if "lora_B" in n)  # B left zero: it trained
     for name, tensor in expected.items():
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-5)
     # final-merged is the base with the adapter merged: what peft gives with the adapter
