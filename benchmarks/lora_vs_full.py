@@ -23,7 +23,6 @@ and activations); the table goes to stdout and, as JSON lines, to --out.
 """
 
 import argparse
-import asyncio
 import json
 import statistics
 import subprocess
@@ -35,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from weight_sync import SHAPES, Server, Trainer, build_model, free_port, measure  # noqa: E402
+from weight_sync import SHAPES, Server, Trainer, build_model, free_port, timed_updates  # noqa: E402
 
 from tandem.models.tiny import QWEN3_0_6B_SHAPE  # noqa: E402
 from tandem.models.tokenizer import train_tokenizer  # noqa: E402
@@ -100,12 +99,9 @@ def child(args: argparse.Namespace) -> None:
         try:
             server.wait_healthy()
             run_dir = work / f"{args.variant}_{transport}"
-            publisher = trainer.publisher(transport, port, run_dir, tokenizer)
-            publisher.start(trainer.model, 0)
-            timings = asyncio.run(
-                measure(trainer, publisher, server, transport, run_dir, version, updates, settings)
+            timings = timed_updates(
+                trainer, server, transport, port, run_dir, version, updates, settings, tokenizer
             )
-            publisher.close()
             version += updates + 1
             result[f"{transport} update ms"] = round(1000 * statistics.median(t["total"] for t in timings), 1)
         finally:

@@ -232,6 +232,26 @@ async def measure(
     return timings[1:]
 
 
+def timed_updates(
+    trainer: "Trainer",
+    server: Server,
+    transport: str,
+    port: int,
+    run_dir: Path,
+    version: int,
+    updates: int,
+    args: argparse.Namespace,
+    tokenizer: object,
+) -> list[dict[str, float]]:
+    """`measure` through a fresh PolicyPublisher of `transport` (its link at `port`)."""
+    publisher = trainer.publisher(transport, port, run_dir, tokenizer)
+    publisher.start(trainer.model, 0)
+    try:
+        return asyncio.run(measure(trainer, publisher, server, transport, run_dir, version, updates, args))
+    finally:
+        publisher.close()
+
+
 async def check_version(url: str, version: int) -> None:
     body = {"prompt": [5, 9, 14], "max_tokens": 2, "temperature": 0}
     async with httpx.AsyncClient(timeout=120) as client:
@@ -272,12 +292,9 @@ def bench_shape(shape: str, args: argparse.Namespace, work: Path) -> list[dict]:
         ]
         version = 1
         for transport, server, run_dir, port, updates in plan:
-            publisher = trainer.publisher(transport, port, run_dir, tokenizer)
-            publisher.start(trainer.model, 0)
-            timings = asyncio.run(
-                measure(trainer, publisher, server, transport, run_dir, version, updates, args)
+            timings = timed_updates(
+                trainer, server, transport, port, run_dir, version, updates, args, tokenizer
             )
-            publisher.close()
             version += updates + 1
             rows.append(row(shape, params, transport, timings, dtype))
             print_row(rows[-1], flush=True)

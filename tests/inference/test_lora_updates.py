@@ -35,18 +35,18 @@ from tandem.transport.weight_sender import WeightSender
 
 PROMPT = [5, 9, 14, 20, 3, 7]
 TINY = {"num_layers": 2, "hidden_size": 64, "head_dim": 16, "intermediate_size": 128}
-LORA = LoRAConfig(rank=4, alpha=8.0)
 
 
 class Trainer:
     """tandem's trainer model with LoRA on the default targets; `adapter(seed)` stands in for a
     training step (new random adapters) and writes the adapter and the merged model."""
 
-    def __init__(self, base: Path, root: Path) -> None:
+    def __init__(self, base: Path, root: Path, rank: int = 4) -> None:
         self.base, self.root = base, root
         self.world = init_distributed("cpu")
+        lora = LoRAConfig(rank=rank, alpha=2.0 * rank)
         self.model = build_trainer_model(
-            ModelConfig(name=str(base), device="cpu"), self.world, ParallelConfig(), lora=LORA
+            ModelConfig(name=str(base), device="cpu"), self.world, ParallelConfig(), lora=lora
         )
         self.tokenizer = load_tokenizer(str(base))
 
@@ -108,7 +108,9 @@ def assert_serves(url: str, merged: Path) -> None:
     )
 
 
-def stream(url: str, sender: WeightSender, trainer: Trainer, version: int) -> httpx.Response:
+def stream(
+    url: str, sender: WeightSender, trainer: Trainer, version: int, headers: dict | None = None
+) -> httpx.Response:
     """Stream the trainer's adapter as `version` while the server is told to receive it."""
     specs, tensors, meta = update_stream(trainer.model, sender.dtype)
     failures: list[BaseException] = []
@@ -121,7 +123,7 @@ def stream(url: str, sender: WeightSender, trainer: Trainer, version: int) -> ht
 
     thread = threading.Thread(target=send)
     thread.start()
-    answer = httpx.post(url + "/update_weights", json={"step": version}, timeout=60)
+    answer = httpx.post(url + "/update_weights", json={"step": version}, headers=headers, timeout=300)
     thread.join(timeout=60)
     assert not failures, failures
     return answer
