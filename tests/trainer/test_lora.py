@@ -14,8 +14,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from peft import PeftModel
 from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
+from tandem.cli import UserError
 from tandem.config import build_config
 from tandem.config.base import ModelConfig
 from tandem.config.loader import split_args
@@ -56,6 +58,8 @@ def test_only_adapters_train_and_the_saved_adapter_loads_in_peft(
     )
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(n.endswith((".lora_a", ".lora_b")) for n in trainable)
+    adapters = [p for n, p in model.named_parameters() if n in trainable]
+    assert all(isinstance(p, DTensor) and p.placements[0].is_shard(0) for p in adapters)  # FSDP2 shards them
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = build_optimizer(model, OptimConfig(lr=1e-2))
     ids = torch.randint(0, 400, (2, 16))
@@ -136,3 +140,20 @@ def test_two_ranks_match_one_and_resume_on_another_world_size(base: Path, tmp_pa
     torch.testing.assert_close(
         reference_logprobs(merged, ids), reference_logprobs(peft_model, ids), rtol=0, atol=2e-5
     )
+
+
+@pytest.mark.parametrize(
+    ("targets", "problem"),
+    [(["nope"], "matches no linear module"), (".*", "matches the output head lm_head")],
+)
+def test_targets_that_match_nothing_or_the_head_stop_at_start(
+    targets: object, problem: str, base: Path
+) -> None:
+    lora = LoRAConfig(target_modules=targets)
+    with pytest.raises(UserError, match=problem):
+        build_trainer_model(
+            ModelConfig(name=str(base), device="cpu", impl="hf"),
+            init_distributed("cpu"),
+            ParallelConfig(),
+            lora=lora,
+        )

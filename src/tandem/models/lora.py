@@ -147,7 +147,7 @@ def inject_lora(
         if not adapted:
             continue
         if any(p.module == head for p in adapted):
-            raise ValueError(f"trainer.lora.target_modules {targets!r} matches the output head {head}, "
+            raise ValueError(f"lora.target_modules {targets!r} matches the output head {head}, "
                              "which LoRA does not adapt")  # fmt: skip
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -156,7 +156,7 @@ def inject_lora(
     if not adapted_names:
         example = next((p.module for ps in parts.values() for p in ps), "none")
         raise ValueError(
-            f"trainer.lora.target_modules {targets!r} matches no linear module of the model "
+            f"lora.target_modules {targets!r} matches no linear module of the model "
             f"(Hugging Face names, e.g. {example})"
         )
     return adapted_names
