@@ -19,10 +19,10 @@ from test_vllm_backend import (
     API_KEY,
     LOGPROB_ATOL,
     STARTUP_TIMEOUT_S,
-    VLLM_PYTHON,
     Reference,
     greedy_completion,
     needs_vllm,
+    vllm_args,
 )
 
 from tandem.models.tiny import build_tiny_model
@@ -47,21 +47,10 @@ def linked(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[Any, WeightSender]]:
     port = free_port()
-    args = [
-        "--backend", "vllm",
-        "--model.name", str(trainer.base),
-        "--model.dtype", "float32",
-        "--served_model_name", "tiny",
-        "--api_key", API_KEY,
-        "--vllm.python", VLLM_PYTHON,
-        "--vllm.max_model_len", "512",
-        "--vllm.enforce_eager", "true",
-        "--vllm.max_lora_rank", "8",
-        "--vllm.startup_timeout_s", str(STARTUP_TIMEOUT_S),
-        "--weights.transport", "broadcast",
-        "--weights.port", str(port),
-        "--weights.transfer_timeout_s", "30",
-    ]  # fmt: skip
+    args = vllm_args(
+        trainer.base,
+        *("--vllm.max_lora_rank", "8", "--weights.transport", "broadcast", "--weights.port", str(port)),
+    )
     sender = WeightSender(
         LinkSettings("127.0.0.1", port, 30.0, STARTUP_TIMEOUT_S, 1 << 20), 1, 0, 1, torch.device("cpu")
     )
