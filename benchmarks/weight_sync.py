@@ -49,10 +49,10 @@ from tandem.models.tokenizer import train_tokenizer  # noqa: E402
 from tandem.orchestrator.client import ServerPool  # noqa: E402
 from tandem.orchestrator.config import ClientConfig  # noqa: E402
 from tandem.orchestrator.weights import PolicySync  # noqa: E402
+from tandem.trainer.model import build_trainer_model  # noqa: E402
 from tandem.trainer.optim import build_optimizer  # noqa: E402
 from tandem.trainer.parallel import init_distributed, shutdown  # noqa: E402
 from tandem.trainer.rl.config import RLTrainerConfig  # noqa: E402
-from tandem.trainer.rl.train import load_policy  # noqa: E402
 from tandem.trainer.weight_publisher import PolicyPublisher  # noqa: E402
 from tandem.transport.config import WeightsConfig  # noqa: E402
 
@@ -135,19 +135,29 @@ class Server:
 class Trainer:
     """The RL trainer's model, optimizer and one step on a random batch (weights change every step)."""
 
-    def __init__(self, model: Path, device: str, run_dir: Path) -> None:
+    def __init__(self, model: Path, device: str, run_dir: Path, overrides: tuple = ()) -> None:
         self.world = init_distributed(device)
         self.cfg = build_config(
             RLTrainerConfig,
-            overrides=[("model.name", str(model)), ("model.device", device), ("run_dir", str(run_dir))],
+            overrides=[
+                ("model.name", str(model)),
+                ("model.device", device),
+                ("run_dir", str(run_dir)),
+                *overrides,
+            ],
         )
-        self.model = load_policy(self.cfg, str(model), self.world)
+        self.model = build_trainer_model(
+            self.cfg.model, self.world, self.cfg.parallel, lora=self.cfg.lora, seed=self.cfg.seed
+        )
         self.optimizer = build_optimizer(self.model, self.cfg.optim)
-        self.vocab = self.model.config.vocab_size
+        self.vocab = self.model.hf_config.vocab_size
 
-    def step(self) -> None:
-        ids = torch.randint(0, self.vocab, (1, BATCH_TOKENS), device=self.world.device)
-        loss = self.model(input_ids=ids).logits.float().logsumexp(-1).mean()
+    def step(self, rows: int = 1, tokens: int = BATCH_TOKENS) -> None:
+        """One optimizer step on random token ids (a stand-in loss: the mean logprob)."""
+        ids = torch.randint(0, self.vocab, (rows, tokens), device=self.world.device)
+        positions = torch.arange(tokens, device=self.world.device).expand(rows, tokens)
+        logprobs, _ = self.model.sequence_logprobs(ids, positions)
+        loss = -logprobs.mean()
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -222,6 +232,26 @@ async def measure(
     return timings[1:]
 
 
+def timed_updates(
+    trainer: "Trainer",
+    server: Server,
+    transport: str,
+    port: int,
+    run_dir: Path,
+    version: int,
+    updates: int,
+    args: argparse.Namespace,
+    tokenizer: object,
+) -> list[dict[str, float]]:
+    """`measure` through a fresh PolicyPublisher of `transport` (its link at `port`)."""
+    publisher = trainer.publisher(transport, port, run_dir, tokenizer)
+    publisher.start(trainer.model, 0)
+    try:
+        return asyncio.run(measure(trainer, publisher, server, transport, run_dir, version, updates, args))
+    finally:
+        publisher.close()
+
+
 async def check_version(url: str, version: int) -> None:
     body = {"prompt": [5, 9, 14], "max_tokens": 2, "temperature": 0}
     async with httpx.AsyncClient(timeout=120) as client:
@@ -262,12 +292,9 @@ def bench_shape(shape: str, args: argparse.Namespace, work: Path) -> list[dict]:
         ]
         version = 1
         for transport, server, run_dir, port, updates in plan:
-            publisher = trainer.publisher(transport, port, run_dir, tokenizer)
-            publisher.start(trainer.model, 0)
-            timings = asyncio.run(
-                measure(trainer, publisher, server, transport, run_dir, version, updates, args)
+            timings = timed_updates(
+                trainer, server, transport, port, run_dir, version, updates, args, tokenizer
             )
-            publisher.close()
             version += updates + 1
             rows.append(row(shape, params, transport, timings, dtype))
             print_row(rows[-1], flush=True)

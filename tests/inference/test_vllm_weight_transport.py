@@ -17,10 +17,10 @@ from test_vllm_backend import (
     API_KEY,
     LOGPROB_ATOL,
     STARTUP_TIMEOUT_S,
-    VLLM_PYTHON,
     Reference,
     greedy_completion,
     needs_vllm,
+    vllm_args,
 )
 from weight_link_helpers import hf, send_while, transfer_models
 
@@ -44,20 +44,11 @@ def linked(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[Any, WeightSender]]:
     port = free_port()
-    args = [
-        "--backend", "vllm",
-        "--model.name", str(models["a"]),
-        "--model.dtype", "float32",
-        "--served_model_name", "tiny",
-        "--api_key", API_KEY,
-        "--vllm.python", VLLM_PYTHON,
-        "--vllm.max_model_len", "512",
-        "--vllm.enforce_eager", "true",
-        "--vllm.startup_timeout_s", str(STARTUP_TIMEOUT_S),
-        "--weights.transport", "broadcast",
-        "--weights.port", str(port),
-        "--weights.transfer_timeout_s", str(TRANSFER_TIMEOUT_S),
-    ]  # fmt: skip
+    args = vllm_args(
+        models["a"],
+        *("--weights.transport", "broadcast", "--weights.port", str(port)),
+        *("--weights.transfer_timeout_s", str(TRANSFER_TIMEOUT_S)),
+    )
     settings = LinkSettings("127.0.0.1", port, TRANSFER_TIMEOUT_S, STARTUP_TIMEOUT_S, 1 << 20)
     sender = WeightSender(settings, 1, 0, 1, torch.device("cpu"))
     start = hf(models["a"])

@@ -32,6 +32,12 @@ class EngineConfig(Section):
         description="finish_old: in-flight requests continue on the new weights after an update and "
         "report both versions; wait: an update waits until in-flight requests finish.",
     )
+    lora_base_on_cpu: bool = Field(
+        False,
+        description="LoRA weight updates: keep the unmerged base of the adapted weights (what every adapter "
+        "is merged onto) in host memory instead of on the device: saves their size on the GPU, costs a "
+        "host-to-device copy of them per update.",
+    )
     cuda_graphs: bool = Field(True, description="Capture decode steps in CUDA graphs (CUDA only).")
     triton_kernels: bool = Field(True, description="Fused Triton kernels for the forward pass (CUDA only).")
     quantization: Literal["none", "fp8"] = Field(

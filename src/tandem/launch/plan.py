@@ -399,7 +399,8 @@ def _fill(section: M, name: str, shared: dict[str, Any], owned: dict[str, Any]) 
 
 
 def _inference_defaults(config: RLConfig, colocated: bool) -> dict[str, Any]:
-    """The server's context length is seq_len; a server sharing a GPU gets a smaller memory share."""
+    """The server's context length is seq_len; a server sharing a GPU gets a smaller memory share;
+    with trainer.lora, vLLM serves adapters of its rank."""
     inf = config.inference
     engine: dict[str, Any] = {}
     vllm: dict[str, Any] = {}
@@ -407,6 +408,9 @@ def _inference_defaults(config: RLConfig, colocated: bool) -> dict[str, Any]:
         engine["max_model_len"] = config.seq_len
     if inf.vllm.max_model_len is None:
         vllm["max_model_len"] = config.seq_len
+    lora = config.trainer.lora
+    if lora is not None and lora.enabled and inf.vllm.max_lora_rank is None:
+        vllm["max_lora_rank"] = lora.rank
     if colocated:
         share = config.deployment.colocated_gpu_memory_utilization
         if "gpu_memory_utilization" not in inf.engine.model_fields_set:

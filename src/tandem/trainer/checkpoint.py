@@ -9,7 +9,8 @@ A checkpoint is written into `.tmp_step_N/` and renamed into place by rank 0 onc
 has finished, so a directory named `step_N` is always complete. Resume builds the model as
 usual without reading its weights and loads model and optimizer from `dcp/`; DCP reshards on
 load, so a run can resume on a different number of ranks. Hugging Face exports of the model
-are written separately (trainer/hf_export.py).
+are written separately (trainer/hf_export.py). Frozen parameters (the base under LoRA) are not
+saved: they are the model's own checkpoint, which a resume loads first.
 """
 
 import shutil
@@ -47,8 +48,18 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
+def _trained(model: nn.Module) -> StateDictOptions:
+    """What a checkpoint holds: the parameters that train (all of them but under LoRA)."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
+
+
 def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    options = _trained(model)
+    return {
+        "model": get_model_state_dict(model, options=options),
+        "optimizer": get_optimizer_state_dict(model, optimizer, options=options),
+    }
 
 
 def save_checkpoint(
@@ -103,8 +114,8 @@ def load_checkpoint(
     """Restore model, optimizer, scheduler and RNG from a checkpoint; returns (step, extra state)."""
     state = _sharded_state(model, optimizer)
     dcp.load(state, checkpoint_id=Path(path) / SHARDS)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optimizer"])
+    set_model_state_dict(model, state["model"], options=_trained(model))
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optimizer"], options=_trained(model))
     trainer_state = torch.load(Path(path) / TRAINER_STATE, map_location="cpu", weights_only=False)
     scheduler.load_state_dict(trainer_state["scheduler"])
     rng_file = Path(path) / f"rng_rank_{world.rank}.pt"

@@ -76,3 +76,26 @@ class ParallelConfig(Section):
     def recomputes(self) -> bool:
         """Whether backward runs each block's forward again (MoE load counters see it twice)."""
         return self.activation_checkpointing != "none"
+
+
+PEFT_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoRAConfig(Section):
+    """Low-rank adapters (LoRA): only they train; the base weights stay frozen (docs/trainer.md, "LoRA").
+
+    A targeted linear layer W computes W·x + (alpha / rank)·B·A·dropout(x), A [rank, in] and
+    B [out, rank], B starting at zero. Modules are named as in the Hugging Face checkpoint, for
+    tandem's models (whose fused q|k|v and gate|up get one adapter per projection) as for
+    transformers' models; saved adapters are in the PEFT layout."""
+
+    enabled: bool = Field(True, description="Train adapters; the section's presence turns LoRA on.")
+    rank: int = Field(16, gt=0, description="Rank r of each adapter.")
+    alpha: float = Field(32.0, gt=0, description="Scale numerator: the update is (alpha / rank)·B·A.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input (training only).")
+    target_modules: list[str] | str = Field(
+        default_factory=lambda: list(PEFT_DEFAULT_TARGETS),
+        description="Linear modules to adapt, by Hugging Face module name, as PEFT matches them: a list "
+        "matches a module whose name is an entry or ends with '.' + an entry; a string is a regular "
+        "expression the whole name must match. Not the output head, the embedding or MoE experts.",
+    )

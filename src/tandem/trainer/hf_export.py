@@ -8,20 +8,32 @@ shards, a collective every rank joins), split into the checkpoint's tensors by t
 state-dict adapter and streamed by rank 0 into safetensors shards, so no process ever holds
 the whole model. Transformers' models (model.impl = "hf") are gathered and written by
 save_pretrained. The directory is written under a temporary name and renamed into place.
+
+A model with LoRA adapters (models/lora.py) is written as a PEFT adapter instead:
+
+    out_dir/  adapter_config.json, adapter_model.safetensors    (PEFT's names, the base model's modules)
+
+or, with `merged`, as the full model with the adapters merged into its weights.
 """
 
+import json
 import shutil
 from pathlib import Path
 
+from safetensors.torch import save_file
 from torch import nn
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from tandem.models.hf_checkpoint import ShardedSafetensorsWriter
 from tandem.models.layers.transformer import CausalLM
 from tandem.models.loading import save_model, save_tokenizer_files
+from tandem.models.lora import has_lora
 from tandem.trainer.checkpoint import full_model_state, replace_dir, tmp_dir
 from tandem.trainer.parallel import World, barrier
-from tandem.trainer.weight_stream import iter_hf_weights
+from tandem.trainer.weight_stream import iter_adapter_weights, iter_hf_weights
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 def write_hf_model(
@@ -30,12 +42,23 @@ def write_hf_model(
     out_dir: Path,
     world: World,
     max_shard_bytes: int = 5 * 2**30,
+    merged: bool = False,
 ) -> None:
-    """Write the model as a Hugging Face checkpoint to `out_dir`, replacing it (collective)."""
+    """Write the model as a Hugging Face checkpoint to `out_dir`, replacing it (collective); a
+    model with LoRA adapters as a PEFT adapter, or merged into a full checkpoint with `merged`."""
     tmp = tmp_dir(out_dir)
     if world.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
-    if isinstance(model, CausalLM):
+    lora = has_lora(model)
+    if lora and not merged:
+        tensors = dict(iter_adapter_weights(model))
+        if world.is_main:
+            tmp.mkdir(parents=True)
+            save_file(
+                {n: t.contiguous().cpu() for n, t in tensors.items()}, tmp / ADAPTER_WEIGHTS, {"format": "pt"}
+            )
+            (tmp / ADAPTER_CONFIG).write_text(json.dumps(model.adapter_config, indent=2))
+    elif isinstance(model, CausalLM) or lora:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes) if world.is_main else None
         dtype = None
         for name, tensor in iter_hf_weights(model):

@@ -7,6 +7,10 @@ offload, compile, FSDP2) and then fills each rank's shards straight from the saf
 implementation. Either way the result is an FSDP2 module with `sequence_logprobs(input_ids,
 position_ids, temperature, chunk_size)` as a forward method and `hf_config`, the checkpoint's
 transformers config.
+
+With `[trainer.lora]` the adapters (models/lora.py) are put on the linear layers before the
+model is sharded, so FSDP2 shards them with their block; the base is frozen, and the adapters
+are initialised after the base weights are loaded, identically on any number of ranks.
 """
 
 from pathlib import Path
@@ -30,9 +34,10 @@ from tandem.models.hf_checkpoint import (
 from tandem.models.layers.attention import resolve_backend
 from tandem.models.layers.transformer import CausalLM
 from tandem.models.loading import DTYPES, check_model_source, load_model
+from tandem.models.lora import Part, adapter_config, init_lora, inject_lora, is_adapter_tensor, linear_parts
 from tandem.models.parallelism import ParallelPlan
 from tandem.models.registry import FAMILIES, UnsupportedConfig, family
-from tandem.trainer.config import ParallelConfig
+from tandem.trainer.config import LoRAConfig, ParallelConfig
 from tandem.trainer.logprobs import attach_sequence_logprobs
 from tandem.trainer.parallel import World, apply_fsdp, build_cp_mesh, build_mesh, mixed_precision
 from tandem.trainer.weight_stream import persistent_tensors
@@ -63,12 +68,16 @@ def build_trainer_model(
     parallel: ParallelConfig,
     compute_dtype: str = "auto",
     load_weights: bool = True,
+    lora: LoRAConfig | None = None,
+    seed: int = 0,
 ) -> nn.Module:
     """The model of `cfg.name`, sharded over the world; weights loaded unless `load_weights` is off
-    (a resume then fills them from its checkpoint)."""
+    (a resume then fills them from its checkpoint). With `lora` (enabled) only its adapters train;
+    `seed` draws their initial values."""
     config = load_hf_config(cfg.name)
     weights = torch.float32 if cfg.dtype == "auto" else DTYPES[cfg.dtype]
-    policy = mixed_precision(world.device, weights, compute_dtype)
+    lora = lora if lora_enabled(lora) else None
+    policy = mixed_precision(world.device, weights, compute_dtype, adapters=lora is not None)
     if resolve_impl(cfg, config) == "hf":
         for key in ("ep", "cp"):
             if getattr(parallel, key) > 1:
@@ -84,7 +93,11 @@ def build_trainer_model(
             cfg.model_copy(update={"dtype": str(weights).removeprefix("torch.")}), world.device
         )
         model.config.use_cache = False
+        if lora is not None:
+            _inject(model, linear_parts(None, model), lora, cfg.name)
         apply_fsdp(model, policy)
+        if lora is not None:
+            init_lora(model, seed, _fill_local)
         attach_sequence_logprobs(model)
         model.hf_config = model.config
         model.train()
@@ -96,6 +109,9 @@ def build_trainer_model(
             model = fam.build(config, resolve_backend(cfg.attention, world.device)).to(weights)
     except (UnsupportedConfig, ValueError) as e:
         raise UserError(f"{cfg.name}: {e}") from None
+    layouts = fam.hf_layout(config)
+    if lora is not None:
+        _inject(model, linear_parts(layouts, model), lora, cfg.name)
     compile_blocks = parallel.compile == "on" or (parallel.compile == "auto" and world.device.type == "cuda")
     plan = ParallelPlan(
         build_mesh(world, parallel.ep),
@@ -113,11 +129,35 @@ def build_trainer_model(
     model.to_empty(device=world.device)
     model.reset_buffers()
     if load_weights:
-        load_hf_weights(model, fam.hf_layout(config), local_checkpoint_dir(cfg.name), fam.hf_ignored, world)
+        load_hf_weights(model, layouts, local_checkpoint_dir(cfg.name), fam.hf_ignored, world)
+    if lora is not None:
+        init_lora(model, seed, _fill_local)
     register_fsdp_forward_method(model, "sequence_logprobs")
     model.hf_config = config
     model.train()
     return model
+
+
+def lora_enabled(lora: LoRAConfig | None) -> bool:
+    """Whether the base weights are frozen (LoRA): checkpoints then hold only what trains, and a
+    resume loads the base from the model's checkpoint first."""
+    return lora is not None and lora.enabled
+
+
+def _inject(model: nn.Module, parts: dict[str, list[Part]], lora: LoRAConfig, base: str) -> None:
+    """Adapters on the targeted linear layers; `model.adapter_config` is their adapter_config.json."""
+    try:
+        inject_lora(model, parts, lora.target_modules, lora.rank, lora.alpha, lora.dropout, "lm_head")
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    model.adapter_config = adapter_config(base, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+
+
+def _fill_local(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's region of the full tensor `full` into `param` (a shard or a whole tensor)."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    region = local_region(param)
+    local.copy_(full[tuple(slice(a, b) for a, b in region)])
 
 
 def local_checkpoint_dir(name: str) -> Path:
@@ -142,7 +182,7 @@ def load_hf_weights(
     model: CausalLM, layouts: dict, directory: Path, ignored: tuple[str, ...], world: World
 ) -> None:
     """Fill every parameter shard of `model` from the checkpoint in `directory` (each rank reads its part)."""
-    tensors = persistent_tensors(model)
+    tensors = {n: t for n, t in persistent_tensors(model).items() if not is_adapter_tensor(n)}
     if set(layouts) != set(tensors):
         raise RuntimeError(
             f"state-dict adapter and model disagree: {sorted(set(layouts) ^ set(tensors))[:5]}"

@@ -116,16 +116,18 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def mixed_precision(
-    device: torch.device, weights: torch.dtype, compute: str = "auto"
+    device: torch.device, weights: torch.dtype, compute: str = "auto", adapters: bool = False
 ) -> MixedPrecisionPolicy:
     """FSDP2 compute dtype policy; gradients are always reduced in fp32 when computing in bf16.
 
-    compute = "auto": bf16 for fp32 weights on GPU, otherwise the weights' own dtype.
+    compute = "auto": bf16 for fp32 weights on GPU, otherwise the weights' own dtype. LoRA
+    `adapters` are float32 over a base of any dtype: parameters are cast to the compute dtype
+    then whenever it is not float32 (the casts happen in FSDP's all-gather).
     """
     if compute == "auto":
         compute = "bfloat16" if device.type == "cuda" and weights == torch.float32 else "weights"
     target = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(compute, weights)
-    if target == weights:
+    if target == weights and not (adapters and target != torch.float32):
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=target, reduce_dtype=torch.float32)
 

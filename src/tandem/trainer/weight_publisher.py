@@ -5,17 +5,30 @@ broadcast / colocated: a `WeightSender` streams it out of the trainer's memory; 
 is still written every `export_interval` steps and after the last step, for serving and
 evaluation. The orchestrator decides when the servers take a version (docs/weights.md); the
 trainer's `publish` returns once every server holds it.
+
+With LoRA a version is the adapters alone, both ways: `weights/step_N` is a PEFT adapter
+directory, and a stream carries the adapter tensors with its adapter_config as the offer's meta;
+the servers merge them onto their base weights (or load them as a LoRA adapter, vLLM).
 """
 
+from collections.abc import Iterator
 from pathlib import Path
 
+import torch
 from torch import nn
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from tandem.cli import UserError
+from tandem.models.lora import has_lora
 from tandem.trainer.parallel import World
-from tandem.trainer.weight_stream import hf_weight_specs, iter_hf_weights
+from tandem.trainer.weight_stream import (
+    adapter_weight_specs,
+    hf_weight_specs,
+    iter_adapter_weights,
+    iter_hf_weights,
+)
 from tandem.transport.config import WeightsConfig
+from tandem.transport.weight_buckets import TensorSpec
 from tandem.transport.weight_link import LinkError, LinkSettings, TransferError
 from tandem.transport.weight_sender import WeightSender
 from tandem.transport.weights import clear_offer, publish_weights, write_offer
@@ -48,7 +61,7 @@ class PolicyPublisher:
         sender = self.sender
         if self.world.is_main:
             clear_offer(self.run_dir)
-        dtype = _guarded(lambda: sender.connect(lambda d: hf_weight_specs(model, d)))
+        dtype = _guarded(lambda: sender.connect(lambda d: update_stream(model, d)[0]))
         if self.world.is_main:
             print(f"trainer: weights by {self.cfg.transport} ({sender.describe()}; {dtype})", flush=True)
         if 0 < version < self.max_steps:  # (a finished run has nothing left to train, nobody to take it)
@@ -67,14 +80,23 @@ class PolicyPublisher:
     def _send(self, model: nn.Module, version: int) -> None:
         sender = self.sender
         assert sender is not None
-        dtype = sender.dtype
-        specs = hf_weight_specs(model, dtype)
+        specs, tensors, meta = update_stream(model, sender.dtype)
         announce = lambda v: write_offer(self.run_dir, v)  # noqa: E731
-        _guarded(lambda: sender.send(version, specs, iter_hf_weights(model, dtype), announce))
+        _guarded(lambda: sender.send(version, specs, tensors, announce, meta))
 
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
+
+
+def update_stream(model: nn.Module, dtype: torch.dtype) -> tuple[list[TensorSpec], Iterator, dict]:
+    """What one update carries: specs, the tensors (a collective iterator) and the offer's meta.
+    Adapters travel in float32 whatever the serving dtype (they are small; the server merges them
+    in float32)."""
+    if has_lora(model):
+        meta = {"adapter_config": model.adapter_config}
+        return adapter_weight_specs(model, torch.float32), iter_adapter_weights(model, torch.float32), meta
+    return hf_weight_specs(model, dtype), iter_hf_weights(model, dtype), {}
 
 
 def _guarded(call):  # type: ignore[no-untyped-def]

@@ -16,6 +16,10 @@ weights (the output head when it shares the embedding) are skipped: servers tie 
 `hf_weight_specs(model, dtype)` lists the same names, shapes and dtype without gathering anything
 (the transports send it ahead of the tensors). The two agree tensor for tensor; the sender
 checks each yielded tensor against its spec.
+
+With LoRA (models/lora.py) the full weights are the merged ones, W + (alpha / r)·B·A, and
+`iter_adapter_weights` / `adapter_weight_specs` are the same pair over the adapters alone, in
+PEFT's names (what a weight update carries then).
 """
 
 from collections.abc import Callable, Iterator
@@ -26,12 +30,13 @@ from torch.distributed.tensor import DTensor
 
 from tandem.models.hf_checkpoint import Layout, expected_sources, split_full
 from tandem.models.layers.transformer import CausalLM
+from tandem.models.lora import adapter_layouts, is_adapter_tensor, lora_layers
 from tandem.models.registry import family
 from tandem.transport.weight_buckets import TensorSpec
 
 
 def persistent_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and persistent buffers by name: what a checkpoint holds."""
+    """Parameters and persistent buffers by name (LoRA adapters included): what a checkpoint holds."""
     tensors = dict(model.named_parameters())
     for module_name, module in model.named_modules():
         for name, buffer in module.named_buffers(recurse=False):
@@ -44,22 +49,42 @@ def hf_layouts(model: CausalLM) -> dict[str, Layout]:
     return family(model.hf_config.model_type).hf_layout(model.hf_config)
 
 
-def _hf_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
-    for name, param in model.named_parameters():  # shared parameters come once, under their first name
-        if name not in tied:
-            yield name, param
+def _base_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of the checkpoint's model, by the trainer's names (no adapters). A transformers
+    model's shared parameters come once, under their first name, and tied copies not at all."""
+    if isinstance(model, CausalLM):
+        named = persistent_tensors(model).items()
+    else:
+        tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+        named = ((n, p) for n, p in model.named_parameters() if n not in tied)
+    return ((n, t) for n, t in named if not is_adapter_tensor(n))
+
+
+def _specs(
+    named: Iterator[tuple[str, torch.Tensor]], layouts: dict | None, dtype: torch.dtype
+) -> list[TensorSpec]:
+    if layouts is None:
+        return [TensorSpec(name, tuple(t.shape), dtype) for name, t in named]
+    return [
+        TensorSpec(name, shape, dtype)
+        for own, tensor in named
+        for name, shape in expected_sources(layouts[own], tuple(tensor.shape))
+    ]
 
 
 def hf_weight_specs(model: nn.Module, dtype: torch.dtype) -> list[TensorSpec]:
-    if isinstance(model, CausalLM):
-        layouts = hf_layouts(model)
-        return [
-            TensorSpec(name, shape, dtype)
-            for own, tensor in persistent_tensors(model).items()
-            for name, shape in expected_sources(layouts[own], tuple(tensor.shape))
-        ]
-    return [TensorSpec(name, tuple(param.shape), dtype) for name, param in _hf_parameters(model)]
+    layouts = hf_layouts(model) if isinstance(model, CausalLM) else None
+    return _specs(_base_tensors(model), layouts, dtype)
+
+
+def _adapters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, layer in lora_layers(model).items():
+        yield f"{name}.lora_a", layer.lora_a
+        yield f"{name}.lora_b", layer.lora_b
+
+
+def adapter_weight_specs(model: nn.Module, dtype: torch.dtype) -> list[TensorSpec]:
+    return _specs(_adapters(model), adapter_layouts(model), dtype)
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -79,19 +104,34 @@ def iter_hf_weights(
     of: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """See the module docstring. dtype None keeps the weights' own; `of` picks what to gather for
-    each tensor instead of the tensor itself (its gradient, say; None skips it)."""
-    if isinstance(model, CausalLM):
-        layouts = hf_layouts(model)
-        named = persistent_tensors(model).items()
-    else:
-        layouts, named = None, _hf_parameters(model)
-    for name, tensor in named:
+    each tensor instead of the tensor itself (its gradient, say; None skips it; nothing is merged)."""
+    layouts = hf_layouts(model) if isinstance(model, CausalLM) else None
+    merged = {f"{name}.weight": layer for name, layer in lora_layers(model).items()} if of is None else {}
+    for name, tensor in _base_tensors(model):
         picked = tensor if of is None else of(tensor)
         if picked is None:
             continue
         full = _full(picked)
+        if name in merged:
+            layer = merged[name]
+            full = layer.merged_weight(full, layer.delta_weight(_full(layer.lora_a), _full(layer.lora_b)))
         full = full if dtype is None else full.to(dtype)
-        if layouts is None:
-            yield name, full
-        else:
-            yield from split_full(layouts[name], full)
+        yield from _split(layouts, name, full)
+
+
+def _split(layouts: dict | None, name: str, full: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    if layouts is None:
+        yield name, full
+    else:
+        yield from split_full(layouts[name], full)
+
+
+@torch.no_grad()
+def iter_adapter_weights(
+    model: nn.Module, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The LoRA adapters as PEFT's tensors, full (collective, like iter_hf_weights)."""
+    layouts = adapter_layouts(model)
+    for name, tensor in _adapters(model):
+        full = _full(tensor)
+        yield from _split(layouts, name, full if dtype is None else full.to(dtype))

@@ -8,6 +8,9 @@ up later). An update is two steps, so that a refusal changes nothing:
         model_tensor[name].copy_(tensor)
 
 `begin` checks the offered names, shapes and dtypes against the model's before anything moves.
+A server that takes more than one kind of update (full weights, or a LoRA adapter: the offer's
+`meta` says which) splits the handshake: `offer = receiver.offer(version)`, its own check of
+`offer.specs` and `offer.meta`, then `receiver.accept(offer, problem)`.
 Iterating receives bucket by bucket (broadcast: into two local buffers, the next bucket's receive
 posted while the previous one is copied; colocated: straight out of the trainer's shared buffers)
 and reports `done` to the trainer after the last tensor was copied. A tensor is valid until the
@@ -18,6 +21,7 @@ Imports only torch and the standard library: vLLM's worker extension uses it too
 
 import threading
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -130,31 +134,48 @@ class WeightReceiver:
         """The handshake of policy `version`: check the offer against `expected` (the model's tensors
         by name) and wait until every server agreed. Raises TransferRefused (nothing changes) or
         TransferTimeout."""
+        offer = self.offer(version)
+        return self.accept(offer, spec_mismatch(offer.specs, expected, optional))
+
+    def offer(self, version: int) -> "Offer":
+        """Wait for the trainer's offer of policy `version` (raises TransferTimeout)."""
         self.wait_connected(self.settings.transfer_timeout_s)
         link = self.link
         assert link is not None
         t = self.settings.transfer_timeout_s
         until = deadline(t)
-        what = f"policy version {version}"
         link.wait(
             [f"offer/{version}"],
             until,
-            lambda _: f"{what}: the trainer offered nothing within {t:g} s (weights.transfer_timeout_s)",
+            lambda _: (
+                f"policy version {version}: the trainer offered nothing within {t:g} s (weights.transfer_timeout_s)"
+            ),
         )
         offer = link.get_json(f"offer/{version}")
         specs = [TensorSpec.from_json(item) for item in offer["specs"]]
-        problem = spec_mismatch(specs, expected, optional)
+        return Offer(version, specs, offer.get("meta") or {}, offer["bucket_bytes"], until)
+
+    def accept(self, offer: "Offer", problem: str | None) -> "Transfer":
+        """Answer `offer`: refuse it with `problem` (raises TransferRefused; nothing changes), or take
+        it once every server agreed."""
+        link = self.link
+        assert link is not None
+        version, what = offer.version, f"policy version {offer.version}"
         link.put(f"ready/{version}/{self.index}", problem or "")
         if problem:
             raise TransferRefused(f"{self.side}: {what} does not fit this server's model: {problem}")
         link.wait(
             [f"go/{version}"],
-            until,
-            lambda _: f"{what}: the trainer did not start the transfer within {t:g} s",
+            offer.until,
+            lambda _: (
+                f"{what}: the trainer did not start the transfer within {self.settings.transfer_timeout_s:g} s"
+            ),
         )
         if refusal := link.get(f"go/{version}").decode():
             raise TransferRefused(f"{self.side}: the trainer abandoned {what}: {refusal}")
-        return Transfer(self, version, bucket_layout(specs, offer["bucket_bytes"]), until)
+        return Transfer(
+            self, version, bucket_layout(offer.specs, offer.bucket_bytes), offer.until, offer.meta
+        )
 
     def local_slots(self, nbytes: int) -> list[torch.Tensor]:
         if not self.local or self.local[0].numel() < nbytes:
@@ -166,14 +187,29 @@ class WeightReceiver:
             self.buffers.close()
 
 
+@dataclass(frozen=True)
+class Offer:
+    """What the trainer offers for one policy version: the tensors' specs, and `meta` (the
+    adapter_config of a LoRA adapter; empty for full weights)."""
+
+    version: int
+    specs: list[TensorSpec]
+    meta: dict
+    bucket_bytes: int
+    until: float
+
+
 class Transfer:
     """The tensors of one accepted update, as they arrive."""
 
-    def __init__(self, receiver: WeightReceiver, version: int, layout: list[Bucket], until: float) -> None:
+    def __init__(
+        self, receiver: WeightReceiver, version: int, layout: list[Bucket], until: float, meta: dict
+    ) -> None:
         self.receiver = receiver
         self.version = version
         self.layout = layout
         self.until = until
+        self.meta = meta
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         receiver = self.receiver

@@ -122,18 +122,20 @@ class WeightSender:
         specs: list[TensorSpec],
         tensors: Iterable[tuple[str, torch.Tensor]],
         announce: Callable[[int], None] = lambda _: None,
+        meta: dict | None = None,
     ) -> None:
         """Stream policy `version` to every server and return once all hold it (collective).
 
-        Rank 0 offers `specs`, then calls `announce(version)` (the orchestrator then asks the servers
-        to receive). Raises TransferRefused when a server's model does not fit the specs (no server
+        Rank 0 offers `specs` (with `meta`, what else the servers need to know of the tensors: a
+        LoRA adapter's adapter_config), then calls `announce(version)` (the orchestrator then asks
+        the servers to receive). Raises TransferRefused when a server's model does not fit the specs (no server
         changed), TransferTimeout when a side did not answer within `transfer_timeout_s`."""
         assert self.link is not None, "connect() first"
         until = deadline(self.settings.transfer_timeout_s)
         layout = bucket_layout(specs, self.settings.bucket_bytes)
         if self.rank == 0:
             self._forget(version, len(layout))  # keys left by an earlier attempt at this version
-            self._offer(version, specs, announce, until)
+            self._offer(version, specs, meta or {}, announce, until)
         else:
             self.link.wait(
                 [f"go/{version}"], until, lambda _: self._late(version, "rank 0 did not start the transfer")
@@ -155,12 +157,16 @@ class WeightSender:
             self._forget(version, len(layout))
 
     def _offer(
-        self, version: int, specs: list[TensorSpec], announce: Callable[[int], None], until: float
+        self, version: int, specs: list[TensorSpec], meta: dict, announce: Callable[[int], None], until: float
     ) -> None:
         """Rank 0: offer, wait until every server accepted or refused, then go (or abandon)."""
         link = self.link
         assert link is not None
-        offer = {"specs": [spec.to_json() for spec in specs], "bucket_bytes": self.settings.bucket_bytes}
+        offer = {
+            "specs": [spec.to_json() for spec in specs],
+            "bucket_bytes": self.settings.bucket_bytes,
+            "meta": meta,
+        }
         link.put_json(f"offer/{version}", offer)
         announce(version)
         ready = [f"ready/{version}/{i}" for i in range(self.num_servers)]

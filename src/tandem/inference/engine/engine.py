@@ -35,7 +35,9 @@ from tandem.inference.engine.api import (
     WeightLoadError,
 )
 from tandem.inference.engine.core import EngineCore
+from tandem.inference.engine.lora import LoRAMerger, is_adapter_dir, read_adapter
 from tandem.inference.engine.weights import parameter_specs, read_checkpoint, version_from_path
+from tandem.transport.weight_buckets import spec_mismatch
 
 if TYPE_CHECKING:
     from tandem.transport.weight_receiver import WeightReceiver
@@ -55,6 +57,7 @@ class AsyncEngine:
         self.max_model_len = self.core.max_model_len
         self.model_name = config.served_model_name or config.model.name
         self.weight_update_mode = config.engine.weight_update_mode
+        self.lora = LoRAMerger(self.core.model, config.engine.lora_base_on_cpu)
         self.paused = False
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
@@ -122,24 +125,41 @@ class AsyncEngine:
         await self._call(lambda: self.core.finish_sample(request_id, index, reason))
 
     async def update_weights(self, path: Path, version: int | None = None) -> int:
-        """Load `path` between steps. The version is `version`, else N of a `step_N` directory,
+        """Load `path` between steps: a Hugging Face checkpoint, or a PEFT LoRA adapter merged onto the
+        base weights (engine/lora.py). The version is `version`, else N of a `step_N` directory,
         else the current version + 1. Raises WeightLoadError; the old weights stay live then."""
-        tensors = await asyncio.to_thread(read_checkpoint, Path(path), self.core.model)
+        tensors = await asyncio.to_thread(self._read_update, Path(path))
         if version is None:
             version = version_from_path(Path(path))
         if version is None:
             version = self.core.weight_version + 1
         done: Future = Future()
-        await self._call(lambda: self._queue_update(lambda: tensors, version, done))
+        await self._call(lambda: self._queue_update(tensors, version, done))
         return await asyncio.wrap_future(done)
+
+    def _read_update(self, path: Path) -> Callable[[], Any]:
+        """Read and check a weights directory (off the engine thread); what gives its tensors."""
+        if not is_adapter_dir(path):
+            tensors = read_checkpoint(path, self.core.model)
+            return lambda: self.lora.full(tensors)
+        config, adapter = read_adapter(path)
+        problem = self.lora.check(config, {name: tuple(t.shape) for name, t in adapter.items()})
+        if problem:
+            raise WeightLoadError(f"adapter '{path}' does not fit the model: {problem}")
+        return lambda: self.lora.merged(config, adapter.items())
 
     async def receive_weights(self, receiver: "WeightReceiver", version: int) -> int:
         """Receive policy `version` over the in-memory weight transport, between steps as
         `update_weights` loads. Raises the transfer's error; a refused transfer changes nothing."""
 
         def begin() -> Any:
-            expected, optional = parameter_specs(self.core.model)
-            return receiver.begin(version, expected, optional)
+            offer = receiver.offer(version)
+            config = offer.meta.get("adapter_config")
+            if config is None:
+                expected, optional = parameter_specs(self.core.model)
+                return self.lora.full(receiver.accept(offer, spec_mismatch(offer.specs, expected, optional)))
+            problem = self.lora.check(config, {spec.name: spec.shape for spec in offer.specs})
+            return self.lora.merged(config, receiver.accept(offer, problem))
 
         done: Future = Future()
         await self._call(lambda: self._queue_update(begin, version, done))

@@ -28,3 +28,9 @@ class VLLMConfig(Section):
         3600, gt=0, description="Longest a forwarded request may take (a paused server holds requests)."
     )
     admin_timeout_s: float = Field(600, gt=0, description="Longest a weight load, pause or resume may take.")
+    max_lora_rank: int | None = Field(
+        None,
+        gt=0,
+        description="Serve LoRA adapters up to this rank (vLLM's --enable-lora); weight updates are then "
+        "adapters, loaded through vLLM's LoRA API. The rl launcher sets it from trainer.lora.rank.",
+    )

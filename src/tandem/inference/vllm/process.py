@@ -48,6 +48,8 @@ def vllm_command(config: InferenceConfig, python: str, port: int, api_key: str) 
         command.append("--enforce-eager")
     if model.trust_remote_code:
         command.append("--trust-remote-code")
+    if config.vllm.max_lora_rank is not None:
+        command += ["--enable-lora", "--max-lora-rank", str(config.vllm.max_lora_rank), "--max-loras", "1"]
     return command + config.vllm.extra_args
 
 
@@ -58,13 +60,16 @@ def served_names(config: InferenceConfig) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def vllm_env() -> dict[str, str]:
+def vllm_env(config: InferenceConfig) -> dict[str, str]:
     """The current environment plus what the worker extension and the admin endpoints need:
-    tandem's source on PYTHONPATH (the extension is imported inside vLLM's venv) and vLLM's
-    development endpoints (/collective_rpc, /pause, /resume, /reset_prefix_cache)."""
+    tandem's source on PYTHONPATH (the extension is imported inside vLLM's venv), vLLM's
+    development endpoints (/collective_rpc, /pause, /resume, /reset_prefix_cache) and, serving
+    LoRA adapters, its adapter endpoints (/v1/load_lora_adapter)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (TANDEM_SRC, env.get("PYTHONPATH")) if p)
     env["VLLM_SERVER_DEV_MODE"] = "1"
+    if config.vllm.max_lora_rank is not None:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 

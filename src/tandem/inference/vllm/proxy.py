@@ -12,6 +12,11 @@ The admin endpoints are tandem's: /update_weights calls the worker extension thr
 /collective_rpc (loading a directory, or with an in-memory transport receiving `step` N from the
 trainer; the worker joins the trainer's weight link when the front starts), /pause and /resume call vLLM's (in-flight requests are kept, not aborted), and
 /metrics passes vLLM's metrics through after tandem's own.
+
+Serving LoRA adapters (`vllm.max_lora_rank`), a weight update is an adapter: a PEFT directory, or
+one the worker extension wrote from a transfer. It is loaded in place under one adapter name
+through vLLM's LoRA API (/v1/load_lora_adapter), and once one is loaded every generation request
+is sent to it (its `model` names the adapter; responses name the served model as before).
 """
 
 import asyncio
@@ -36,6 +41,8 @@ log = logging.getLogger("tandem.inference.vllm")
 LOAD_METHOD = "tandem_load_weights"
 RECEIVE_METHOD = "tandem_receive_weights"
 """The worker extension's methods (tandem.inference.vllm.worker_extension)."""
+ADAPTER_NAME = "tandem-policy"
+"""The name of the policy's LoRA adapter in vLLM (every update reloads it in place)."""
 VLLM_GAUGES = {
     "tandem_requests_running": "vllm:num_requests_running",
     "tandem_requests_waiting": "vllm:num_requests_waiting",
@@ -96,6 +103,8 @@ class VLLMFront:
         self.resumed = asyncio.Event()
         self.resumed.set()
         self.admin_lock = asyncio.Lock()
+        self.adapter_loaded = False
+        self.served_name = config.served_model_name or config.model.name
 
     # --- vLLM calls --------------------------------------------------------------------------
 
@@ -127,6 +136,8 @@ class VLLMFront:
             return body, False
         salt = f"tandem-w{self.versions.current}"
         data["cache_salt"] = f"{data['cache_salt']}-{salt}" if data.get("cache_salt") else salt
+        if self.adapter_loaded:
+            data["model"] = ADAPTER_NAME
         return json.dumps(data).encode(), bool(data.get("stream"))
 
     async def generate(self, request: Request) -> Response:
@@ -163,6 +174,8 @@ class VLLMFront:
     def add_versions(self, data: dict, mark: int) -> None:
         versions = self.versions.since(mark)
         data["weight_versions"] = versions
+        if data.get("model") == ADAPTER_NAME:
+            data["model"] = self.served_name
         for choice in data.get("choices") or ():
             choice["weight_versions"] = versions
 
@@ -214,16 +227,40 @@ class VLLMFront:
                 version = version_from_path(path)
             if version is None:
                 version = self.versions.current + 1
-            results = await self.rpc(LOAD_METHOD, [str(path)], self.config.vllm.admin_timeout_s)
-            refused = [r["error"] for r in results if not r.get("ok")]
-            if refused:
-                raise APIError(
-                    400, f"cannot load weights from {path}: {refused[0]}; the old weights stay live", "path"
-                )
+            if self.config.vllm.max_lora_rank is not None:
+                await self.load_adapter(path)
+            else:
+                results = await self.rpc(LOAD_METHOD, [str(path)], self.config.vllm.admin_timeout_s)
+                refused = [r["error"] for r in results if not r.get("ok")]
+                if refused:
+                    raise APIError(
+                        400,
+                        f"cannot load weights from {path}: {refused[0]}; the old weights stay live",
+                        "path",
+                    )
             self.versions.advance(version)
         self.counters.weight_updates_total += 1
         log.info("loaded weights from %s as version %d", path, version)
         return {"weight_version": version, "path": str(path)}
+
+    async def load_adapter(self, path: Path) -> None:
+        """Load the LoRA adapter in `path` in place of the served one (vLLM checks it first)."""
+        if not (path / "adapter_config.json").is_file():
+            raise APIError(400, f"{path} is not a LoRA adapter (no adapter_config.json): this server "
+                           "serves adapters (vllm.max_lora_rank is set)", "path")  # fmt: skip
+        body = {"lora_name": ADAPTER_NAME, "lora_path": str(path), "load_inplace": True}
+        response = await self.call(
+            "POST", "/v1/load_lora_adapter", json=body, timeout=self.config.vllm.admin_timeout_s
+        )
+        if response.status_code != 200:
+            try:
+                reason = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                reason = response.text[:500]
+            raise APIError(
+                400, f"cannot load the LoRA adapter in {path}: {reason}; the old weights stay live", "path"
+            )
+        self.adapter_loaded = True
 
     async def receive_weights(self, version: int) -> dict:
         """Policy `version` from the trainer (broadcast or colocated), into every vLLM worker."""
@@ -237,6 +274,8 @@ class VLLMFront:
                 else:
                     message += "; the old weights stay live"
                 raise APIError(status, message, "step" if status == 400 else None)
+            if "adapter_dir" in results[0]:  # a LoRA adapter, written where vLLM's LoRA API reads it
+                await self.load_adapter(Path(results[0]["adapter_dir"]))
             self.versions.advance(version)
         self.counters.weight_updates_total += 1
         log.info(

@@ -108,7 +108,7 @@ def serve_vllm(config: InferenceConfig) -> None:
     check_port_free(config.host, config.port)
     port = config.vllm.port or free_port()
     key = new_api_key()
-    process = VLLMProcess(vllm_command(config, python, port, key), vllm_env())
+    process = VLLMProcess(vllm_command(config, python, port, key), vllm_env(config))
     upstream = f"http://127.0.0.1:{port}"
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:

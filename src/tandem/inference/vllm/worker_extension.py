@@ -10,20 +10,29 @@ A checkpoint is checked before any weight changes: its tensor names and shapes m
 the checkpoint the server started from (dtypes may differ: vLLM casts while copying). The load then
 goes through vLLM's in-place reload, which restores the checkpoint layout of layers whose weights
 were repacked for a kernel (vLLM's CPU linear layers are) and repacks them after loading.
+
+Serving LoRA adapters, an in-memory update is an adapter (the offer's meta holds its
+adapter_config): the worker writes it as a PEFT directory in a temporary folder of its own and
+returns where, for the front to load through vLLM's LoRA API (the newest two are kept).
 """
 
+import json
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
-from tandem.transport.weight_buckets import TensorSpec
+from tandem.transport.weight_buckets import TensorSpec, spec_mismatch
 from tandem.transport.weight_link import LinkError, LinkSettings, TransferError, TransferRefused
-from tandem.transport.weight_receiver import WeightReceiver
+from tandem.transport.weight_receiver import Transfer, WeightReceiver
 
 ShapeSpec = dict[str, tuple[int, ...]]
+KEPT_ADAPTERS = 2
 
 
 class CheckpointError(ValueError):
@@ -145,8 +154,29 @@ class TandemWorkerExtension:
             return {"ok": False, "status": 400, "error": "this server has no in-memory weight transport"}
         dtype = self.vllm_config.model_config.dtype  # type: ignore[attr-defined]
         expected = {name: TensorSpec(name, shape, dtype) for name, shape in reference.items()}
+        serves_adapters = self.vllm_config.lora_config is not None  # type: ignore[attr-defined]
         try:
-            transfer = receiver.begin(version, expected)
+            offer = receiver.offer(version)
+            adapter = offer.meta.get("adapter_config")
+            if adapter is None:
+                problem = spec_mismatch(offer.specs, expected, frozenset())
+                if serves_adapters:
+                    problem = "this server serves LoRA adapters (vllm.max_lora_rank), the trainer sends full weights"
+            else:
+                problem = (
+                    None
+                    if serves_adapters
+                    else "a LoRA adapter, and this server does not serve adapters (set vllm.max_lora_rank)"
+                )
+            transfer = receiver.accept(offer, problem)
+            if adapter is not None:
+                directory = self._tandem_write_adapter(version, adapter, transfer)
+                return {
+                    "ok": True,
+                    "seconds": round(time.perf_counter() - start, 4),
+                    "route": receiver.describe(),
+                    "adapter_dir": str(directory),
+                }
         except TransferRefused as err:
             return {"ok": False, "status": 400, "error": str(err)}
         except (TransferError, LinkError) as err:
@@ -162,6 +192,23 @@ class TandemWorkerExtension:
             return {"ok": False, "status": 503, "error": str(err)}
         self._tandem_refresh_tied_head()
         return {"ok": True, "seconds": round(time.perf_counter() - start, 4), "route": receiver.describe()}
+
+    _tandem_adapters: Path | None = None
+
+    def _tandem_write_adapter(self, version: int, config: dict, transfer: Transfer) -> Path:
+        """A received adapter as a PEFT directory (the newest KEPT_ADAPTERS stay on disk)."""
+        if self._tandem_adapters is None:
+            self._tandem_adapters = Path(tempfile.mkdtemp(prefix="tandem-lora-"))
+        directory = self._tandem_adapters / f"step_{version}"
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir()
+        tensors = {name: tensor.to("cpu", copy=True) for name, tensor in transfer}
+        save_file(tensors, directory / "adapter_model.safetensors", {"format": "pt"})
+        (directory / "adapter_config.json").write_text(json.dumps(config))
+        older = sorted(self._tandem_adapters.iterdir(), key=lambda p: p.stat().st_mtime)[:-KEPT_ADAPTERS]
+        for old in older:
+            shutil.rmtree(old, ignore_errors=True)
+        return directory
 
     def _tandem_refresh_tied_head(self) -> None:
         """Re-derive the output head's kernel-ready weights when it shares the embedding matrix.

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag
 
 from tandem.config.base import ModelConfig, Section
-from tandem.trainer.config import OptimConfig, ParallelConfig
+from tandem.trainer.config import LoRAConfig, OptimConfig, ParallelConfig
 from tandem.transport.config import WeightsConfig
 
 
@@ -103,6 +103,10 @@ class RLTrainerConfig(Section):
     seed: int = 0
     optim: RLOptimConfig = RLOptimConfig()
     parallel: ParallelConfig = ParallelConfig()
+    lora: LoRAConfig | None = Field(
+        None,
+        description="Train LoRA adapters only; weight updates then carry the adapters (docs/weights.md).",
+    )
     loss: LossConfig = MaskedISLoss()
     ckpt: CheckpointConfig = CheckpointConfig()
     weights: WeightsConfig = WeightsConfig()

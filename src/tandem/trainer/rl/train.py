@@ -27,7 +27,7 @@ from tandem.monitor.metrics import MetricsWriter
 from tandem.monitor.progress import TrainingProgress
 from tandem.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tandem.trainer.expert_load import expert_load
-from tandem.trainer.model import build_trainer_model
+from tandem.trainer.model import build_trainer_model, lora_enabled
 from tandem.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from tandem.trainer.parallel import World, all_reduce_sum, data_shard, init_distributed, shutdown
 from tandem.trainer.rl.config import RLTrainerConfig
@@ -152,7 +152,14 @@ def _train(cfg: RLTrainerConfig, world: World) -> dict[str, Any]:
         print(f"trainer: no checkpoint in {ckpt_root} yet: training again from step 0", flush=True)
     objective = build_objective(cfg.loss)
     tokenizer = load_tokenizer(cfg.model.name)
-    model = build_trainer_model(cfg.model, world, cfg.parallel, load_weights=not resume_from)
+    model = build_trainer_model(
+        cfg.model,
+        world,
+        cfg.parallel,
+        load_weights=not resume_from or lora_enabled(cfg.lora),
+        lora=cfg.lora,
+        seed=cfg.seed,
+    )
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
     start = 0

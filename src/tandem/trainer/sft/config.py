@@ -8,7 +8,7 @@ from pydantic import Field
 from tandem.config.base import ModelConfig, Section
 from tandem.envs.reverse_text import MAX_LEN, MIN_LEN
 from tandem.models.tiny import TinyShape
-from tandem.trainer.config import OptimConfig, ParallelConfig
+from tandem.trainer.config import LoRAConfig, OptimConfig, ParallelConfig
 
 
 class DataConfig(Section):
@@ -93,6 +93,11 @@ class SFTConfig(Section):
     parallel: ParallelConfig = Field(
         default_factory=ParallelConfig,
         description="Expert and context parallelism, activation checkpointing and offload, compile.",
+    )
+    lora: LoRAConfig | None = Field(
+        None,
+        description="Train LoRA adapters only: run_dir/final is then a PEFT adapter and run_dir/final-merged "
+        "the model with it merged.",
     )
     data: DataConfig = Field(default_factory=DataConfig, description="Training data.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and LR schedule.")

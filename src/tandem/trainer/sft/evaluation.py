@@ -1,6 +1,6 @@
 """Held-out evaluation during SFT: greedy answers to the task's eval split, scored by its reward.
 
-The sharded model is exported (trainer/hf_export.py, a collective) to `run_dir/.eval_model`,
+The sharded model is exported (trainer/hf_export.py, a collective; LoRA merged) to `run_dir/.eval_model`,
 and rank 0 decodes it there with plain transformers — a reference decoder independent of
 tandem's training code and its engine. The other ranks wait and receive the result.
 """
@@ -33,7 +33,7 @@ def evaluate_held_out(
     """`eval/reward` (mean similarity) and `eval/exact_match` on the first num_tasks held-out tasks."""
     start = time.monotonic()
     export = Path(run_dir) / ".eval_model"
-    write_hf_model(model, tokenizer, export, world)
+    write_hf_model(model, tokenizer, export, world, merged=True)
     result: list[dict[str, float] | None] = [None]
     if world.is_main:
         reference = load_model(ModelConfig(name=str(export), dtype="float32"), world.device)

@@ -22,7 +22,7 @@ from tandem.monitor.progress import TrainingProgress
 from tandem.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tandem.trainer.expert_load import expert_load
 from tandem.trainer.hf_export import write_hf_model
-from tandem.trainer.model import build_trainer_model
+from tandem.trainer.model import build_trainer_model, lora_enabled
 from tandem.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from tandem.trainer.packing import MicroBatch, make_micro_batches, pack_rows, shard_rows
 from tandem.trainer.parallel import World, all_reduce_sum, barrier, data_shard, init_distributed, shutdown
@@ -105,7 +105,13 @@ def _train(cfg: SFTConfig, world: World) -> dict[str, Any]:
     dataset = build_dataset(cfg.data, tokenizer, cfg.seed, cfg.seq_len)
 
     model = build_trainer_model(
-        cfg.model, world, cfg.parallel, cfg.compute_dtype, load_weights=not resume_from
+        cfg.model,
+        world,
+        cfg.parallel,
+        cfg.compute_dtype,
+        load_weights=not resume_from or lora_enabled(cfg.lora),
+        lora=cfg.lora,
+        seed=cfg.seed,
     )
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
@@ -162,6 +168,8 @@ def _train(cfg: SFTConfig, world: World) -> dict[str, Any]:
         checkpoint(step, position)
     final_dir = cfg.run_dir / "final"
     write_hf_model(model, tokenizer, final_dir, world)
+    if lora_enabled(cfg.lora):
+        write_hf_model(model, tokenizer, cfg.run_dir / "final-merged", world, merged=True)
     elapsed = time.monotonic() - start
     summary = {
         "steps": step,
