@@ -77,6 +77,21 @@ def test_samples_share_the_prompts_full_blocks(tiny_model: Path) -> None:
     assert core.blocks.num_free == core.blocks.num_usable
 
 
+def test_prompts_not_yet_forked_count_their_samples_against_max_num_seqs(tiny_model: Path) -> None:
+    # A prompt stays one running sequence until its prefill forks it into n samples; admission
+    # counts it as n (before: 5 prompts of n = 4 joined one step, 20 rows where 8 were allowed;
+    # in an RL run 256 rows overflowed the sampler's max_num_seqs + max_n).
+    core = EngineCore(config(tiny_model, max_num_seqs=8, max_n=4))
+    for i in range(6):
+        core.add_request(f"r{i}", list(range(3 + i, 13 + i)), GREEDY, n=4)
+    most = 0
+    while core.has_work():
+        core.step()
+        most = max(most, len(core.scheduler.running))
+    assert most <= 8
+    assert core.blocks.num_free == core.blocks.num_usable
+
+
 def test_abort_pause_resume_and_finish_sample(tiny_model: Path) -> None:
     async def main() -> None:
         engine = AsyncEngine(config(tiny_model))

@@ -98,10 +98,12 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch, budget: int) -> int:
         """Waiting sequences join. A joining prompt's full blocks are registered in the prefix
         cache at once, so a later one in this same batch already shares them: each layer writes
-        every token's keys and values before any attention reads the cache."""
+        every token's keys and values before any attention reads the cache. `max_num_seqs`
+        bounds the rows a step samples: a running prompt not yet forked counts its fan-out."""
+        rows = sum(s.fan_out for s in self.running)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if self.running and len(self.running) + seq.fan_out > self.max_num_seqs:
+            if rows and rows + seq.fan_out > self.max_num_seqs:
                 break
             hit = self.blocks.match_prefix(seq)
             count = min(seq.num_uncached, budget)
@@ -113,6 +115,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
+            rows += seq.fan_out
             batch.seqs.append(seq)
             batch.num_new_tokens.append(count)
             budget -= count
