@@ -38,5 +38,5 @@ class ModelConfig(Section):
     trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint's repository.")
 
 
-SHARED_FIELDS = ("model", "seq_len", "max_steps", "run_dir", "seed")
+SHARED_FIELDS = ("model", "seq_len", "max_steps", "run_dir", "seed", "monitor")
 """Fields written once at the top of a config file that flow into every sub-section declaring them."""
