@@ -15,8 +15,6 @@ against one real inference server that is put back on the base weights before ea
 
 import asyncio
 import json
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +24,7 @@ import httpx
 import pytest
 from safetensors.torch import load_file
 from server_process import RunningServer, start_server
+from wandb_offline import history, keep_wandb_home_in, offline_runs, records
 
 from tandem.config.loader import parse_config, to_toml
 from tandem.launch.config import RLConfig
@@ -107,24 +106,10 @@ def final_weights(run_dir: Path) -> dict[str, Any]:
     return load_file(run_dir / "weights" / f"step_{STEPS}" / "model.safetensors")
 
 
-def wandb_records(run_dir: Path) -> tuple[Path, list[dict[str, Any]]]:
-    """The offline run's directory and its records, as wandb's own reader prints them."""
-    (offline,) = (run_dir / "wandb").glob("offline-run-*")
-    done = subprocess.run(
-        [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(offline)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    return offline, [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
-
-
 def test_seeded_runs_repeat_exactly_and_wandb_holds_the_whole_run(
     server: RunningServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for var in ("WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR", "WANDB_ARTIFACT_DIR"):
-        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
+    keep_wandb_home_in(tmp_path / "wandb-home", monkeypatch)
     seeded = ["--orchestrator.seeded_sampling", "true"]
     wandb = [
         "--monitor.wandb.mode",
@@ -138,30 +123,30 @@ def test_seeded_runs_repeat_exactly_and_wandb_holds_the_whole_run(
     second = run_example(server, tmp_path, "second", *seeded)
 
     expected = numbers(first)
-    assert [s for s, _ in expected["orchestrator"]] == [0, 1] and [t[0] for t in expected["trainer"]] == [
-        0,
-        1,
-    ]
+    assert [[r[0] for r in expected[source]] for source in ("orchestrator", "trainer")] == [[0, 1], [0, 1]]
     assert numbers(second) == expected
     weights = final_weights(first)
     assert all((weights[k] == v).all() for k, v in final_weights(second).items())
 
-    offline, records = wandb_records(first)
-    (run,) = [r["run"] for r in records if r["type"] == "run"]
+    (offline,) = offline_runs(first)
+    logged = records(offline)
+    (run,) = [r["run"] for r in logged if r["type"] == "run"]
     assert run["project"] == "repro" and run["display_name"] == "first" and run["tags"] == ["ci"]
     config = run["config"]["update"]
     assert config["orchestrator"]["seeded_sampling"] is True and config["trainer"]["optim"]["lr"] == 3e-4
-    history = [r["history"]["item"] for r in records if r["type"] == "history"]
+    rows_logged = history(logged)
     trainer = [
-        (h["trainer/step"], h["trainer/reward"], h["trainer/loss"]) for h in history if "trainer/loss" in h
+        (h["trainer/step"], h["trainer/reward"], h["trainer/loss"])
+        for h in rows_logged
+        if "trainer/loss" in h
     ]
     orchestrator = [
         (h["orchestrator/step"], h["orchestrator/reward_mean"])
-        for h in history
+        for h in rows_logged
         if "orchestrator/reward_mean" in h
     ]
     assert trainer == expected["trainer"] and orchestrator == expected["orchestrator"]
-    tables = [h for h in history if h.get("orchestrator/rollouts._type") == "table-file"]
+    tables = [h for h in rows_logged if h.get("orchestrator/rollouts._type") == "table-file"]
     assert [t["orchestrator/step"] for t in tables] == [0, 1]
     table = json.loads((offline / "files" / tables[0]["orchestrator/rollouts.path"]).read_text())
     assert table["columns"][:4] == ["step", "env", "task_id", "prompt"]
