@@ -1,8 +1,8 @@
-"""`uv run eval`: evaluate a model on environments' held-out splits through an inference server.
+"""`uv run evaluate`: evaluate a model on environments' held-out splits through an inference server.
 
-    uv run eval --model.name runs/reverse_text/sft/final              # reverse_text, greedy
-    uv run eval --model.name DIR --env.name wordle --n 8 --sampling.temperature 1.0
-    uv run eval @ eval.toml --server http://127.0.0.1:8000            # a server already running
+    uv run evaluate --model.name runs/reverse_text/sft/final              # reverse_text, greedy
+    uv run evaluate --model.name DIR --env.name wordle --n 8 --sampling.temperature 1.0
+    uv run evaluate @ eval.toml --server http://127.0.0.1:8000            # a server already running
 
 Without `server`, a native inference server for `model.name` is started on a free 127.0.0.1
 port (settings under [inference]) and stopped at the end. The tasks are played by the rollout
@@ -257,7 +257,7 @@ def print_result(result: dict, console: Console) -> None:
 
 def main() -> None:
     def run() -> None:
-        cfg = parse_config(EvalConfig, prog="eval")
+        cfg = parse_config(EvalConfig, prog="evaluate")
         logging.basicConfig(
             level=logging.WARNING, format="eval: %(levelname)s %(message)s", stream=sys.stderr
         )
@@ -270,7 +270,7 @@ def main() -> None:
         console = Console()
         print_result(result, console if console.is_terminal else Console(width=200))  # no cut columns in logs
 
-    run_cli(run, "eval")
+    run_cli(run, "evaluate")
 
 
 if __name__ == "__main__":

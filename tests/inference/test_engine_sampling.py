@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tandem.inference.config import InferenceConfig
-from tandem.inference.engine.api import SamplingParams
+from tandem.inference.engine.api import SamplingParams, TokenOutput
 from tandem.inference.engine.core import EngineCore
 from tandem.inference.engine.sampler import SamplingBatch, sample, sample_key
 
@@ -70,15 +70,20 @@ def test_noise_depends_on_seed_sample_and_position_only() -> None:
     assert len(set(a)) > 2
 
 
-def _tokens(core: EngineCore, requests: dict) -> dict[str, dict[int, list[int]]]:
+def _outputs(core: EngineCore, requests: dict) -> dict[str, dict[int, list[TokenOutput]]]:
     for rid, (ids, params, n) in requests.items():
         core.add_request(rid, ids, params, n)
-    out: dict[str, dict[int, list[int]]] = {rid: {} for rid in requests}
+    out: dict[str, dict[int, list[TokenOutput]]] = {rid: {} for rid in requests}
     while core.has_work():
         for rid, updates in core.step():
             for u in updates:
-                out[rid].setdefault(u.index, []).extend(t.token_id for t in u.tokens)
+                out[rid].setdefault(u.index, []).extend(u.tokens)
     return out
+
+
+def _tokens(core: EngineCore, requests: dict) -> dict[str, dict[int, list[int]]]:
+    outputs = _outputs(core, requests)
+    return {rid: {i: [t.token_id for t in ts] for i, ts in out.items()} for rid, out in outputs.items()}
 
 
 def test_seeded_sampling_is_reproducible_across_batches(tiny_model: Path) -> None:
@@ -93,3 +98,26 @@ def test_seeded_sampling_is_reproducible_across_batches(tiny_model: Path) -> Non
     assert len({tuple(v) for v in alone.values()}) == 3  # the n samples differ from each other
     reseeded = _tokens(core, {"a": (ids, SamplingParams(**{**params.__dict__, "seed": 43}), 3)})["a"]
     assert reseeded != alone
+
+
+def test_one_cpu_thread_gives_logprobs_independent_of_the_batch(tiny_model: Path) -> None:
+    """What a reproducible run needs (docs/async.md): on one CPU thread a sequence's logprobs are
+    the same bits alone, with one or two others (decode steps of 2-3 rows) or with many."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        config = {
+            "model": {"name": str(tiny_model)},
+            "engine": {"kv_cache_memory_gb": 0.25, "prefix_caching": False},
+        }
+        core = EngineCore(InferenceConfig.model_validate(config))
+        ids = core.tokenizer.encode("the same bits")
+        params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=7)
+        other = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=3)
+        crowds = [{}, {"x": (core.tokenizer.encode("one other"), other, 1)}]
+        crowds.append({"x": (core.tokenizer.encode("many others"), other, 6), "y": (ids[:3], other, 2)})
+        runs = [_outputs(core, {**crowd, "a": (ids, params, 1)})["a"][0] for crowd in crowds]
+        for run in runs[1:]:
+            assert [(t.token_id, t.logprob) for t in run] == [(t.token_id, t.logprob) for t in runs[0]]
+    finally:
+        torch.set_num_threads(threads)

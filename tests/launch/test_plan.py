@@ -119,6 +119,21 @@ def test_orchestrator_packs_for_the_trainers_context_parallelism(tmp_path: Path)
     assert (orchestrator.num_ranks, orchestrator.cp, orchestrator.width_multiple) == (4, 2, 4)
 
 
+def test_monitoring_and_seeded_sampling_reach_their_processes(tmp_path: Path) -> None:
+    """[monitor] flows to the orchestrator (it writes the W&B run), which learns where the resolved
+    run config is; seeded sampling turns the servers' prefix cache off unless it was set."""
+    wandb = {"monitor.wandb.project": "p", "monitor.wandb.mode": "offline"}
+    plan = plan_run(config(tmp_path, **wandb, **{"orchestrator.seeded_sampling": True}), [])
+    assert plan.orchestrator.monitor.wandb is not None and plan.orchestrator.monitor.wandb.project == "p"
+    assert plan.config.orchestrator.monitor == plan.orchestrator.monitor  # the resolved whole says so too
+    orchestrator = next(s for s in plan.specs() if s.name == "orchestrator")
+    assert orchestrator.env["TANDEM_RUN_CONFIG"] == str(tmp_path / "run" / "configs" / "rl.toml")
+    assert plan.inference[0].engine.prefix_caching is False
+    assert plan_run(config(tmp_path), []).inference[0].engine.prefix_caching is True
+    kept = {"orchestrator.seeded_sampling": True, "inference.engine.prefix_caching": True}
+    assert plan_run(config(tmp_path, **kept), []).inference[0].engine.prefix_caching is True
+
+
 def test_gpu_placement_and_colocation(tmp_path: Path) -> None:
     plan = plan_run(config(tmp_path), ["0"])
     specs = {s.name: s for s in plan.specs()}

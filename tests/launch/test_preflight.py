@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from launch_helpers import free_port
 
 from tandem.launch.cli import main
 from tandem.models.tiny import build_tiny_model
@@ -103,3 +104,38 @@ def test_the_command_line_answers_without_importing_torch(model: Path, tmp_path:
             why,
             done.stderr,
         )
+
+
+def test_wandb_section_without_the_package_is_one_line(model: Path, tmp_path: Path) -> None:
+    """The wandb module hidden (as without the extra): [monitor.wandb] fails at start, in one line;
+    mode = disabled needs no package."""
+    probe = (
+        "import sys\nsys.modules['wandb'] = None\nfrom tandem.launch.cli import main\ncode = 0\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+        "print('exit', code, file=sys.stderr)\n"
+    )
+    base = [
+        "--model.name",
+        str(model),
+        "--run_dir",
+        str(tmp_path / "run"),
+        "--inference.port",
+        str(free_port()),
+    ]
+    cases = {
+        "dry run": (["--monitor.wandb.project", "p", "--dry-run"], 2),
+        "disabled": (["--monitor.wandb.mode", "disabled", "--dry-run"], 0),
+    }
+    env = {"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""}
+    for why, (argv, code) in cases.items():
+        done = subprocess.run(
+            [sys.executable, "-c", probe, *base, *argv], capture_output=True, text=True, env=env, timeout=120
+        )
+        lines = done.stderr.splitlines()
+        assert lines[-1] == f"exit {code}", (why, done.stderr)
+        if code:
+            assert lines[:-1] == [
+                "rl: error: [monitor.wandb] is set but the wandb package is not installed: `uv sync "
+                "--extra wandb` (or `pip install wandb`), or remove the section / set "
+                "monitor.wandb.mode = disabled"
+            ], (why, done.stderr)

@@ -1,4 +1,4 @@
-"""`eval` end to end: it starts its own inference server (greedy reverse_text, the same answers as
+"""`evaluate` end to end: it starts its own inference server (greedy reverse_text, the same answers as
 transformers' greedy decoding), uses a running one with several environments and pass@k, and
 refuses bad input with one line."""
 

@@ -48,5 +48,5 @@ def cp_width_multiple(cp: int, style: CPStyle) -> int:
     return cp if style == "ulysses" or cp == 1 else 2 * cp
 
 
-SHARED_FIELDS = ("model", "seq_len", "max_steps", "run_dir", "seed")
+SHARED_FIELDS = ("model", "seq_len", "max_steps", "run_dir", "seed", "monitor")
 """Fields written once at the top of a config file that flow into every sub-section declaring them."""

@@ -16,7 +16,7 @@ from pydantic_core import PydanticUndefined
 # (title, command, "module:Class") of every config that has a console script.
 DOCUMENTED = [
     ("SFT trainer", "sft", "tandem.trainer.sft.config:SFTConfig"),
-    ("Evaluation", "eval", "tandem.evaluate:EvalConfig"),
+    ("Evaluation", "evaluate", "tandem.evaluate:EvalConfig"),
     ("Tiny-model builder", "tiny-model", "tandem.models.tiny:TinyModelConfig"),
     ("Inference server", "inference", "tandem.inference.config:InferenceConfig"),
     ("Orchestrator", "orchestrator", "tandem.orchestrator.config:OrchestratorConfig"),

@@ -9,7 +9,7 @@ alphabetical order, separated by commas.
 Reward = the mean over the task's turns of that turn's score: 1 for the exact list, else the
 similarity of the answered list to the right one (difflib ratio over names); a turn the model
 never reached scores 0. `exact_turns` (weight 0) is the fraction of turns answered exactly;
-`solved` (weight 0, the success that `eval` counts for pass@k) is 1 when every turn was.
+`solved` (weight 0, the success that `evaluate` counts for pass@k) is 1 when every turn was.
 The train and eval splits divide tasks by a hash of their names.
 """
 

@@ -180,9 +180,11 @@ class Environment(ABC):
     async def rollout_group(
         self, task: Any, client: InferenceClient, sampling: SamplingConfig, n: int
     ) -> list[Trajectory]:
-        """`n` independent episodes of one task. Single-turn environments override this with one
-        request of `n` choices, which lets the server share the prompt's KV cache."""
-        return list(await asyncio.gather(*(self.rollout(task, client, sampling) for _ in range(n))))
+        """`n` independent episodes of one task (a seeded sampling gives each its own seed).
+        Single-turn environments override this with one request of `n` choices, which lets the
+        server share the prompt's KV cache."""
+        episodes = (self.rollout(task, client, sampling.for_part(i)) for i in range(n))
+        return list(await asyncio.gather(*episodes))
 
     def score(self, task: Any, messages: list[Message]) -> tuple[float, dict[str, float]]:
         """Weighted reward and every reward function's value (as metrics)."""

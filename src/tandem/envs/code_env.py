@@ -230,7 +230,7 @@ def has_code(task: CodeTask, messages: list[Message]) -> float:
 
 class CodeEnv(SingleTurnEnv):
     name = "code"
-    success_metric = "passed_all"  # what pass@k counts in `eval`
+    success_metric = "passed_all"  # what pass@k counts in `evaluate`
 
     class Args(Section):
         problems_file: Path | None = Field(

@@ -30,6 +30,8 @@ How a turn's tokens are made, so that nothing is re-tokenised:
   When the model ended its turn with the end-of-turn token, that token is already in its ids
   and is not repeated; when it stopped on length (or a stop string) the glue closes the turn.
 - `stitch` joins the turns: environment tokens get loss mask 0 and logprob 0.0.
+- A seeded sampling (orchestrator.seeded_sampling): turn 0's request carries the group's seed;
+  turn k of choice i the seed `sampling.for_part(i).for_part(k)`, so no two requests share one.
 
 Budgets: at most `max_turns` model turns, and every turn's `max_tokens` shrinks so the whole
 sample fits `max_total_tokens` (default: the orchestrator's seq_len); when no room is left the
@@ -154,8 +156,10 @@ class MultiTurnEnv(Environment):
         return list(
             await asyncio.gather(
                 *(
-                    self.continue_episode(task, client, sampling, first.prompt_token_ids, choice, first_limit)
-                    for choice in first.choices
+                    self.continue_episode(
+                        task, client, sampling.for_part(i), first.prompt_token_ids, choice, first_limit
+                    )
+                    for i, choice in enumerate(first.choices)
                 )
             )
         )
@@ -200,9 +204,8 @@ class MultiTurnEnv(Environment):
             if max_tokens < 1:
                 out_of_budget = True
                 break
-            result = await client.complete(
-                prompt_ids, sampling.model_copy(update={"max_tokens": max_tokens}), **self.request_extra(task)
-            )
+            turn = sampling.for_part(len(turns)).model_copy(update={"max_tokens": max_tokens})
+            result = await client.complete(prompt_ids, turn, **self.request_extra(task))
             generation = result.choices[0]
         reward, metrics = self.score(task, messages)
         metrics["turns"] = float(len(turns))

@@ -7,6 +7,7 @@ from pydantic import Field, field_validator
 
 from tandem.config.base import ModelConfig, Section
 from tandem.inference.config import InferenceConfig
+from tandem.monitor.config import MonitorConfig
 from tandem.orchestrator.config import OrchestratorConfig
 from tandem.trainer.rl.config import RLTrainerConfig
 from tandem.transport.config import WeightsConfig
@@ -221,6 +222,10 @@ class RLConfig(Section):
         description="How weights travel from the trainer to the servers; written once for all processes "
         "(a process's own [<process>.weights] may add to it). The launcher sets host, port (a free one "
         "unless given), num_servers and server_index.",
+    )
+    monitor: MonitorConfig = Field(
+        MonitorConfig(),
+        description="W&B ([monitor.wandb]): one run with every process's metrics, written by the orchestrator.",
     )
     inference: InferenceConfig = InferenceConfig()
     orchestrator: OrchestratorConfig = OrchestratorConfig()

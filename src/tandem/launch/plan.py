@@ -23,6 +23,7 @@ from tandem.launch.cluster import Cluster, Unit, check_node_shapes, servers_per_
 from tandem.launch.config import RLConfig
 from tandem.launch.devices import DeviceAssignment, assign_devices, assign_node_devices
 from tandem.launch.supervisor import Console, ProcessSpec, Supervisor
+from tandem.monitor.wandb_run import RUN_CONFIG_ENV
 from tandem.orchestrator.config import OrchestratorConfig
 from tandem.trainer.rl.config import RLTrainerConfig
 from tandem.transport.config import WeightsConfig
@@ -126,7 +127,7 @@ class RunPlan:
                 ProcessSpec(
                     "orchestrator",
                     [python, "-m", ORCHESTRATOR_MODULE, "@", str(self.config_dir / "orchestrator.toml")],
-                    env={"CUDA_VISIBLE_DEVICES": ""},
+                    env={"CUDA_VISIBLE_DEVICES": "", RUN_CONFIG_ENV: str(self.config_dir / "rl.toml")},
                     wait_for=remote,
                 )
             )
@@ -374,6 +375,7 @@ def _shared(config: RLConfig) -> dict[str, Any]:
         "seq_len": config.seq_len,
         "max_steps": config.max_steps,
         "seed": config.seed,
+        "monitor": config.monitor,
     }
 
 
@@ -400,12 +402,16 @@ def _fill(section: M, name: str, shared: dict[str, Any], owned: dict[str, Any]) 
 
 def _inference_defaults(config: RLConfig, colocated: bool) -> dict[str, Any]:
     """The server's context length is seq_len; a server sharing a GPU gets a smaller memory share;
-    with trainer.lora, vLLM serves adapters of its rank."""
+    with trainer.lora, vLLM serves adapters of its rank; seeded sampling turns the native engine's
+    prefix cache off (a cached prefix changes the last bits of the logits, so a repeated run would
+    drift: docs/async.md)."""
     inf = config.inference
     engine: dict[str, Any] = {}
     vllm: dict[str, Any] = {}
     if inf.engine.max_model_len is None:
         engine["max_model_len"] = config.seq_len
+    if config.orchestrator.seeded_sampling and "prefix_caching" not in inf.engine.model_fields_set:
+        engine["prefix_caching"] = False
     if inf.vllm.max_model_len is None:
         vllm["max_model_len"] = config.seq_len
     lora = config.trainer.lora

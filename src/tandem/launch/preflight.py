@@ -4,7 +4,8 @@ Each failure is one line naming the key or file (UserError / ConfigError): the m
 run directory (creatable, writable, and not a finished or running run unless --resume), every
 environment (its name, its args, and for the code environment the sandbox's isolation, which is
 logged), the longest prompt plus max_tokens against seq_len, a custom loss's import path and the
-servers' ports. Nothing here imports torch unless the configured custom loss does.
+servers' ports; with [monitor.wandb], that the wandb package is installed. Nothing here imports
+torch unless the configured custom loss does.
 """
 
 import importlib.util
@@ -16,6 +17,7 @@ from tandem.cli import UserError
 from tandem.envs.mixture import load_mixture
 from tandem.launch.plan import RunPlan
 from tandem.models.source import check_model_source
+from tandem.monitor.wandb_run import require_wandb
 from tandem.orchestrator.prompt_check import check_prompt_lengths, local_token_counters
 from tandem.trainer.rl.config import CustomLoss
 from tandem.transport.resume import check_fresh_start
@@ -25,6 +27,8 @@ def preflight(plan: RunPlan, create: bool) -> None:
     """Raise on the first problem; `create`: make the run directory (not under --dry-run)."""
     config = plan.config
     check_model_source(plan.orchestrator.model.name)
+    if plan.orchestrator.monitor.wandb_enabled:
+        require_wandb()
     check_run_dir(config.run_dir, create)
     if not config.resume:
         check_fresh_start(config.run_dir)

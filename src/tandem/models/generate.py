@@ -1,6 +1,6 @@
 """Greedy decoding of chats with plain transformers `generate`, batched with left padding.
 
-A reference decoder independent of tandem's inference engine: `uv run eval` and the SFT
+A reference decoder independent of tandem's inference engine: `uv run evaluate` and the SFT
 trainer's held-out evaluation use it to score a model without starting a server.
 """
 

@@ -109,6 +109,11 @@ def parse_completion_choice(choice: Any) -> Generation:
     return generation(choice, choice.text, logprobs)
 
 
+def seed_field(sampling: SamplingConfig) -> dict[str, int]:
+    """The request's `seed`, when its sampling has one (an unseeded request sends none)."""
+    return {} if sampling.request_seed is None else {"seed": sampling.request_seed}
+
+
 class InferenceClient:
     """One server: chat completions with token ids, plus the admin endpoints."""
 
@@ -193,6 +198,7 @@ class InferenceClient:
                 top_p=sampling.top_p,
                 max_tokens=sampling.max_tokens,
                 logprobs=True,
+                **seed_field(sampling),
                 extra_body={"return_token_ids": True, **extra},
             )
 
@@ -218,6 +224,7 @@ class InferenceClient:
                 top_p=sampling.top_p,
                 max_tokens=sampling.max_tokens,
                 logprobs=0,
+                **seed_field(sampling),
                 extra_body={"return_token_ids": True, **extra},
             )
 

@@ -7,6 +7,8 @@ from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from tandem.config.base import CPStyle, ModelConfig, Section, cp_width_multiple
+from tandem.monitor.config import MonitorConfig
+from tandem.orchestrator.seeds import derive_seed
 from tandem.transport.config import WeightsConfig
 
 
@@ -16,6 +18,20 @@ class SamplingConfig(Section):
     temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 = greedy.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     max_tokens: int = Field(128, gt=0, description="Most tokens one model turn may generate.")
+    request_seed: int | None = Field(
+        None,
+        ge=0,
+        description="Seed of the requests this sampling is for (choice i of an n-choice request draws "
+        "from its own stream); unset = the servers' own randomness. The orchestrator sets it per group "
+        "when seeded_sampling is on.",
+    )
+
+    def for_part(self, *part: int) -> "SamplingConfig":
+        """The sampling of one part of a seeded request's work that an environment sends as a
+        request of its own (a sample, a later turn): a seed derived from this one and `part`."""
+        if self.request_seed is None:
+            return self
+        return self.model_copy(update={"request_seed": derive_seed(self.request_seed, *part)})
 
 
 class EnvConfig(Section):
@@ -90,7 +106,14 @@ class OrchestratorConfig(Section):
     )
     run_dir: Path = Field(Path("runs/rl"), description="Shared run directory (rollouts/, weights/, metrics).")
     seed: int = Field(
-        0, description="Seed of the task order (the tasks of step N depend on seed and N only)."
+        0,
+        description="Seed of the task order (the tasks of step N depend on seed and N only) and, with "
+        "seeded_sampling, of every sampling request.",
+    )
+    seeded_sampling: bool = Field(
+        False,
+        description="Send every sampling request a seed derived from seed, the step, the task and the "
+        "sample index: with max_async_level = 0 a CPU run repeats exactly (docs/async.md).",
     )
     resume: bool = Field(
         False,
@@ -149,6 +172,9 @@ class OrchestratorConfig(Section):
     eval: EvalConfig = EvalConfig()
     client: ClientConfig = ClientConfig()
     weights: WeightsConfig = WeightsConfig()
+    monitor: MonitorConfig = Field(
+        MonitorConfig(), description="W&B: the orchestrator logs its own and the trainer's metrics there."
+    )
     log_level: Literal["debug", "info", "warning"] = Field("info", description="Log verbosity (stderr).")
 
     @model_validator(mode="after")
@@ -178,6 +204,12 @@ class OrchestratorConfig(Section):
         if not self.servers:
             raise PydanticCustomError(
                 "shape", "servers is empty: give at least one inference server base URL"
+            )
+        if self.sampling.request_seed is not None:
+            raise PydanticCustomError(
+                "shape",
+                "sampling.request_seed is set per request by the orchestrator: set seeded_sampling = true "
+                "(and seed) instead",
             )
         chosen_environments(self.env, self.envs)
         return self

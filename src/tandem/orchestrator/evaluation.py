@@ -1,5 +1,5 @@
 """Evaluation on the environments' held-out splits, through the inference servers, with whatever
-policy they serve now: the orchestrator's periodic greedy evaluation and the `eval` command.
+policy they serve now: the orchestrator's periodic greedy evaluation and the `evaluate` command.
 
 Each of the first `num_tasks` held-out tasks of every environment is played `n` times by the same
 rollout code as training (`play_group`: timeout and trajectory checks included). A task whose

@@ -3,7 +3,9 @@ policy, collect a batch of scored groups, pack it per trainer rank and write rol
 
 Nothing here waits for the trainer except the `max_async_level` gate, so with level k the
 orchestrator runs up to k steps ahead of training. A background task moves all servers to every
-newly published version as soon as it appears (weights.py), through the last one.
+newly published version as soon as it appears (weights.py), through the last one. With
+[monitor.wandb] another forwards metrics.jsonl to W&B (monitor/wandb_run.py), and the
+orchestrator ends only once the trainer's last step has reached it.
 """
 
 import asyncio
@@ -18,6 +20,7 @@ from tandem.envs.mixture import load_mixture
 from tandem.models.loading import load_tokenizer
 from tandem.monitor.metrics import MetricsWriter
 from tandem.monitor.progress import TrainingProgress
+from tandem.monitor.wandb_run import WandbRun, require_wandb, run_config
 from tandem.orchestrator.client import ServerPool
 from tandem.orchestrator.config import OrchestratorConfig
 from tandem.orchestrator.evaluation import evaluate
@@ -68,6 +71,25 @@ def step_metrics(batch: StepBatch, waited: float, seconds: float) -> dict[str, f
     }
 
 
+def rollout_rows(batch: StepBatch, tokenizer: Any, limit: int) -> list[dict[str, Any]]:
+    """The first `limit` samples of a step as table rows, their token ids decoded as sent."""
+    rows = []
+    for sample in batch.samples()[:limit]:
+        rows.append(
+            {
+                "step": batch.step,
+                "env": sample.env,
+                "task_id": sample.task_id,
+                "prompt": tokenizer.decode(sample.prompt_ids),
+                "completion": tokenizer.decode(sample.completion_ids),
+                "reward": sample.reward,
+                "advantage": sample.advantage,
+                "policy_version": sample.policy_version,
+            }
+        )
+    return rows
+
+
 async def supervise(main: Awaitable[T], *helpers: Awaitable[object]) -> T:
     """Await `main` with `helpers` running beside it. Helpers may finish early; the first failure of
     any task cancels all others and is raised; helpers still running when `main` ends are cancelled."""
@@ -105,31 +127,46 @@ class Orchestrator:
         self.policy = PolicySync(cfg.run_dir, self.pool, cfg.weights)
         self.collector = RolloutCollector(self.members, self.pool, cfg)
         self.metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl", source="orchestrator")
+        self.wandb: WandbRun | None = None
+        self.tokenizer: Any = None
+        if cfg.monitor.wandb_enabled:
+            require_wandb()
 
     async def run(self) -> None:
         """Connect, then run the steps with the weight watcher beside them; either failing stops both."""
+        cfg = self.cfg
+        failed = True
         try:
-            start = first_step(self.cfg)
-            if start >= self.cfg.max_steps:
-                log.info("all %d steps are already written; nothing to do", self.cfg.max_steps)
+            start = first_step(cfg)
+            if start >= cfg.max_steps:
+                log.info("all %d steps are already written; nothing to do", cfg.max_steps)
                 return
-            tokenizer = load_tokenizer(self.cfg.model.name)
+            self.tokenizer = tokenizer = load_tokenizer(cfg.model.name)
             for member in self.members:
-                member.env.setup(tokenizer, self.cfg.seq_len)
-                check_prompt_lengths(member.env, self.cfg, lambda m: prompt_tokens(tokenizer, m))
+                member.env.setup(tokenizer, cfg.seq_len)
+                check_prompt_lengths(member.env, cfg, lambda m: prompt_tokens(tokenizer, m))
             served = await self.pool.connect()
-            log.info(
-                "%d server(s) serving %s: %s", len(self.cfg.servers), served, ", ".join(self.cfg.servers)
-            )
+            log.info("%d server(s) serving %s: %s", len(cfg.servers), served, ", ".join(cfg.servers))
+            if cfg.monitor.wandb is not None and cfg.monitor.wandb_enabled:
+                config = run_config(cfg.model_dump(mode="json"))
+                self.wandb = WandbRun(cfg.monitor.wandb, cfg.run_dir, cfg.resume, config)
             await self.policy.sync()
-            await supervise(self.steps(start), self.policy.watch())
-            if self.cfg.eval.interval > 0:
-                await supervise(self.final_eval(), self.policy.watch())
-            elif self.cfg.weights.in_memory:  # the trainer waits for the servers to take every version
-                await self.policy.wait_for(self.cfg.max_steps, self.cfg.max_steps, 0)
+            await supervise(self.steps(start), self.policy.watch(), *self.forwarders())
+            if cfg.eval.interval > 0:
+                await supervise(self.final_eval(), self.policy.watch(), *self.forwarders())
+            elif cfg.weights.in_memory:  # the trainer waits for the servers to take every version
+                await self.policy.wait_for(cfg.max_steps, cfg.max_steps, 0)
+            if self.wandb is not None:  # the trainer's last numbers go into the W&B run too
+                await self.wandb.wait_for("trainer", cfg.max_steps - 1, cfg.weights.wait_timeout)
+            failed = False
         finally:
             await self.pool.close()
             self.metrics.close()
+            if self.wandb is not None:
+                self.wandb.finish(failed)
+
+    def forwarders(self) -> list[Awaitable[None]]:
+        return [self.wandb.forward()] if self.wandb is not None else []
 
     async def evaluate(self, step: int) -> None:
         stats = await evaluate(self.members, self.pool, self.cfg)
@@ -209,6 +246,9 @@ class Orchestrator:
         write_step(cfg.run_dir, step, per_group, cp=cfg.cp)
         stats = step_metrics(batch, item.waited, time.perf_counter() - item.began)
         self.metrics.log(step, **stats)
+        if self.wandb is not None and self.wandb.samples_due(step):
+            rows = rollout_rows(batch, self.tokenizer, self.wandb.cfg.sample_rows)
+            self.wandb.log_table("rollouts", step, rows)
         log.debug("wrote %s", step_dir(cfg.run_dir, step))
         progress.update(
             step + 1,

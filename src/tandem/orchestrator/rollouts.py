@@ -6,7 +6,8 @@ group fails when its environment raises, takes longer than `rollout_timeout`, or
 malformed trajectory (`check_trajectory`); it is logged with its environment, task id and reason
 and replaced by the next task of the same environment, and so is a zero-advantage group when
 filtering is on. The tasks of step N come from `step_task_order(seed, N)`, one stream per
-environment.
+environment; with `seeded_sampling` each group's requests carry a seed of that same place
+(seeds.py), so neither depends on timing.
 """
 
 import asyncio
@@ -23,6 +24,7 @@ from tandem.envs.mixture import Member, allocate
 from tandem.orchestrator.advantages import group_advantages, is_zero_advantage
 from tandem.orchestrator.client import InferenceClient, ServerPool, ServerUnavailable
 from tandem.orchestrator.config import OrchestratorConfig, SamplingConfig
+from tandem.orchestrator.seeds import group_seed
 from tandem.orchestrator.tasks import step_task_order
 from tandem.transport.rollouts import Sample
 
@@ -158,11 +160,20 @@ class RolloutCollector:
         self.cfg = cfg
         self.tasks = [m.env.dataset("train") for m in self.members]
 
-    async def run_group(self, order: tuple[int, int], member: Member, task: Any) -> Group:
+    def sampling(self, step: int, order: tuple[int, int], member: Member, task: Any) -> SamplingConfig:
+        """The group's sampling: with seeded_sampling, seeded by where the group sits in the run."""
         cfg = self.cfg
+        if not cfg.seeded_sampling:
+            return cfg.sampling
+        seed = group_seed(cfg.seed, step, member.name, order[1], task.task_id)
+        return cfg.sampling.model_copy(update={"request_seed": seed})
+
+    async def run_group(self, step: int, order: tuple[int, int], member: Member, task: Any) -> Group:
+        cfg = self.cfg
+        sampling = self.sampling(step, order, member, task)
         async with self.pool.lease() as client:
             trajectories = await play_group(
-                member.env, task, client, cfg.sampling, cfg.group_size, cfg.rollout_timeout, cfg.seq_len
+                member.env, task, client, sampling, cfg.group_size, cfg.rollout_timeout, cfg.seq_len
             )
         advantages = group_advantages([t.reward for t in trajectories], cfg.advantage.std_normalize)
         return Group(member.name, order, task.task_id, trajectories, advantages)
@@ -188,7 +199,7 @@ class RolloutCollector:
         def launch(e: int) -> None:
             position, index = next(streams[e])
             task = self.tasks[e][index]
-            future = asyncio.ensure_future(self.run_group((e, position), self.members[e], task))
+            future = asyncio.ensure_future(self.run_group(step, (e, position), self.members[e], task))
             pending[future] = (e, task.task_id)
 
         start = time.perf_counter()

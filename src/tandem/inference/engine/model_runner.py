@@ -8,7 +8,9 @@ step before, not yet read back: core.py) takes it from `sampled`, the buffer eve
 are written to, by an index into it; that gather is part of the step (and of its graph), so
 nothing waits for the host. Decode graphs are captured lazily for (batch bucket, block-table
 width bucket) pairs; padded rows write into block 0 (never handed out) and attend to one slot
-of it.
+of it. On CPU a decode step and the output head run at least MIN_CPU_ROWS rows (padded the
+same way): CPU matrix products of 1–3 rows round differently from larger ones (measured with
+MKL), which would make a sequence's logits depend on how many others share its step.
 """
 
 import logging
@@ -33,6 +35,7 @@ log = logging.getLogger("tandem.inference")
 GiB = 1 << 30
 CPU_DEFAULT_KV_GB = 1.0
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+MIN_CPU_ROWS = 4  # on CPU: matrix products of at least this many rows give each row the same bits
 CHUNK_GATHER_TOKENS = 1 << 16  # most cached keys one chunk-attention call gathers (batch × context)
 ID, POSITION, SLOT, CONTEXT, FEED = range(5)  # rows of a decode step's packed inputs
 
@@ -132,6 +135,7 @@ class ModelRunner:
         )
         self.graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.min_rows = MIN_CPU_ROWS if device.type == "cpu" else 1
         self.replay_events: list | None = None  # set to a list to time every graph replay (benchmarks)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -192,7 +196,15 @@ class ModelRunner:
                 src[row] = _feed_row(feed, seq)
             input_ids = self._feed(input_ids, self._tensor(src))
         hidden = self.model(input_ids, self._tensor(positions), self.kv_caches, meta)
-        return RunOutput(self.model.logits(hidden[self._tensor(last_rows)]))
+        return RunOutput(self._logits(hidden[self._tensor(last_rows)]))
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output head over `hidden`'s rows, run over at least `min_rows` rows (when any)."""
+        rows = hidden.shape[0]
+        if rows == 0 or rows >= self.min_rows:
+            return self.model.logits(hidden)
+        padded = torch.cat([hidden, hidden[-1:].expand(self.min_rows - rows, -1)])
+        return self.model.logits(padded)[:rows]
 
     def _tensor(self, values: list) -> torch.Tensor:
         return to_device(values, torch.int64, self.device)
@@ -254,7 +266,7 @@ class ModelRunner:
         table_rows = np.fromiter((s.table_row for s in seqs), np.int64, real)
         width = -(-int(lens.max()) // self.block_size)
         graphed = self.use_graphs and real <= self.max_graph_batch
-        size = next(b for b in BATCH_BUCKETS if b >= real) if graphed else real
+        size = next(b for b in BATCH_BUCKETS if b >= real) if graphed else max(real, self.min_rows)
         if graphed:
             width = 8 * -(-width // 8) if width <= 64 else 1 << math.ceil(math.log2(width))
         packed = np.zeros(5 * size + size * width, dtype=np.int64)
@@ -295,7 +307,7 @@ class ModelRunner:
             device_packed = host_to_device(torch.from_numpy(packed), self.device)
             inputs = device_packed[: 5 * size].view(5, size)
             hidden = self._decode_forward(inputs, device_packed[5 * size :].view(size, width))[:real]
-        return RunOutput(self.model.logits(hidden), lens, inputs[CONTEXT, :real])
+        return RunOutput(self._logits(hidden), lens, inputs[CONTEXT, :real])
 
     def _decode_forward(self, inputs: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         ids = self._feed(inputs[ID], inputs[FEED])

@@ -49,7 +49,7 @@ class CheckpointConfig(Section):
 class EvalConfig(Section):
     """Greedy decoding of held-out tasks during training, logged as eval/reward and eval/exact_match.
 
-    For data.task = reverse_text (chat_jsonl has no held-out split; evaluate those models with `eval`)."""
+    For data.task = reverse_text (chat_jsonl has no held-out split; evaluate those models with `evaluate`)."""
 
     interval: int = Field(0, ge=0, description="Evaluate every this many steps; 0 = never during training.")
     final: bool = Field(True, description="Also evaluate the final model.")

@@ -1,0 +1,49 @@
+"""The W&B run the orchestrator writes (the real wandb package, offline): metrics.jsonl records of
+every source under `<source>/<key>`, a resumed run continuing the same W&B run with only the
+records it had not sent, and a bounded wait for the trainer's last step."""
+
+import asyncio
+import logging
+from pathlib import Path
+
+import pytest
+from wandb_offline import history, keep_wandb_home_in, offline_runs, records
+
+from tandem.monitor.config import WandbConfig
+from tandem.monitor.metrics import MetricsWriter
+from tandem.monitor.wandb_run import WandbRun
+
+pytest.importorskip("wandb", reason="the wandb extra (uv sync --extra wandb)")
+
+
+def test_a_resumed_run_continues_the_same_wandb_run_without_repeats(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    keep_wandb_home_in(tmp_path / "home", monkeypatch)
+    cfg = WandbConfig(mode="offline", project="p", name="run")
+    run_dir = tmp_path / "run"
+    trainer = MetricsWriter(run_dir / "metrics.jsonl", "trainer")
+    trainer.log(0, loss=1.0)
+    first = WandbRun(cfg, run_dir, resume=False, config={"lr": 0.1}, poll_s=0.01)
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(first.wait_for("trainer", 1, timeout_s=0.2))  # step 1 never comes
+    assert "no trainer metrics for step 1" in caplog.text
+    first.finish(failed=True)
+    trainer.log(1, loss=0.5)  # written while no orchestrator ran
+    MetricsWriter(run_dir / "metrics.jsonl", "orchestrator").log(2, reward_mean=0.25)
+    second = WandbRun(cfg, run_dir, resume=True, config={"lr": 0.1}, poll_s=0.01)
+    asyncio.run(second.wait_for("trainer", 1, timeout_s=10))
+    second.finish(failed=False)
+    assert second.run.id == first.run.id
+
+    runs = offline_runs(run_dir)
+    assert len(runs) == 2  # one directory per orchestrator attempt, both of run `first.run.id`
+    logged = records(runs[1])  # the first attempt's records are the plain forwarding other tests read
+    rows = [{k: v for k, v in h.items() if not k.startswith("_")} for h in history(logged)]
+    assert rows == [
+        {"trainer/step": 1, "trainer/loss": 0.5},
+        {"orchestrator/step": 2, "orchestrator/reward_mean": 0.25},
+    ]
+    (run,) = [r["run"] for r in logged if r["type"] == "run"]
+    assert run["run_id"] == first.run.id and run["resume"] is True
+    assert [r["exit"]["exit_code"] for r in logged if r["type"] == "exit"] == [0]
