@@ -113,4 +113,4 @@ def test_synchronous_run_writes_on_policy_rollouts_and_resumes(
     print(
         f"first run (3 steps + 3 evals) {first_run_s:.1f}s, resumed step {time.monotonic() - started:.1f}s (CPU)"
     )
-    assert json.loads((step_dir(run_dir, 3) / "READY").read_text()) == {"num_ranks": 2}
+    assert json.loads((step_dir(run_dir, 3) / "READY").read_text()) == {"num_ranks": 2, "cp": 1}
