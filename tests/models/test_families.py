@@ -1,8 +1,9 @@
-"""tandem's Qwen3 and Qwen3-MoE equal transformers' reference, and checkpoints go in and out exactly.
+"""tandem's model families equal transformers' reference, and checkpoints go in and out exactly.
 
-Tiny random configs in fp32, built with transformers' own classes (no downloads). Weights are
-drawn large enough (std 0.2) that every layer matters; documents are packed into rows and
-compared with running each document alone through the reference.
+Tiny random configs in fp32, built with transformers' own classes (no downloads). Weights (and
+the routers' score-correction biases) are drawn large enough (std 0.2) that every layer
+matters; documents are packed into rows and compared with running each document alone through
+the reference.
 """
 
 import json
@@ -11,7 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+from transformers import (
+    AutoModelForCausalLM,
+    Glm4MoeConfig,
+    LlamaConfig,
+    MiniMaxM2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from tandem.cli import UserError
 from tandem.config.base import ModelConfig
@@ -40,6 +48,39 @@ CONFIGS = {
         mlp_only_layers=[1],
         tie_word_embeddings=False,
     ),  # fmt: skip
+    # layer 0 dense; 8 experts in 2 groups (the best group only), top-3, scaled, a shared expert;
+    # biased q/k/v with per-head QK norm; half the head rotates
+    "glm4_moe": lambda: Glm4MoeConfig(
+        **{**COMMON, "rope_parameters": {**COMMON["rope_parameters"], "partial_rotary_factor": 0.5}},
+        moe_intermediate_size=16,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        first_k_dense_replace=1,
+        use_qk_norm=True,
+        attention_bias=True,
+        tie_word_embeddings=False,
+    ),
+    # 6 experts top-2 in every layer, QK norm over the whole projection, half the head rotates
+    "minimax_m2": lambda: MiniMaxM2Config(
+        **{
+            **COMMON,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5},
+        },
+        num_local_experts=6,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    ),
+}
+UNSUPPORTED = {  # per family, a config field (with a value) its implementation refuses
+    "qwen3": ("hidden_act", "gelu"),
+    "qwen3_moe": ("hidden_act", "gelu"),
+    "glm4_moe": ("n_shared_experts", 0),
+    "minimax_m2": ("qk_norm_type", "per_head"),
 }
 
 
@@ -50,6 +91,9 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     with torch.no_grad():
         for p in reference.parameters():
             p.normal_(0, 0.2)
+        for name, b in reference.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.2)
     out = tmp_path_factory.mktemp(request.param) / "model"
     reference.save_pretrained(out)
     return out
@@ -59,7 +103,7 @@ def tandem_model(path: Path, attention: str = "sdpa") -> torch.nn.Module:
     reference = AutoModelForCausalLM.from_pretrained(path)
     fam = family(reference.config.model_type)
     model = fam.build(reference.config, attention)
-    load_hf_weights(model, fam.hf_layout(reference.config), path, fam.hf_ignored, CPU_WORLD)
+    load_hf_weights(model, fam.hf_layout(reference.config), path, fam.hf_ignored(reference.config), CPU_WORLD)
     return model, reference
 
 
@@ -69,16 +113,18 @@ def documents(vocab: int, lengths: list[int], seed: int) -> list[torch.Tensor]:
 
 
 def hf_grad(reference: torch.nn.Module, name: str) -> torch.Tensor:
-    """The reference's gradient of a checkpoint tensor; transformers keeps experts fused in memory."""
+    """The reference's gradient of a checkpoint tensor; transformers keeps experts fused in memory
+    (and names MiniMax-M2's `block_sparse_moe` `mlp`, its w1/w3/w2 gate/up/down)."""
     params = dict(reference.named_parameters())
+    name = name.replace(".block_sparse_moe.", ".mlp.")
     if name in params:
         return params[name].grad
     layer, rest = name.split(".experts.")
     expert, proj = int(rest.split(".")[0]), rest.split(".")[1]
-    if proj == "down_proj":
+    if proj in ("down_proj", "w2"):
         return params[f"{layer}.experts.down_proj"].grad[expert]
     gate, up = params[f"{layer}.experts.gate_up_proj"].grad[expert].chunk(2)
-    return gate if proj == "gate_proj" else up
+    return gate if proj in ("gate_proj", "w1") else up
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "sdpa_docs"])
@@ -166,9 +212,11 @@ def test_bad_config_and_parallel_settings_fail_with_one_line(checkpoint: Path, t
     odd = tmp_path / "odd"
     odd.mkdir()
     (odd / "model.safetensors").symlink_to(checkpoint / "model.safetensors")
-    (odd / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
-    with pytest.raises(UserError, match="config field hidden_act = 'gelu' is not supported"):
+    field, value = UNSUPPORTED[config["model_type"]]
+    (odd / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(UserError, match=rf"config field {field} = {value!r} is not supported") as error:
         build_trainer_model(ModelConfig(name=str(odd), device="cpu"), world, ParallelConfig())
+    assert "\n" not in str(error.value)
     with pytest.raises(UserError, match="ep = 2 does not divide the world size 1"):
         build_trainer_model(ModelConfig(name=str(checkpoint), device="cpu"), world, ParallelConfig(ep=2))
 

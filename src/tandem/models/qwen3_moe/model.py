@@ -8,10 +8,11 @@ added to the training loss (`router_aux_loss_coef` is ignored); expert load is l
 
 from transformers import PretrainedConfig
 
+from tandem.models.decoder_config import check_common, rotary
 from tandem.models.layers.mlp import MLP
 from tandem.models.layers.moe import MoE, RouterSpec
 from tandem.models.layers.transformer import CausalLM, DecoderLayer
-from tandem.models.qwen3.model import attention, check_common, rotary
+from tandem.models.qwen3.model import attention
 
 
 def is_sparse(config: PretrainedConfig, i: int) -> bool:

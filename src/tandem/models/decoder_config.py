@@ -1,0 +1,53 @@
+"""Reading the transformers config fields that tandem's decoder families share.
+
+Each helper turns a field into what the shared layers take (a head width, a rotary embedding)
+or refuses a value the layers do not implement, naming the field (registry.require), so an
+unsupported checkpoint fails at load rather than as a shape error or a silent difference.
+"""
+
+from transformers import PretrainedConfig
+
+from tandem.models.layers.rotary import RotaryEmbedding, rope_frequencies
+from tandem.models.registry import require
+
+
+def check_common(config: PretrainedConfig) -> None:
+    """Fields every family here supports in one setting only: SwiGLU with silu, full attention
+    in every layer (no sliding window), no attention dropout."""
+    require(config, "hidden_act", lambda v: v == "silu", "SwiGLU with silu only")
+    require(config, "use_sliding_window", lambda v: not v, "full attention in every layer")
+    require(
+        config,
+        "layer_types",
+        lambda v: v is None or all(t == "full_attention" for t in v),
+        "full attention in every layer",
+    )
+    require(config, "attention_dropout", lambda v: not v, "no attention dropout")
+
+
+def head_dim(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rope_parameters(config: PretrainedConfig) -> dict:
+    return getattr(config, "rope_parameters", None) or {
+        "rope_type": "default",
+        "rope_theta": config.rope_theta,
+    }
+
+
+def partial_rotary_factor(config: PretrainedConfig) -> float:
+    """The fraction of each head's channels that rotate (transformers keeps it in rope_parameters)."""
+    factor = rope_parameters(config).get("partial_rotary_factor")
+    return float(factor if factor is not None else getattr(config, "partial_rotary_factor", None) or 1.0)
+
+
+def rotary(config: PretrainedConfig, rotated_head_dim: int | None = None) -> RotaryEmbedding:
+    """The rotary embedding of `config`: over `rotated_head_dim` (default: the head width) times
+    the partial rotary factor."""
+    width = rotated_head_dim or head_dim(config)
+    factor = partial_rotary_factor(config)
+    inv_freq, scaling = rope_frequencies(
+        rope_parameters(config), width, factor, config.max_position_embeddings
+    )
+    return RotaryEmbedding(inv_freq, scaling)
