@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
     Glm4MoeConfig,
+    GlmMoeDsaConfig,
     LlamaConfig,
     MiniMaxM2Config,
     Qwen3Config,
@@ -75,12 +76,34 @@ CONFIGS = {
         num_experts_per_tok=2,
         tie_word_embeddings=False,
     ),
+    # MLA (v narrower than q/k) with the sparse-attention indexer choosing 4 keys per query in
+    # layers 0 and 2 (layer 1 shares layer 0's choice); layer 0 dense, then GLM-4.5's MoE
+    "glm_moe_dsa": lambda: GlmMoeDsaConfig(
+        **{**COMMON, "num_key_value_heads": 4},
+        q_lora_rank=16,
+        kv_lora_rank=12,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=8,
+        v_head_dim=6,
+        index_topk=4,
+        index_head_dim=8,
+        index_n_heads=4,
+        indexer_types=["full", "shared", "full"],
+        moe_intermediate_size=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        tie_word_embeddings=False,
+    ),
 }
 UNSUPPORTED = {  # per family, a config field (with a value) its implementation refuses
     "qwen3": ("hidden_act", "gelu"),
     "qwen3_moe": ("hidden_act", "gelu"),
     "glm4_moe": ("n_shared_experts", 0),
     "minimax_m2": ("qk_norm_type", "per_head"),
+    "glm_moe_dsa": ("num_key_value_heads", 2),
 }
 
 
@@ -112,6 +135,21 @@ def documents(vocab: int, lengths: list[int], seed: int) -> list[torch.Tensor]:
     return [torch.randint(0, vocab, (n,), generator=generator) for n in lengths]
 
 
+def model_type(checkpoint: Path) -> str:
+    return json.loads((checkpoint / "config.json").read_text())["model_type"]
+
+
+ROWS = [[5, 11, 3], [19]]  # two rows of 19 tokens: three documents, then one
+
+
+def packed_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """The documents of ROWS packed: ids and position ids [2, 19]."""
+    docs = [documents(97, lengths, seed=i) for i, lengths in enumerate(ROWS)]
+    ids = torch.stack([torch.cat(d) for d in docs])
+    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in ROWS])
+    return ids, positions
+
+
 def hf_grad(reference: torch.nn.Module, name: str) -> torch.Tensor:
     """The reference's gradient of a checkpoint tensor; transformers keeps experts fused in memory
     (and names MiniMax-M2's `block_sparse_moe` `mlp`, its w1/w3/w2 gate/up/down)."""
@@ -129,12 +167,12 @@ def hf_grad(reference: torch.nn.Module, name: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("backend", ["sdpa", "sdpa_docs"])
 def test_packed_logits_and_gradients_equal_transformers(checkpoint: Path, backend: str) -> None:
+    if backend != "sdpa" and model_type(checkpoint) not in ("qwen3", "qwen3_moe"):
+        pytest.skip("the other families' attention backends are the Qwen families' code (or unused)")
     model, reference = tandem_model(checkpoint, backend)
-    rows = [[5, 11, 3], [19]]  # two rows of 19 tokens: three documents, then one
-    docs = [documents(97, lengths, seed=i) for i, lengths in enumerate(rows)]
-    ids = torch.stack([torch.cat(d) for d in docs])
-    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
+    ids, positions = packed_batch()
     weights = torch.randn(2, 19, 97, generator=torch.Generator().manual_seed(7))
+    docs = [documents(97, lengths, seed=i) for i, lengths in enumerate(ROWS)]
 
     logits = model(ids, positions)
     (logits * weights).sum().backward()
@@ -145,6 +183,10 @@ def test_packed_logits_and_gradients_equal_transformers(checkpoint: Path, backen
     layouts = family(reference.config.model_type).hf_layout(reference.config)
     compared = 0
     for name, param in model.named_parameters():
+        if param.grad is None:  # GLM-5's indexer: frozen here and in the reference
+            assert ".indexer." in name and not param.requires_grad, name
+            compared += sum(hf_grad(reference, n) is None for n, _ in split_full(layouts[name], param))
+            continue
         for hf_name, grad in split_full(layouts[name], param.grad):
             want = hf_grad(reference, hf_name)
             torch.testing.assert_close(
@@ -152,6 +194,34 @@ def test_packed_logits_and_gradients_equal_transformers(checkpoint: Path, backen
             )
             compared += 1
     assert compared >= len(dict(reference.named_parameters()))
+
+
+def test_glm5_sparse_attention_equals_the_dense_mask(checkpoint: Path) -> None:
+    """GLM-5's sparse path (chosen keys gathered in the latent space, chunk by chunk, recomputed
+    in backward) gives the dense mask's logits and gradients; chunks of 3 queries (indexer) and
+    2 (attention) so that every chunk boundary is crossed."""
+    if model_type(checkpoint) != "glm_moe_dsa":
+        pytest.skip("GLM-5 only")
+    ids, positions = packed_batch()
+    weights = torch.randn(2, 19, 97, generator=torch.Generator().manual_seed(7))
+    results = []
+    for backend in ("sdpa", "varlen"):  # dense, sparse (the backend is not used otherwise)
+        model, _ = tandem_model(checkpoint, backend)
+        for layer in model.layers:
+            layer.attention.sparse_chunk_elements = 2 * 2 * 4 * (12 + 4)  # rows · 2 · k · (L + r)
+            if layer.attention.indexer is not None:
+                layer.attention.indexer.chunk_elements = 2 * 4 * 19 * 3  # rows · heads · width · 3
+        assert model.layers[0].attention.sparse == (backend == "varlen")
+        logits = model(ids, positions)
+        (logits * weights).sum().backward()
+        results.append((logits, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (dense, dense_grads), (sparse, sparse_grads) = results
+    torch.testing.assert_close(sparse, dense, rtol=0, atol=1e-5)
+    assert dense_grads.keys() == sparse_grads.keys()
+    for name, grad in dense_grads.items():
+        torch.testing.assert_close(
+            sparse_grads[name], grad, rtol=1e-5, atol=1e-5 * float(grad.abs().max()), msg=name
+        )
 
 
 def test_checkpoint_round_trip_is_exact(checkpoint: Path, tmp_path: Path) -> None:
@@ -197,12 +267,15 @@ def test_missing_and_misshaped_tensors_fail_naming_the_tensor(checkpoint: Path, 
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text((checkpoint / "config.json").read_text())
-    name = "model.layers.2.self_attn.k_proj.weight"
+    name = "model.layers.2.self_attn.o_proj.weight"
     save_file({k: v for k, v in tensors.items() if k != name}, broken / "model.safetensors")
     with pytest.raises(UserError, match=f"tensor {name} is missing"):
         build_trainer_model(ModelConfig(name=str(broken), device="cpu"), world, ParallelConfig())
     save_file({**tensors, name: tensors[name][:, :-1].contiguous()}, broken / "model.safetensors")
-    with pytest.raises(UserError, match=rf"tensor {name} has shape \[16, 31\], the model needs \[16, 32\]"):
+    rows, cols = tensors[name].shape
+    with pytest.raises(
+        UserError, match=rf"{name} has shape \[{rows}, {cols - 1}\], the model needs \[{rows}, {cols}\]"
+    ):
         build_trainer_model(ModelConfig(name=str(broken), device="cpu"), world, ParallelConfig())
 
 

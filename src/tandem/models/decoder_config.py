@@ -11,16 +11,16 @@ from tandem.models.layers.rotary import RotaryEmbedding, rope_frequencies
 from tandem.models.registry import require
 
 
-def check_common(config: PretrainedConfig) -> None:
-    """Fields every family here supports in one setting only: SwiGLU with silu, full attention
-    in every layer (no sliding window), no attention dropout."""
+def check_common(config: PretrainedConfig, layer_type: str = "full_attention") -> None:
+    """Fields every family here supports in one setting only: SwiGLU with silu, one attention
+    type in every layer (`layer_type`: no sliding window), no attention dropout."""
     require(config, "hidden_act", lambda v: v == "silu", "SwiGLU with silu only")
     require(config, "use_sliding_window", lambda v: not v, "full attention in every layer")
     require(
         config,
         "layer_types",
-        lambda v: v is None or all(t == "full_attention" for t in v),
-        "full attention in every layer",
+        lambda v: v is None or all(t == layer_type for t in v),
+        f"{layer_type} in every layer",
     )
     require(config, "attention_dropout", lambda v: not v, "no attention dropout")
 

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from tandem.models.layers.transformer import CausalLM
     from tandem.models.parallelism import ParallelPlan
 
-FAMILIES = ("qwen3", "qwen3_moe", "glm4_moe", "minimax_m2")
+FAMILIES = ("qwen3", "qwen3_moe", "glm4_moe", "minimax_m2", "glm_moe_dsa")
 
 
 class UnsupportedConfig(ValueError):

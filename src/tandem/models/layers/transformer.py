@@ -113,12 +113,18 @@ class CausalLM(nn.Module):
         return self.embed.weight if self.head is None else self.head.weight
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        docs = PackedDocs.from_positions(position_ids, self.attention_backend)
         x = self.embed(input_ids)
         cos, sin = self.rotary(position_ids, x.dtype)
+        return self.norm(self.blocks(x, cos, sin, position_ids))
+
+    def blocks(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The decoder layers over x (a family that passes more between layers overrides this)."""
+        docs = PackedDocs.from_positions(position_ids, self.attention_backend)
         for layer in self.layers:
             x = layer(x, cos, sin, docs)
-        return self.norm(x)
+        return x
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Full logits [rows, width, vocab] (for tests and small batches; training uses sequence_logprobs)."""
@@ -144,7 +150,7 @@ class CausalLM(nn.Module):
                 nn.init.normal_(module.weight, std=std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
-            elif isinstance(module, RMSNorm):
+            elif isinstance(module, (RMSNorm, nn.LayerNorm)):
                 module.reset_parameters()
             elif hasattr(module, "init_weights") and module is not self:
                 module.init_weights(std)
