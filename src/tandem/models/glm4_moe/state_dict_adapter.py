@@ -29,7 +29,7 @@ def moe_layout(config: PretrainedConfig, i: int) -> dict[str, Layout]:
     shared = config.moe_intermediate_size * config.n_shared_experts
     return {
         f"{ours}.router.weight": Source(f"{hf}.gate.weight"),
-        f"{ours}.router.score_bias": Source(f"{hf}.gate.e_score_correction_bias"),
+        f"{ours}.router.e_score_correction_bias": Source(f"{hf}.gate.e_score_correction_bias"),
         **experts_layout(
             f"{hf}.experts", f"{ours}.experts", config.n_routed_experts, config.moe_intermediate_size
         ),

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from tandem.models.layers.rotary import apply_rotary_interleaved
 
 INDEX_CHUNK_ELEMENTS = 1 << 26  # at most this many fp32 scores [rows, chunk, heads, width] at once
-SPARSE_CHUNK_ELEMENTS = 1 << 26  # at most this many gathered latent channels [rows, chunk, topk, dim]
+SPARSE_CHUNK_ELEMENTS = 1 << 28  # at most this many gathered latent channels [rows, chunk, topk, dim]
 
 
 @dataclass

@@ -56,21 +56,25 @@ class Router(nn.Module):
         super().__init__()
         self.spec = spec
         self.weight = nn.Parameter(torch.empty(spec.num_experts, dim))
-        if spec.correction_bias:
-            self.register_buffer("score_bias", torch.zeros(spec.num_experts))
+        if spec.correction_bias:  # (named as checkpoints name it: the engine's names are theirs)
+            self.register_buffer("e_score_correction_bias", torch.zeros(spec.num_experts))
         else:
-            self.score_bias = None
+            self.e_score_correction_bias = None
 
     def init_weights(self, std: float) -> None:
         nn.init.normal_(self.weight, std=std)
-        if self.score_bias is not None:
-            nn.init.zeros_(self.score_bias)
+        if self.e_score_correction_bias is not None:
+            nn.init.zeros_(self.e_score_correction_bias)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, dim] → (weights [T, k] fp32, expert indices [T, k])."""
+    def forward(
+        self, x: torch.Tensor, correction_bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, dim] → (weights [T, k] fp32, expert indices [T, k]); `correction_bias` stands in
+        for the router's own (where a checkpoint keeps it outside the router, as MiniMax-M2's)."""
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.softmax(-1) if self.spec.score == "softmax" else logits.sigmoid()
-        choice = scores if self.score_bias is None else scores + self.score_bias.float()
+        bias = self.e_score_correction_bias if correction_bias is None else correction_bias
+        choice = scores if bias is None else scores + bias.float()
         if self.spec.groups > 1:
             choice = self._in_best_groups(choice)
         indices = choice.topk(self.spec.top_k, dim=-1).indices

@@ -19,7 +19,7 @@ def hf_layout(config: PretrainedConfig) -> dict[str, Layout]:
         layout |= norms_layout(i)
         layout |= attention_layout(config, i, qk_norm=True, qkv_bias=False, out_bias=False)
         layout[f"{ours}.router.weight"] = Source(f"{hf}.gate.weight")
-        layout[f"{ours}.router.score_bias"] = Source(f"{hf}.e_score_correction_bias")
+        layout[f"{ours}.router.e_score_correction_bias"] = Source(f"{hf}.e_score_correction_bias")
         layout |= experts_layout(f"{hf}.experts", f"{ours}.experts", config.num_local_experts,
                                  config.intermediate_size, EXPERT_NAMES)  # fmt: skip
     return layout
