@@ -5,9 +5,11 @@ or refuses a value the layers do not implement, naming the field (registry.requi
 unsupported checkpoint fails at load rather than as a shape error or a silent difference.
 """
 
+from torch import nn
 from transformers import PretrainedConfig
 
 from tandem.models.layers.rotary import RotaryEmbedding, rope_frequencies
+from tandem.models.layers.transformer import Attention, CausalLM
 from tandem.models.registry import require
 
 
@@ -51,3 +53,37 @@ def rotary(config: PretrainedConfig, rotated_head_dim: int | None = None) -> Rot
         rope_parameters(config), width, factor, config.max_position_embeddings
     )
     return RotaryEmbedding(inv_freq, scaling)
+
+
+def gqa_attention(config: PretrainedConfig, qk_norm: str | None, qkv_bias: bool, out_bias: bool) -> Attention:
+    """Grouped-query attention of the config's heads, with the family's QK norm and biases."""
+    return Attention(
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        head_dim(config),
+        qk_norm=qk_norm,
+        eps=config.rms_norm_eps,
+        qkv_bias=qkv_bias,
+        out_bias=out_bias,
+    )
+
+
+def causal_lm(
+    config: PretrainedConfig,
+    layers: list[nn.Module],
+    attention_backend: str,
+    rotary_embedding: RotaryEmbedding | None = None,
+    cls: type[CausalLM] = CausalLM,
+) -> CausalLM:
+    """The decoder shell around a family's layers: the config's vocabulary, width, norm epsilon,
+    tying, and its rotary embedding unless the family brings its own."""
+    return cls(
+        config.vocab_size,
+        config.hidden_size,
+        layers,
+        rotary_embedding or rotary(config),
+        config.rms_norm_eps,
+        bool(config.tie_word_embeddings),
+        attention_backend,
+    )

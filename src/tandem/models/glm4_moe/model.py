@@ -12,7 +12,7 @@ not trained (the state-dict adapter lists it as ignored), as transformers does.
 
 from transformers import PretrainedConfig
 
-from tandem.models.decoder_config import check_common, head_dim, rotary
+from tandem.models.decoder_config import causal_lm, check_common, gqa_attention
 from tandem.models.layers.mlp import MLP
 from tandem.models.layers.moe import MoE, RouterSpec
 from tandem.models.layers.transformer import Attention, CausalLM, DecoderLayer
@@ -49,16 +49,8 @@ def moe(config: PretrainedConfig) -> MoE:
 
 
 def attention(config: PretrainedConfig) -> Attention:
-    return Attention(
-        config.hidden_size,
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        head_dim(config),
-        qk_norm="head" if config.use_qk_norm else None,
-        eps=config.rms_norm_eps,
-        qkv_bias=bool(config.attention_bias),
-        out_bias=False,
-    )
+    qk_norm = "head" if config.use_qk_norm else None
+    return gqa_attention(config, qk_norm, qkv_bias=bool(config.attention_bias), out_bias=False)
 
 
 def build(config: PretrainedConfig, attention_backend: str) -> CausalLM:
@@ -69,12 +61,4 @@ def build(config: PretrainedConfig, attention_backend: str) -> CausalLM:
                      dim, eps)
         for i in range(config.num_hidden_layers)
     ]  # fmt: skip
-    return CausalLM(
-        config.vocab_size,
-        dim,
-        layers,
-        rotary(config),
-        eps,
-        bool(config.tie_word_embeddings),
-        attention_backend,
-    )
+    return causal_lm(config, layers, attention_backend)

@@ -16,7 +16,7 @@ import math
 import torch
 from transformers import PretrainedConfig
 
-from tandem.models.decoder_config import check_common, rope_parameters, rotary
+from tandem.models.decoder_config import causal_lm, check_common, rope_parameters, rotary
 from tandem.models.glm4_moe.model import moe
 from tandem.models.layers.dsa import Indexer, TokenDocuments
 from tandem.models.layers.mla import LatentAttention
@@ -105,12 +105,6 @@ def build(config: PretrainedConfig, attention_backend: str) -> CausalLM:
                             moe(config) if is_sparse(config, i) else MLP(dim, config.intermediate_size), dim, eps)
         for i in range(config.num_hidden_layers)
     ]  # fmt: skip
-    return IndexedCausalLM(
-        config.vocab_size,
-        dim,
-        layers,
-        rotary(config, config.qk_rope_head_dim),
-        eps,
-        bool(config.tie_word_embeddings),
-        attention_backend,
+    return causal_lm(
+        config, layers, attention_backend, rotary(config, config.qk_rope_head_dim), IndexedCausalLM
     )

@@ -10,9 +10,9 @@ transformers ignores are checked where they name something else than what both i
 
 from transformers import PretrainedConfig
 
-from tandem.models.decoder_config import check_common, head_dim, rotary
+from tandem.models.decoder_config import causal_lm, check_common, gqa_attention
 from tandem.models.layers.moe import MoE, RouterSpec
-from tandem.models.layers.transformer import Attention, CausalLM, DecoderLayer
+from tandem.models.layers.transformer import CausalLM, DecoderLayer
 from tandem.models.registry import require
 
 
@@ -41,31 +41,13 @@ def router_spec(config: PretrainedConfig) -> RouterSpec:
     )
 
 
-def attention(config: PretrainedConfig) -> Attention:
-    return Attention(
-        config.hidden_size,
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        head_dim(config),
-        qk_norm="full",
-        eps=config.rms_norm_eps,
-    )
-
-
 def build(config: PretrainedConfig, attention_backend: str) -> CausalLM:
     check_common(config)
     check_published_fields(config)
     dim, eps = config.hidden_size, config.rms_norm_eps
     layers = [
-        DecoderLayer(attention(config), MoE(dim, config.intermediate_size, router_spec(config)), dim, eps)
+        DecoderLayer(gqa_attention(config, "full", qkv_bias=False, out_bias=False),
+                     MoE(dim, config.intermediate_size, router_spec(config)), dim, eps)
         for _ in range(config.num_hidden_layers)
-    ]
-    return CausalLM(
-        config.vocab_size,
-        dim,
-        layers,
-        rotary(config),
-        eps,
-        bool(config.tie_word_embeddings),
-        attention_backend,
-    )
+    ]  # fmt: skip
+    return causal_lm(config, layers, attention_backend)

@@ -7,22 +7,14 @@ field, rather than as a shape error or a silent difference later.
 
 from transformers import PretrainedConfig
 
-from tandem.models.decoder_config import check_common, head_dim, rotary
+from tandem.models.decoder_config import causal_lm, check_common, gqa_attention
 from tandem.models.layers.mlp import MLP
 from tandem.models.layers.transformer import Attention, CausalLM, DecoderLayer
 
 
 def attention(config: PretrainedConfig) -> Attention:
-    return Attention(
-        config.hidden_size,
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        head_dim(config),
-        qk_norm="head",
-        eps=config.rms_norm_eps,
-        qkv_bias=bool(config.attention_bias),
-        out_bias=bool(config.attention_bias),
-    )
+    bias = bool(config.attention_bias)
+    return gqa_attention(config, "head", qkv_bias=bias, out_bias=bias)
 
 
 def build(config: PretrainedConfig, attention_backend: str) -> CausalLM:
@@ -32,12 +24,4 @@ def build(config: PretrainedConfig, attention_backend: str) -> CausalLM:
                      config.rms_norm_eps)
         for _ in range(config.num_hidden_layers)
     ]  # fmt: skip
-    return CausalLM(
-        config.vocab_size,
-        config.hidden_size,
-        layers,
-        rotary(config),
-        config.rms_norm_eps,
-        bool(config.tie_word_embeddings),
-        attention_backend,
-    )
+    return causal_lm(config, layers, attention_backend)
