@@ -18,10 +18,17 @@ drawn once with a fixed seed), random-init weights, one optimizer step per itera
   per micro-batch), fresh samples every step, so shapes vary as they do in a run.
 - `attention`: the packed-attention backends alone (forward + backward of one layer's
   attention at the 0.6B shape on the same documents).
+- `glm-4.5-air`, `minimax-m2`, `glm-5` (`--variants families` runs their tandem and hf
+  variants): the published configs' layer shapes (benchmarks/bench_models.py FAMILY_SHAPES)
+  with the layer count cut to fit one H200's 141 GB: GLM-4.5-Air 2 layers (1 dense + 1 MoE),
+  MiniMax-M2 1, GLM-5 2 (1 dense + 1 MoE, weights and AdamW state in bf16: one MoE layer is
+  9.7B parameters). GLM-5's tandem variant takes the sparse attention path (auto on CUDA).
 
 MFU counts, per document of T tokens, 6·N·T + 6·L·d·T² FLOPs (N: parameters that take part in
-matmuls, i.e. all but an untied input embedding — for MoE only the active experts' share; L
-layers; d the attention width, heads × head_dim; the causal half of 12·L·d·T²), against
+matmuls, i.e. all but an untied input embedding — for MoE only the active experts' share, shared
+experts included; L layers; d the attention width, heads × (q/k width + v width) / 2; the
+causal half of 12·L·d·T²; for GLM-5 only the query-key pairs the indexer keeps, Σ min(t+1,
+index_topk), and the indexer's own forward over every causal pair), against
 989 TFLOP/s (H100/H200 dense bf16). Tokens/s and MFU are medians over the timed steps after
 `--warmup` untimed ones; peak memory is torch's max allocated over the whole run.
 """
@@ -54,15 +61,23 @@ SHAPES = {
                 head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
                 num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False),
 }  # fmt: skip
+FAMILY_CUTS = {"glm-4.5-air": (2, None), "minimax-m2": (1, None), "glm-5": (2, 1)}  # (layers, dense layers)
+FAMILY_WEIGHTS = {"glm-5": "bfloat16"}  # master weights (and AdamW state) where fp32 would not fit
+FAMILY_VARIANTS = ",".join(f"{shape}:{impl}" for shape in FAMILY_CUTS for impl in ("tandem", "hf"))
 DEFAULT_VARIANTS = (
     "attention,0.6b:tandem,0.6b:hf,0.6b:hf_compiled,rl:tandem,rl:hf,"
-    "1.7b:tandem,1.7b:hf,1.7b:hf_compiled,moe:tandem,moe:hf,moe:hf_compiled"
+    "1.7b:tandem,1.7b:hf,1.7b:hf_compiled,moe:tandem,moe:hf,moe:hf_compiled," + FAMILY_VARIANTS
 )
 
 
 def hf_config(shape: str):  # noqa: ANN201 (a transformers config)
     from transformers import Qwen3Config, Qwen3MoeConfig
 
+    if shape in FAMILY_CUTS:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_models import family_config
+
+        return family_config(shape, *FAMILY_CUTS[shape])
     fields = dict(SHAPES["0.6b" if shape == "rl" else shape])
     cls = Qwen3MoeConfig if "num_experts" in fields else Qwen3Config
     return cls(
@@ -92,24 +107,50 @@ def packed_batch(vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.
     return ids.to(device), positions.to(device), [n for row in docs for n in row]
 
 
+def attention_params(config) -> float:  # noqa: ANN001
+    d, heads = config.hidden_size, config.num_attention_heads
+    if config.model_type == "glm_moe_dsa":  # MLA (the indexer runs without gradient: not here)
+        qk, c = config.qk_nope_head_dim + config.qk_rope_head_dim, config
+        return (d * (c.q_lora_rank + c.kv_lora_rank + c.qk_rope_head_dim) + c.q_lora_rank * heads * qk
+                + c.kv_lora_rank * heads * (c.qk_nope_head_dim + c.v_head_dim) + heads * c.v_head_dim * d)  # fmt: skip
+    q, kv = heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    return d * (q + 2 * kv) + q * d
+
+
+def mlp_params(config, layer: int) -> float:  # noqa: ANN001
+    """Active matmul parameters of one layer's MLP: the chosen experts, shared ones, the router."""
+    d = config.hidden_size
+    experts = getattr(config, "num_experts", 0) or getattr(config, "n_routed_experts", 0)
+    experts = experts or getattr(config, "num_local_experts", 0)
+    dense = layer < getattr(config, "first_k_dense_replace", 0)
+    if not experts or dense:
+        return 3 * d * config.intermediate_size
+    size = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    shared = getattr(config, "n_shared_experts", 0) or 0
+    return (config.num_experts_per_tok + shared) * 3 * d * size + experts * d
+
+
 def matmul_params(config) -> float:  # noqa: ANN001
     """Parameters that take part in matmuls per token (active experts only)."""
-    d, L = config.hidden_size, config.num_hidden_layers
-    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    attention = d * (q + 2 * kv) + q * d
-    if getattr(config, "num_experts", 0):
-        mlp = config.num_experts_per_tok * 3 * d * config.moe_intermediate_size + config.num_experts * d
-    else:
-        mlp = 3 * d * config.intermediate_size
-    return L * (attention + mlp) + config.vocab_size * d  # + the output head (tied or not)
+    L = config.num_hidden_layers
+    layers = sum(attention_params(config) + mlp_params(config, i) for i in range(L))
+    return layers + config.vocab_size * config.hidden_size  # + the output head (tied or not)
 
 
 def step_flops(config, doc_lengths: list[int]) -> float:  # noqa: ANN001
+    """6·N·T plus attention: 12·L·d·(query-key pairs), the pairs causal (and, for GLM-5, those the
+    indexer keeps), d = heads × (q/k + v width) / 2; plus GLM-5's indexer forward."""
+    tokens, L = sum(doc_lengths), config.num_hidden_layers
+    if config.model_type == "glm_moe_dsa":
+        qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+        d_attn = config.num_attention_heads * (qk + config.v_head_dim) / 2
+        k = config.index_topk
+        pairs = sum(min(n, k) * (min(n, k) + 1) / 2 + max(0, n - k) * k for n in doc_lengths)
+        indexer = 2 * config.index_n_heads * config.index_head_dim * sum(n * n / 2 for n in doc_lengths)
+        indexer += 2 * tokens * config.index_n_heads * config.index_head_dim * config.q_lora_rank
+        return 6 * matmul_params(config) * tokens + 12 * L * d_attn * pairs + L * indexer
     d_attn = config.num_attention_heads * config.head_dim
-    tokens = sum(doc_lengths)
-    return 6 * matmul_params(config) * tokens + 6 * config.num_hidden_layers * d_attn * sum(
-        n * n for n in doc_lengths
-    )
+    return 6 * matmul_params(config) * tokens + 6 * L * d_attn * sum(n * n for n in doc_lengths)
 
 
 PROFILE_DIR: Path | None = None  # --profile: where each variant writes its kernel table
@@ -164,9 +205,8 @@ def run_tandem(shape: str, attention: str, steps: int, warmup: int) -> dict:
     world = init_distributed("cuda")
     with tempfile.TemporaryDirectory() as tmp:
         name = str(write_config_dir(config, Path(tmp)))
-        model = build_trainer_model(
-            ModelConfig(name=name, attention=attention), world, ParallelConfig(), load_weights=False
-        )
+        model_cfg = ModelConfig(name=name, attention=attention, dtype=FAMILY_WEIGHTS.get(shape, "auto"))
+        model = build_trainer_model(model_cfg, world, ParallelConfig(), load_weights=False)
     model.init_weights()
     optimizer = build_optimizer(model, OptimConfig(lr=1e-5))
     ids, positions, docs = packed_batch(config.vocab_size, world.device)
@@ -375,7 +415,9 @@ def print_table(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--variants", default=DEFAULT_VARIANTS)
+    parser.add_argument(
+        "--variants", default=DEFAULT_VARIANTS, help="comma-separated; 'families' = " + FAMILY_VARIANTS
+    )
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "trainer_mfu.jsonl")
@@ -399,7 +441,7 @@ def main() -> None:
         return
     args.out.parent.mkdir(parents=True, exist_ok=True)
     done = len(args.out.read_text().splitlines()) if args.out.exists() else 0
-    for variant in args.variants.split(","):
+    for variant in args.variants.replace("families", FAMILY_VARIANTS).split(","):
         print(f"== {variant}", flush=True)
         command = [
             sys.executable,

@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine.api import SamplingParams
 from tandem.inference.engine.core import EngineCore
-from tandem.inference.engine.models.qwen3_moe import SparseMoeBlock
+from tandem.inference.engine.models.moe import SparseMoeBlock
 from tandem.inference.engine.weights import read_checkpoint
 from tandem.models.layers.moe import MoE
 from tandem.models.qwen3_moe.model import router_spec
@@ -31,7 +31,7 @@ def test_the_block_computes_what_the_trainers_moe_layer_computes(moe_model: Path
     trainer = MoE(config.hidden_size, config.moe_intermediate_size, router_spec(config)).to(dtype)
     for p in trainer.parameters():
         p.data.normal_(std=0.1)
-    block = SparseMoeBlock(config).to(dtype)
+    block = SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, router_spec(config)).to(dtype)
     block.gate.weight.data.copy_(trainer.router.weight)
     size = config.moe_intermediate_size
     for e, expert in enumerate(block.experts):

@@ -1,8 +1,9 @@
-"""tandem's Qwen3 and Qwen3-MoE equal transformers' reference, and checkpoints go in and out exactly.
+"""tandem's model families equal transformers' reference, and checkpoints go in and out exactly.
 
-Tiny random configs in fp32, built with transformers' own classes (no downloads). Weights are
-drawn large enough (std 0.2) that every layer matters; documents are packed into rows and
-compared with running each document alone through the reference.
+Tiny random configs in fp32, built with transformers' own classes (no downloads). Weights (and
+the routers' score-correction biases) are drawn large enough (std 0.2) that every layer
+matters; documents are packed into rows and compared with running each document alone through
+the reference.
 """
 
 import json
@@ -11,7 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+from transformers import (
+    AutoModelForCausalLM,
+    Glm4MoeConfig,
+    GlmMoeDsaConfig,
+    LlamaConfig,
+    MiniMaxM2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from tandem.cli import UserError
 from tandem.config.base import ModelConfig
@@ -40,6 +49,61 @@ CONFIGS = {
         mlp_only_layers=[1],
         tie_word_embeddings=False,
     ),  # fmt: skip
+    # layer 0 dense; 8 experts in 2 groups (the best group only), top-3, scaled, a shared expert;
+    # biased q/k/v with per-head QK norm; half the head rotates
+    "glm4_moe": lambda: Glm4MoeConfig(
+        **{**COMMON, "rope_parameters": {**COMMON["rope_parameters"], "partial_rotary_factor": 0.5}},
+        moe_intermediate_size=16,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        first_k_dense_replace=1,
+        use_qk_norm=True,
+        attention_bias=True,
+        tie_word_embeddings=False,
+    ),
+    # 6 experts top-2 in every layer, QK norm over the whole projection, half the head rotates
+    "minimax_m2": lambda: MiniMaxM2Config(
+        **{
+            **COMMON,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5},
+        },
+        num_local_experts=6,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    ),
+    # MLA (v narrower than q/k) with the sparse-attention indexer choosing 4 keys per query in
+    # layers 0 and 2 (layer 1 shares layer 0's choice); layer 0 dense, then GLM-4.5's MoE
+    "glm_moe_dsa": lambda: GlmMoeDsaConfig(
+        **{**COMMON, "num_key_value_heads": 4},
+        q_lora_rank=16,
+        kv_lora_rank=12,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=8,
+        v_head_dim=6,
+        index_topk=4,
+        index_head_dim=8,
+        index_n_heads=4,
+        indexer_types=["full", "shared", "full"],
+        moe_intermediate_size=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        tie_word_embeddings=False,
+    ),
+}
+UNSUPPORTED = {  # per family, a config field (with a value) its implementation refuses
+    "qwen3": ("hidden_act", "gelu"),
+    "qwen3_moe": ("hidden_act", "gelu"),
+    "glm4_moe": ("n_shared_experts", 0),
+    "minimax_m2": ("qk_norm_type", "per_head"),
+    "glm_moe_dsa": ("num_key_value_heads", 2),
 }
 
 
@@ -50,6 +114,9 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     with torch.no_grad():
         for p in reference.parameters():
             p.normal_(0, 0.2)
+        for name, b in reference.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.2)
     out = tmp_path_factory.mktemp(request.param) / "model"
     reference.save_pretrained(out)
     return out
@@ -59,7 +126,7 @@ def tandem_model(path: Path, attention: str = "sdpa") -> torch.nn.Module:
     reference = AutoModelForCausalLM.from_pretrained(path)
     fam = family(reference.config.model_type)
     model = fam.build(reference.config, attention)
-    load_hf_weights(model, fam.hf_layout(reference.config), path, fam.hf_ignored, CPU_WORLD)
+    load_hf_weights(model, fam.hf_layout(reference.config), path, fam.hf_ignored(reference.config), CPU_WORLD)
     return model, reference
 
 
@@ -68,27 +135,44 @@ def documents(vocab: int, lengths: list[int], seed: int) -> list[torch.Tensor]:
     return [torch.randint(0, vocab, (n,), generator=generator) for n in lengths]
 
 
+def model_type(checkpoint: Path) -> str:
+    return json.loads((checkpoint / "config.json").read_text())["model_type"]
+
+
+ROWS = [[5, 11, 3], [19]]  # two rows of 19 tokens: three documents, then one
+
+
+def packed_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """The documents of ROWS packed: ids and position ids [2, 19]."""
+    docs = [documents(97, lengths, seed=i) for i, lengths in enumerate(ROWS)]
+    ids = torch.stack([torch.cat(d) for d in docs])
+    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in ROWS])
+    return ids, positions
+
+
 def hf_grad(reference: torch.nn.Module, name: str) -> torch.Tensor:
-    """The reference's gradient of a checkpoint tensor; transformers keeps experts fused in memory."""
+    """The reference's gradient of a checkpoint tensor; transformers keeps experts fused in memory
+    (and names MiniMax-M2's `block_sparse_moe` `mlp`, its w1/w3/w2 gate/up/down)."""
     params = dict(reference.named_parameters())
+    name = name.replace(".block_sparse_moe.", ".mlp.")
     if name in params:
         return params[name].grad
     layer, rest = name.split(".experts.")
     expert, proj = int(rest.split(".")[0]), rest.split(".")[1]
-    if proj == "down_proj":
+    if proj in ("down_proj", "w2"):
         return params[f"{layer}.experts.down_proj"].grad[expert]
     gate, up = params[f"{layer}.experts.gate_up_proj"].grad[expert].chunk(2)
-    return gate if proj == "gate_proj" else up
+    return gate if proj in ("gate_proj", "w1") else up
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "sdpa_docs"])
 def test_packed_logits_and_gradients_equal_transformers(checkpoint: Path, backend: str) -> None:
+    if backend != "sdpa" and model_type(checkpoint) not in ("qwen3", "qwen3_moe"):
+        pytest.skip("the other families' attention backends are the Qwen families' code (or unused)")
     model, reference = tandem_model(checkpoint, backend)
-    rows = [[5, 11, 3], [19]]  # two rows of 19 tokens: three documents, then one
-    docs = [documents(97, lengths, seed=i) for i, lengths in enumerate(rows)]
-    ids = torch.stack([torch.cat(d) for d in docs])
-    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
+    ids, positions = packed_batch()
     weights = torch.randn(2, 19, 97, generator=torch.Generator().manual_seed(7))
+    docs = [documents(97, lengths, seed=i) for i, lengths in enumerate(ROWS)]
 
     logits = model(ids, positions)
     (logits * weights).sum().backward()
@@ -99,6 +183,10 @@ def test_packed_logits_and_gradients_equal_transformers(checkpoint: Path, backen
     layouts = family(reference.config.model_type).hf_layout(reference.config)
     compared = 0
     for name, param in model.named_parameters():
+        if param.grad is None:  # GLM-5's indexer: frozen here and in the reference
+            assert ".indexer." in name and not param.requires_grad, name
+            compared += sum(hf_grad(reference, n) is None for n, _ in split_full(layouts[name], param))
+            continue
         for hf_name, grad in split_full(layouts[name], param.grad):
             want = hf_grad(reference, hf_name)
             torch.testing.assert_close(
@@ -106,6 +194,34 @@ def test_packed_logits_and_gradients_equal_transformers(checkpoint: Path, backen
             )
             compared += 1
     assert compared >= len(dict(reference.named_parameters()))
+
+
+def test_glm5_sparse_attention_equals_the_dense_mask(checkpoint: Path) -> None:
+    """GLM-5's sparse path (chosen keys gathered in the latent space, chunk by chunk, recomputed
+    in backward) gives the dense mask's logits and gradients; chunks of 3 queries (indexer) and
+    2 (attention) so that every chunk boundary is crossed."""
+    if model_type(checkpoint) != "glm_moe_dsa":
+        pytest.skip("GLM-5 only")
+    ids, positions = packed_batch()
+    weights = torch.randn(2, 19, 97, generator=torch.Generator().manual_seed(7))
+    results = []
+    for backend in ("sdpa", "varlen"):  # dense, sparse (the backend is not used otherwise)
+        model, _ = tandem_model(checkpoint, backend)
+        for layer in model.layers:
+            layer.attention.sparse_chunk_elements = 2 * 2 * 4 * (12 + 4)  # rows · 2 · k · (L + r)
+            if layer.attention.indexer is not None:
+                layer.attention.indexer.chunk_elements = 2 * 4 * 19 * 3  # rows · heads · width · 3
+        assert model.layers[0].attention.sparse == (backend == "varlen")
+        logits = model(ids, positions)
+        (logits * weights).sum().backward()
+        results.append((logits, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (dense, dense_grads), (sparse, sparse_grads) = results
+    torch.testing.assert_close(sparse, dense, rtol=0, atol=1e-5)
+    assert dense_grads.keys() == sparse_grads.keys()
+    for name, grad in dense_grads.items():
+        torch.testing.assert_close(
+            sparse_grads[name], grad, rtol=1e-5, atol=1e-5 * float(grad.abs().max()), msg=name
+        )
 
 
 def test_checkpoint_round_trip_is_exact(checkpoint: Path, tmp_path: Path) -> None:
@@ -151,12 +267,15 @@ def test_missing_and_misshaped_tensors_fail_naming_the_tensor(checkpoint: Path, 
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text((checkpoint / "config.json").read_text())
-    name = "model.layers.2.self_attn.k_proj.weight"
+    name = "model.layers.2.self_attn.o_proj.weight"
     save_file({k: v for k, v in tensors.items() if k != name}, broken / "model.safetensors")
     with pytest.raises(UserError, match=f"tensor {name} is missing"):
         build_trainer_model(ModelConfig(name=str(broken), device="cpu"), world, ParallelConfig())
     save_file({**tensors, name: tensors[name][:, :-1].contiguous()}, broken / "model.safetensors")
-    with pytest.raises(UserError, match=rf"tensor {name} has shape \[16, 31\], the model needs \[16, 32\]"):
+    rows, cols = tensors[name].shape
+    with pytest.raises(
+        UserError, match=rf"{name} has shape \[{rows}, {cols - 1}\], the model needs \[{rows}, {cols}\]"
+    ):
         build_trainer_model(ModelConfig(name=str(broken), device="cpu"), world, ParallelConfig())
 
 
@@ -166,9 +285,11 @@ def test_bad_config_and_parallel_settings_fail_with_one_line(checkpoint: Path, t
     odd = tmp_path / "odd"
     odd.mkdir()
     (odd / "model.safetensors").symlink_to(checkpoint / "model.safetensors")
-    (odd / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
-    with pytest.raises(UserError, match="config field hidden_act = 'gelu' is not supported"):
+    field, value = UNSUPPORTED[config["model_type"]]
+    (odd / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(UserError, match=rf"config field {field} = {value!r} is not supported") as error:
         build_trainer_model(ModelConfig(name=str(odd), device="cpu"), world, ParallelConfig())
+    assert "\n" not in str(error.value)
     with pytest.raises(UserError, match="ep = 2 does not divide the world size 1"):
         build_trainer_model(ModelConfig(name=str(checkpoint), device="cpu"), world, ParallelConfig(ep=2))
 

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from tandem.models.layers.transformer import CausalLM
     from tandem.models.parallelism import ParallelPlan
 
-FAMILIES = ("qwen3", "qwen3_moe")
+FAMILIES = ("qwen3", "qwen3_moe", "glm4_moe", "minimax_m2", "glm_moe_dsa")
 
 
 class UnsupportedConfig(ValueError):
@@ -32,7 +32,8 @@ class Family:
     build: "Callable[[PretrainedConfig, str], CausalLM]"  # (config, attention backend) → model
     hf_layout: "Callable[[PretrainedConfig], dict[str, Layout]]"  # tandem name → checkpoint layout
     parallelize: "Callable[[CausalLM, ParallelPlan], None]"
-    hf_ignored: tuple[str, ...] = ()  # checkpoint tensors that are read by nothing, on purpose
+    # checkpoint tensors that are read by nothing, on purpose: names, or prefixes ending in "."
+    hf_ignored: "Callable[[PretrainedConfig], tuple[str, ...]]" = lambda config: ()
 
 
 def family(model_type: str) -> Family:
@@ -47,8 +48,16 @@ def family(model_type: str) -> Family:
         model.build,
         adapter.hf_layout,
         parallel.parallelize,
-        getattr(adapter, "HF_IGNORED", ()),
+        _ignored(adapter),
     )
+
+
+def _ignored(adapter: Any) -> "Callable[[PretrainedConfig], tuple[str, ...]]":
+    """The adapter's `hf_ignored(config)`, or its constant `HF_IGNORED`."""
+    if hasattr(adapter, "hf_ignored"):
+        return adapter.hf_ignored
+    names = getattr(adapter, "HF_IGNORED", ())
+    return lambda config: names
 
 
 def require(config: Any, field: str, allowed: Callable[[Any], bool], what: str) -> Any:

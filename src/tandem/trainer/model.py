@@ -129,7 +129,7 @@ def build_trainer_model(
     model.to_empty(device=world.device)
     model.reset_buffers()
     if load_weights:
-        load_hf_weights(model, layouts, local_checkpoint_dir(cfg.name), fam.hf_ignored, world)
+        load_hf_weights(model, layouts, local_checkpoint_dir(cfg.name), fam.hf_ignored(config), world)
     if lora is not None:
         init_lora(model, seed, _fill_local)
     register_fsdp_forward_method(model, "sequence_logprobs")
@@ -198,9 +198,14 @@ def load_hf_weights(
         local.copy_(read_region(reader, layouts[name], region))
     if world.is_main:
         used = {s for name, t in tensors.items() for s, _ in expected_sources(layouts[name], tuple(t.shape))}
-        unused = sorted(set(reader.weight_map) - used - set(ignored))
+        unused = sorted(n for n in set(reader.weight_map) - used if not _is_ignored(n, ignored))
         if unused:
             print(
                 f"trainer: {len(unused)} checkpoint tensors are not used by the model, e.g. {unused[0]}",
                 flush=True,
             )
+
+
+def _is_ignored(name: str, ignored: tuple[str, ...]) -> bool:
+    """Whether `name` is one of `ignored`, or starts with one of its prefixes (ending in ".")."""
+    return any(name == i or (i.endswith(".") and name.startswith(i)) for i in ignored)

@@ -64,6 +64,7 @@ class AttentionMetadata:
     decodes: Decodes | None = None
     prompts: Prompts | None = None
     chunks: list[Chunks] = field(default_factory=list)  # groups small enough to gather at once
+    index_choice: list[torch.Tensor] | None = None  # GLM-5: the last indexer's chosen keys, per group
 
 
 def write_kv(

@@ -24,6 +24,7 @@ import torch
 from tandem.cli import UserError
 from tandem.inference.engine.attention import AttentionMetadata, Chunks, Decodes, Prompts
 from tandem.inference.engine.block_manager import BlockManager
+from tandem.inference.engine.models import model_class
 from tandem.inference.engine.scheduler import ScheduledBatch
 from tandem.inference.engine.sequence import PLACEHOLDER, Sequence
 from tandem.inference.engine.transfer import copy_to, host_to_device, to_device
@@ -41,9 +42,8 @@ ID, POSITION, SLOT, CONTEXT, FEED = range(5)  # rows of a decode step's packed i
 
 
 def kv_bytes_per_block(config: object, block_size: int, dtype: torch.dtype) -> int:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
-    return per_token * block_size * torch.finfo(dtype).bits // 8
+    per_layer = sum(math.prod(shape) for shape in model_class(config).cache_shapes(config))
+    return config.num_hidden_layers * per_layer * block_size * torch.finfo(dtype).bits // 8
 
 
 def kv_cache_blocks(
@@ -124,10 +124,13 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         config = model.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        shape = (2, config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads, head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(config.num_hidden_layers)]
+        layers = config.num_hidden_layers
+        self.kv_cache = [  # per cache part (keys, values; or a latent and indexer keys): [layers, blocks, ...]
+            torch.zeros((layers, num_blocks, block_size, *shape), dtype=dtype, device=device)
+            for shape in model.cache_shapes(config)
+        ]
+        self.kv_caches = [tuple(part[i] for part in self.kv_cache) for i in range(layers)]
+        self.prompts_from_cache = getattr(model, "prompts_from_cache", False)
         self.sampled = torch.zeros(max_rows, dtype=torch.int64, device=device)  # the last step's draws
         self.use_graphs = cuda_graphs and device.type == "cuda" and model.graph_safe(dtype)
         self.max_graph_batch = (
@@ -141,7 +144,8 @@ class ModelRunner:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
             src, dst = self._tensor([[p[0] for p in pairs], [p[1] for p in pairs]])
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+            for part in self.kv_cache:
+                part[:, dst] = part[:, src]
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, blocks: BlockManager, feed: Feed | None = None) -> RunOutput:
@@ -170,7 +174,8 @@ class ModelRunner:
             slots += [blocks.slot(seq, p) for p in range(start, end)]
             if end == seq.num_tokens:
                 last_rows.append(len(ids) - 1)
-            (decodes if count == 1 else prompts if start == 0 else chunks).append(i)
+            whole = start == 0 and not self.prompts_from_cache  # (else attended as a chunk over the cache)
+            (decodes if count == 1 else prompts if whole else chunks).append(i)
         meta = AttentionMetadata(slot_mapping=self._tensor(slots))
         if decodes:
             seqs = [batch.seqs[i] for i in decodes]

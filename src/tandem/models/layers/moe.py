@@ -3,7 +3,10 @@
 Routing, per token x:  logits = x·Wᵀ (fp32),  s = softmax(logits) or sigmoid(logits);
 the top-k experts are chosen by s + b (b: the optional score-correction bias of aux-loss-free
 balancing, a buffer the optimizer never touches) and weighted by s itself, renormalised to sum
-to 1 if the config says so, times `routed_scaling`. Each chosen expert computes
+to 1 if the config says so, times `routed_scaling`. With expert groups (DeepSeek-style grouped
+routing: `groups` > 1) the experts are split into equal groups, each group is scored by the sum
+of its two best s + b, and the top-k is taken only among the experts of the `top_groups` best
+groups. Each chosen expert computes
 down(silu(gate(x)) * up(x)); the block returns Σ weight · expert(x), plus shared experts (always
 on, unweighted) where the family has them.
 
@@ -37,6 +40,15 @@ class RouterSpec:
     renormalize: bool = True
     routed_scaling: float = 1.0
     correction_bias: bool = False
+    groups: int = 1
+    top_groups: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_experts % self.groups or not 1 <= self.top_groups <= self.groups:
+            raise ValueError(
+                f"{self.num_experts} experts in {self.groups} groups, {self.top_groups} chosen: "
+                "the groups must divide the experts and at most all groups can be chosen"
+            )
 
 
 class Router(nn.Module):
@@ -44,24 +56,40 @@ class Router(nn.Module):
         super().__init__()
         self.spec = spec
         self.weight = nn.Parameter(torch.empty(spec.num_experts, dim))
-        if spec.correction_bias:
-            self.register_buffer("score_bias", torch.zeros(spec.num_experts))
+        if spec.correction_bias:  # (named as checkpoints name it: the engine's names are theirs)
+            self.register_buffer("e_score_correction_bias", torch.zeros(spec.num_experts))
         else:
-            self.score_bias = None
+            self.e_score_correction_bias = None
 
     def init_weights(self, std: float) -> None:
         nn.init.normal_(self.weight, std=std)
+        if self.e_score_correction_bias is not None:
+            nn.init.zeros_(self.e_score_correction_bias)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, dim] → (weights [T, k] fp32, expert indices [T, k])."""
+    def forward(
+        self, x: torch.Tensor, correction_bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, dim] → (weights [T, k] fp32, expert indices [T, k]); `correction_bias` stands in
+        for the router's own (where a checkpoint keeps it outside the router, as MiniMax-M2's)."""
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.softmax(-1) if self.spec.score == "softmax" else logits.sigmoid()
-        choice = scores if self.score_bias is None else scores + self.score_bias.float()
+        bias = self.e_score_correction_bias if correction_bias is None else correction_bias
+        choice = scores if bias is None else scores + bias.float()
+        if self.spec.groups > 1:
+            choice = self._in_best_groups(choice)
         indices = choice.topk(self.spec.top_k, dim=-1).indices
         weights = scores.gather(1, indices)
         if self.spec.renormalize:
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
         return weights * self.spec.routed_scaling, indices
+
+    def _in_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """`choice` with the experts outside each token's `top_groups` best groups set to -inf."""
+        grouped = choice.view(choice.shape[0], self.spec.groups, -1)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        best = group_scores.topk(self.spec.top_groups, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
 
 
 Dispatcher = Callable[[torch.Tensor, torch.Tensor, Callable], torch.Tensor]

@@ -86,3 +86,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         return x * cos + rotate_half(x) * sin
     rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
     return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's rotary layout: channel pairs (x0, x1), (x2, x3), … of x [B, S, heads, rotary_dim]
+    each rotate by one frequency. The result is laid out de-interleaved (the rotated first
+    members of the pairs, then the second members), as transformers' reference returns it;
+    queries and keys get the same layout, so their dot products are those of the rotation."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half].unsqueeze(2), sin[..., :half].unsqueeze(2)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -126,9 +126,20 @@ class CausalLM(nn.Module):
             )
         x = self.embed(input_ids)
         cos, sin = self.rotary(position_ids, x.dtype)
+        return self.norm(self.blocks(x, cos, sin, docs, position_ids))
+
+    def blocks(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        docs: PackedDocs,
+        position_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """The decoder layers over x (a family that passes more between layers overrides this)."""
         for layer in self.layers:
             x = layer(x, cos, sin, docs)
-        return self.norm(x)
+        return x
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Full logits [rows, width, vocab] (for tests and small batches; training uses sequence_logprobs)."""
@@ -162,7 +173,7 @@ class CausalLM(nn.Module):
                 nn.init.normal_(module.weight, std=std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
-            elif isinstance(module, RMSNorm):
+            elif isinstance(module, (RMSNorm, nn.LayerNorm)):
                 module.reset_parameters()
             elif hasattr(module, "init_weights") and module is not self:
                 module.init_weights(std)

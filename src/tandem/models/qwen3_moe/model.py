@@ -8,10 +8,11 @@ added to the training loss (`router_aux_loss_coef` is ignored); expert load is l
 
 from transformers import PretrainedConfig
 
+from tandem.models.decoder_config import causal_lm, check_common
 from tandem.models.layers.mlp import MLP
 from tandem.models.layers.moe import MoE, RouterSpec
 from tandem.models.layers.transformer import CausalLM, DecoderLayer
-from tandem.models.qwen3.model import attention, check_common, rotary
+from tandem.models.qwen3.model import attention
 
 
 def is_sparse(config: PretrainedConfig, i: int) -> bool:
@@ -41,12 +42,4 @@ def build(config: PretrainedConfig, attention_backend: str) -> CausalLM:
         else:
             mlp = MLP(dim, config.intermediate_size)
         layers.append(DecoderLayer(attention(config), mlp, dim, eps))
-    return CausalLM(
-        config.vocab_size,
-        dim,
-        layers,
-        rotary(config),
-        eps,
-        bool(config.tie_word_embeddings),
-        attention_backend,
-    )
+    return causal_lm(config, layers, attention_backend)

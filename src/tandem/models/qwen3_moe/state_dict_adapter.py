@@ -3,26 +3,12 @@
 
 from transformers import PretrainedConfig
 
-from tandem.models.hf_checkpoint import Concat, Layout, Source, Stack
-from tandem.models.qwen3.state_dict_adapter import HF_IGNORED, block_layout, dense_mlp_layout, outer_layout
+from tandem.models.hf_checkpoint import Layout, Source
+from tandem.models.layouts import TIED_HEAD, dense_mlp_layout, experts_layout, outer_layout
+from tandem.models.qwen3.state_dict_adapter import block_layout
 from tandem.models.qwen3_moe.model import is_sparse
 
-__all__ = ["HF_IGNORED", "hf_layout", "experts_layout"]
-
-
-def experts_layout(hf: str, ours: str, num_experts: int, hidden_dim: int) -> dict[str, Layout]:
-    """Experts `hf`.{e}.gate_proj/up_proj/down_proj.weight ↔ `ours`.w_gate_up [E, 2I, H], w_down [E, H, I]."""
-    gate_up = Stack(
-        tuple(
-            Concat(
-                (Source(f"{hf}.{e}.gate_proj.weight"), Source(f"{hf}.{e}.up_proj.weight")),
-                (hidden_dim, hidden_dim),
-            )
-            for e in range(num_experts)
-        )
-    )
-    down = Stack(tuple(Source(f"{hf}.{e}.down_proj.weight") for e in range(num_experts)))
-    return {f"{ours}.w_gate_up": gate_up, f"{ours}.w_down": down}
+HF_IGNORED = TIED_HEAD
 
 
 def hf_layout(config: PretrainedConfig) -> dict[str, Layout]:

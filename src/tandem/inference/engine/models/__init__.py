@@ -11,8 +11,10 @@ of it; a family subclasses it and says what its layers' MLPs are):
 - `forward(input_ids [T], positions [T], kv_caches, meta)` → hidden states [T, hidden] after the
   final norm, for the flattened tokens of a step (attention.py's metadata says which is which);
   `logits(hidden)` → [rows, vocab].
-- `config` carries what sizes the KV cache: `num_hidden_layers`, `num_key_value_heads`,
-  `head_dim` (or `hidden_size / num_attention_heads`), `vocab_size`.
+- `cache_shapes(config)` is, per token and layer, the shape of each part of the paged cache (keys
+  and values, [num_key_value_heads, head_dim] each, unless the family stores something else);
+  `config` carries `num_hidden_layers` and `vocab_size`. A family with `prompts_from_cache`
+  set has its whole prompts attended over the cache, like prompt chunks (attention.py).
 - `checkpoint_tensors()` is what a weight update may address (weights.py); `projections()` are
   the matmuls FP8 may take over (fp8.py); `graph_safe(dtype)` says whether a decode step can be
   captured in a CUDA graph.
@@ -23,13 +25,19 @@ from transformers import PreTrainedModel
 
 from tandem.cli import UserError
 from tandem.inference.engine.fp8 import quantize_model
+from tandem.inference.engine.models.glm4_moe import Glm4MoeForCausalLM
+from tandem.inference.engine.models.glm_moe_dsa import GlmMoeDsaForCausalLM
 from tandem.inference.engine.models.layers import CausalLM
+from tandem.inference.engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from tandem.inference.engine.models.qwen3 import Qwen3ForCausalLM
 from tandem.inference.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
+    "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
 }
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from tandem.inference.engine.attention import AttentionMetadata, paged_attention, write_kv
+from tandem.models.decoder_config import head_dim, partial_rotary_factor
 
 try:
     from tandem.inference.engine import kernels
@@ -28,10 +29,18 @@ except ImportError:  # no Triton: the torch path everywhere
 @dataclass
 class Rope:
     positions: torch.Tensor
-    cos_table: torch.Tensor  # [max_positions, head_dim], float32
+    cos_table: torch.Tensor  # [max_positions, rotary_dim], float32
     sin_table: torch.Tensor
     cos: torch.Tensor | None = None  # the rows of `positions`, in the activation dtype (torch path)
     sin: torch.Tensor | None = None
+
+    def rows(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the step's positions [T, 1, rotary_dim] in `dtype`, gathered once per step
+        by the first layer that needs them (the fused kernels read the tables instead)."""
+        if self.cos is None:
+            self.cos = self.cos_table[self.positions].to(dtype)[:, None, :]
+            self.sin = self.sin_table[self.positions].to(dtype)[:, None, :]
+        return self.cos, self.sin
 
 
 class Projection:
@@ -109,52 +118,70 @@ def rope_theta(config: PretrainedConfig) -> float:
     return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
 
 
-class RotaryEmbedding(nn.Module):
-    """cos/sin table computed in float32 like the reference, cast to the activations' dtype on use."""
+def rotary_dim(config: PretrainedConfig, width: int | None = None) -> int:
+    """The rotating channels of a head of `width` (default: the head width), by the partial factor."""
+    return int((width or head_dim(config)) * partial_rotary_factor(config))
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin table [max_positions, dim] computed in float32 like the reference, cast to the
+    activations' dtype on use; `dim` is the rotating part of a head (all of it unless partial)."""
+
+    def __init__(self, dim: int, theta: float, max_positions: int) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype, gather: bool) -> Rope:
-        rope = Rope(positions, self.cos, self.sin)
-        if gather:
-            rope.cos = self.cos[positions].to(dtype)[:, None, :]
-            rope.sin = self.sin[positions].to(dtype)[:, None, :]
-        return rope
+    def forward(self, positions: torch.Tensor) -> Rope:
+        return Rope(positions, self.cos, self.sin)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
+    """Rotate the first cos.shape[-1] channels of x (all, unless the rotary embedding is partial)."""
+    dim = cos.shape[-1]
+    if dim < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :dim], cos, sin), x[..., dim:]], dim=-1)
+    half = dim // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
 
 
-def head_dim(config: PretrainedConfig) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 class Attention(nn.Module):
-    """Grouped-query attention with per-head q/k RMSNorm (Qwen3's) and rotary embeddings."""
+    """Grouped-query attention with rotary embeddings (partial where the config says so) and q/k
+    RMSNorm per head (`qk_norm = "head"`: Qwen3, GLM-4.5), over the whole projection ("full":
+    MiniMax-M2) or none. q/k/v carry the config's `attention_bias`, o_proj too unless `out_bias`
+    says otherwise. The fused Triton kernel covers per-head norm with full rotation; the other
+    variants take the torch path on CUDA too."""
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(
+        self, config: PretrainedConfig, qk_norm: str | None = "head", out_bias: bool | None = None
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim(config)
         self.scale = self.head_dim**-0.5
-        bias = getattr(config, "attention_bias", False)
+        bias = bool(getattr(config, "attention_bias", False))
         hidden = config.hidden_size
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.o_proj = nn.Linear(
+            self.num_heads * self.head_dim, hidden, bias=bias if out_bias is None else out_bias
+        )
+        self.qk_norm = qk_norm
+        if qk_norm is not None:
+            per_head = qk_norm == "head"
+            self.q_norm = RMSNorm(
+                self.head_dim if per_head else self.q_proj.out_features, config.rms_norm_eps
+            )
+            self.k_norm = RMSNorm(
+                self.head_dim if per_head else self.k_proj.out_features, config.rms_norm_eps
+            )
+        self.fusable = qk_norm == "head" and rotary_dim(config) == self.head_dim  # the kernel's case
         self.use_kernels = False
         self.qkv: Projection | None = None
         self.out: Projection | None = None
@@ -172,7 +199,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv(x)
-        if self.use_kernels:
+        if self.use_kernels and self.fusable:
             q, k, v = kernels.qk_norm_rope_store(
                 qkv, self.num_heads, self.num_kv_heads, self.head_dim,
                 self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
@@ -181,10 +208,15 @@ class Attention(nn.Module):
         else:
             kv_width = self.num_kv_heads * self.head_dim
             q, k, v = qkv.split([self.num_heads * self.head_dim, kv_width, kv_width], -1)
-            q = self.q_norm.normalize(q.reshape(tokens, self.num_heads, self.head_dim))
-            k = self.k_norm.normalize(k.reshape(tokens, self.num_kv_heads, self.head_dim))
+            if self.qk_norm == "full":
+                q, k = self.q_norm.normalize(q), self.k_norm.normalize(k)
+            q = q.reshape(tokens, self.num_heads, self.head_dim)
+            k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
+            if self.qk_norm == "head":
+                q, k = self.q_norm.normalize(q), self.k_norm.normalize(k)
             v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
-            q, k = apply_rope(q, rope.cos, rope.sin), apply_rope(k, rope.cos, rope.sin)
+            cos, sin = rope.rows(x.dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             write_kv(*kv_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, *kv_cache, meta, self.scale)
         return self.out(out.reshape(tokens, self.num_heads * self.head_dim))
@@ -215,10 +247,13 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, mlp: nn.Module) -> None:
+    """Pre-norm block; its MLP is stored under the checkpoint's name for it (`mlp_name`)."""
+
+    def __init__(self, config: PretrainedConfig, attention: nn.Module, mlp: nn.Module, mlp_name: str) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = mlp
+        self.self_attn = attention
+        setattr(self, mlp_name, mlp)
+        self.mlp_name = mlp_name
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -233,12 +268,15 @@ class DecoderLayer(nn.Module):
         """x is the previous block's output, not yet added to the residual stream."""
         h, residual = self.input_layernorm(x, residual)
         h, residual = self.post_attention_layernorm(self.self_attn(h, rope, kv_cache, meta), residual)
-        return self.mlp(h), residual
+        return getattr(self, self.mlp_name)(h), residual
 
 
 class CausalLM(nn.Module):
     """Embedding, decoder layers, final norm and output head. A family subclasses it and says
-    what each layer's MLP is (`mlp`); everything the engine calls is defined here."""
+    what each layer's MLP is (`mlp`, stored as `mlp_name`) and, where it is not Qwen3's, its
+    attention (`attention`); everything the engine calls is defined here."""
+
+    mlp_name = "mlp"
 
     def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
         super().__init__()
@@ -246,7 +284,8 @@ class CausalLM(nn.Module):
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.model.layers = nn.ModuleList(
-            DecoderLayer(config, self.mlp(config, i)) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, self.attention(config, i), self.mlp(config, i), self.mlp_name)
+            for i in range(config.num_hidden_layers)
         )
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -260,12 +299,21 @@ class CausalLM(nn.Module):
         """The MLP of layer `index` (the family's choice)."""
         raise NotImplementedError
 
+    def attention(self, config: PretrainedConfig, index: int) -> nn.Module:
+        """The attention of layer `index`: Qwen3's unless the family says otherwise."""
+        return Attention(config)
+
     @classmethod
     def from_transformers(
         cls, state_dict: dict[str, torch.Tensor], config: PretrainedConfig
     ) -> dict[str, torch.Tensor]:
         """A transformers model's tensors under this class's (checkpoint) names; the same by default."""
         return state_dict
+
+    @classmethod
+    def cache_shapes(cls, config: PretrainedConfig) -> list[tuple[int, ...]]:
+        """Per token and layer, the shape of each part of the paged cache: keys and values."""
+        return [(config.num_key_value_heads, head_dim(config))] * 2
 
     def graph_safe(self, dtype: torch.dtype) -> bool:
         """Whether a decode step in `dtype` runs without host syncs (so a CUDA graph can capture it)."""
@@ -290,7 +338,7 @@ class CausalLM(nn.Module):
                     yield f"{name}.{attr}", projection
 
     def _rotary(self) -> RotaryEmbedding:
-        return RotaryEmbedding(head_dim(self.config), rope_theta(self.config), self.max_positions)
+        return RotaryEmbedding(rotary_dim(self.config), rope_theta(self.config), self.max_positions)
 
     def prepare(self, device: torch.device, use_kernels: bool) -> None:
         """After loading weights onto the meta model: build the rope table on `device`, fuse the
@@ -313,7 +361,7 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token."""
         x = self.model.embed_tokens(input_ids)
-        rope = self.rotary(positions, x.dtype, gather=not self.use_kernels)
+        rope = self.rotary(positions)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, rope, kv_cache, meta)

@@ -1,0 +1,1 @@
+"""GLM-5 (transformers model type `glm_moe_dsa`): MLA with DeepSeek sparse attention."""

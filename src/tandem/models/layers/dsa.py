@@ -1,0 +1,185 @@
+"""DeepSeek sparse attention (GLM-5): a lightning indexer picks, per query, the `topk` keys of its
+document it may attend to; attention then reads only those.
+
+Indexer, per query token t and key token s of the same document, s ≤ t (H index heads of D):
+
+    q = rotary(wq · q_resid_t)  [H, D],   k = rotary(LayerNorm(wk · x_s))  [D],   w = weights_proj · x_t  [H]
+    score(t, s) = Σ_h  w_h · H^-½ · relu(q_h · k · D^-½)
+
+and the top `index_topk` keys by score are kept (all of them when the document is shorter).
+As in transformers' reference the indexer runs without gradient: it is not trained, its
+weights stay those of the checkpoint. Scores are formed a chunk of queries at a time, so the
+indexer holds [rows, chunk, H, width] at once, never [rows, width, width] per head.
+
+Two ways to attend to the chosen keys, equal up to rounding:
+
+- dense (`TokenDocuments.visible` & chosen as one boolean mask and one SDPA call over the
+  expanded keys: O(width²) memory; any device, the reference path);
+- sparse (`sparse_latent_attention`): per chunk of queries, gather the chosen keys' compressed
+  latents and attend in MLA's absorbed form (below); each chunk is recomputed in backward, so
+  memory is O(width · topk) for the indices plus one chunk's gather, not O(width²).
+
+Absorbed MLA: with W_UK, W_UV the per-head key and value up-projections of the latent c,
+q_nope · (W_UK c) = (W_UKᵀ q_nope) · c and Σ p·(W_UV c) = W_UV (Σ p·c), so keys and values
+never leave the latent space (kv_lora_rank + rope channels per token, shared by all heads).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tandem.models.layers.rotary import apply_rotary_interleaved
+
+INDEX_CHUNK_ELEMENTS = 1 << 26  # at most this many fp32 scores [rows, chunk, heads, width] at once
+SPARSE_CHUNK_ELEMENTS = 1 << 28  # at most this many gathered latent channels [rows, chunk, topk, dim]
+
+
+@dataclass
+class TokenDocuments:
+    """Which document each token of a packed batch belongs to: doc_ids [rows, width]."""
+
+    doc_ids: torch.Tensor
+
+    @classmethod
+    def from_positions(cls, position_ids: torch.Tensor) -> "TokenDocuments":
+        starts = position_ids == 0
+        starts[:, 0] = True  # a row always begins a document
+        return cls(starts.cumsum(dim=1))
+
+    def visible(self, start: int, end: int) -> torch.Tensor:
+        """[rows, end - start, width]: query start + i may see key j (same document, j ≤ its position)."""
+        width = self.doc_ids.shape[1]
+        query = torch.arange(start, end, device=self.doc_ids.device)
+        causal = torch.arange(width, device=self.doc_ids.device)[None, :] <= query[:, None]
+        return (self.doc_ids[:, start:end, None] == self.doc_ids[:, None, :]) & causal
+
+    def visible_chosen(self, chosen: torch.Tensor, start: int) -> torch.Tensor:
+        """chosen key indices [rows, C, k] of the queries start…start + C → whether each is visible."""
+        rows, count, k = chosen.shape
+        query = torch.arange(start, start + count, device=chosen.device)
+        key_doc = self.doc_ids.gather(1, chosen.reshape(rows, count * k)).view(rows, count, k)
+        return (key_doc == self.doc_ids[:, start : start + count, None]) & (chosen <= query[None, :, None])
+
+
+def chunk_size(elements_per_query: int, budget: int) -> int:
+    return max(1, budget // max(1, elements_per_query))
+
+
+class Indexer(nn.Module):
+    """The lightning indexer of one layer (see the module docstring); frozen."""
+
+    def __init__(
+        self, dim: int, q_lora_rank: int, heads: int, head_dim: int, rope_dim: int, topk: int
+    ) -> None:
+        super().__init__()
+        self.heads, self.head_dim, self.rope_dim, self.topk = heads, head_dim, rope_dim, topk
+        self.wq = nn.Linear(q_lora_rank, heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(dim, heads, bias=False)
+        self.requires_grad_(False)
+        self.chunk_elements = INDEX_CHUNK_ELEMENTS
+
+    @torch.no_grad()
+    def forward(
+        self,
+        x: torch.Tensor,
+        q_resid: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        docs: TokenDocuments,
+    ) -> torch.Tensor:
+        """x [rows, width, dim], q_resid [rows, width, q_lora_rank] → chosen keys [rows, width, k],
+        k = min(topk, width); a query with fewer visible keys than k also gets invisible ones,
+        which attention masks."""
+        rows, width, _ = x.shape
+        q = self.wq(q_resid).view(rows, width, self.heads, self.head_dim)
+        k = self.k_norm(self.wk(x))[:, :, None]
+        q = self._rotate(q, cos, sin).float()
+        k = self._rotate(k, cos, sin)[:, :, 0].float()
+        weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.heads**-0.5
+        keys = k.transpose(-1, -2)[:, None]  # [rows, 1, D, width]
+        count = min(self.topk, width)
+        chosen = []
+        step = chunk_size(rows * self.heads * width, self.chunk_elements)
+        for start in range(0, width, step):
+            end = min(start + step, width)
+            scores = F.relu(torch.matmul(q[:, start:end], keys) * self.head_dim**-0.5)  # [rows, C, H, width]
+            index = torch.matmul(weights[:, start:end, None], scores).squeeze(-2)  # [rows, C, width]
+            index = index.masked_fill(~docs.visible(start, end), float("-inf"))
+            chosen.append(index.topk(count, dim=-1).indices)
+        return torch.cat(chosen, dim=1)
+
+    def _rotate(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = t.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        return torch.cat([apply_rotary_interleaved(rot, cos, sin), rest], dim=-1)
+
+
+def chosen_mask(chosen: torch.Tensor, width: int) -> torch.Tensor:
+    """Key indices [rows, width, k] → bool [rows, width, width], True at the chosen keys."""
+    mask = torch.zeros(*chosen.shape[:2], width, dtype=torch.bool, device=chosen.device)
+    return mask.scatter_(-1, chosen, True)
+
+
+def sparse_latent_attention(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent: torch.Tensor,
+    k_rope: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    chosen: torch.Tensor,
+    docs: TokenDocuments,
+    scale: float,
+    chunk_elements: int = SPARSE_CHUNK_ELEMENTS,
+) -> torch.Tensor:
+    """Attention of each query over its chosen keys, in the latent space (module docstring).
+
+    q_nope [rows, width, H, n], q_rope [rows, width, H, r], latent [rows, width, L] (normed),
+    k_rope [rows, width, r] (rotated), w_uk [H, n, L], w_uv [H, v, L], chosen [rows, width, k]
+    → [rows, width, H, v].
+    """
+    rows, width, _ = latent.shape
+    k = chosen.shape[-1]
+    step = chunk_size(rows * k * (latent.shape[-1] + k_rope.shape[-1]), chunk_elements)
+    keys = torch.cat([latent, k_rope], dim=-1)  # [rows, width, L + r]: one gather per chunk
+    q_latent = torch.einsum("bshn,hnl->bshl", q_nope, w_uk)
+    queries = torch.cat([q_latent, q_rope], dim=-1)  # [rows, width, H, L + r]
+    outs = []
+    for start in range(0, width, step):
+        end = min(start + step, width)
+        visible = docs.visible_chosen(chosen[:, start:end], start)
+        outs.append(
+            checkpoint(
+                _chunk_attention,
+                queries[:, start:end],
+                keys,
+                chosen[:, start:end],
+                visible,
+                latent.shape[-1],
+                scale,
+                use_reentrant=False,
+            )  # fmt: skip
+        )
+    return torch.einsum("bshl,hvl->bshv", torch.cat(outs, dim=1), w_uv)
+
+
+def _chunk_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    chosen: torch.Tensor,
+    visible: torch.Tensor,
+    rank: int,
+    scale: float,
+) -> torch.Tensor:
+    """One chunk of queries [rows, C, H, L + r] over its chosen keys → latent outputs [rows, C, H, L]."""
+    rows, count, k = chosen.shape
+    picked = keys.gather(1, chosen.reshape(rows, count * k, 1).expand(-1, -1, keys.shape[-1]))
+    picked = picked.view(rows, count, k, keys.shape[-1])
+    scores = torch.einsum("bchd,bckd->bchk", queries, picked) * scale
+    scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
+    probs = scores.float().softmax(-1).to(queries.dtype)
+    return torch.einsum("bchk,bckl->bchl", probs, picked[..., :rank])

@@ -1,0 +1,1 @@
+"""MiniMax-M2 (transformers model type `minimax_m2`)."""
