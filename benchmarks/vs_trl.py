@@ -26,11 +26,15 @@ evaluator; both evaluators are run on the start checkpoint and printed, so they 
 """
 
 import argparse
+import difflib
 import json
 import os
+import random
 import signal
+import string
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -38,7 +42,6 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from tandem.envs.reverse_text import make_tasks
 from tandem.models.loading import save_model
 from tandem.models.tiny import TinyShape, tiny_qwen3_config
 
@@ -47,17 +50,22 @@ CHATML = (
     "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-ENGLISH = (
-    "The quick brown fox jumps over the lazy dog. Reinforcement learning trains a policy from "
-    "rewards; supervised fine-tuning imitates answers. Please reverse the following text, sort "
-    "these words, answer the question and explain your reasoning in a few sentences. "
-)
+PROMPT_EXAMPLE = "Reverse the following text: "
+
+
+def english_corpus() -> list[str]:
+    """English prose for the tokenizer: the docstrings of a few standard-library modules."""
+    modules = (argparse, difflib, json, random, string, textwrap)
+    return [m.__doc__ or "" for m in modules] + [PROMPT_EXAMPLE] * 50
+
+
 EVAL_MAX_TOKENS = 32
 
 
 def train_foreign_tokenizer() -> PreTrainedTokenizerFast:
-    """A 512-token byte-level BPE unlike tandem's: standard GPT-2 pre-tokenization, merges learned
-    over letters too, from English text and reverse-text chats (as a user's own tokenizer would be)."""
+    """A 512-token byte-level BPE unlike tandem's: standard GPT-2 pre-tokenization with merges
+    learned from English prose, so letter strings split into English-like pieces ("th", "er"...),
+    not letter by letter."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -68,8 +76,7 @@ def train_foreign_tokenizer() -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    chats = [f"user\n{t.messages[0]['content']}\nassistant\n{t.answer}\n" for t in make_tasks("train", 2000)]
-    tokenizer.train_from_iterator([ENGLISH] * 200 + chats, trainer=trainer)
+    tokenizer.train_from_iterator(english_corpus(), trainer=trainer)
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token="<|im_end|>",
