@@ -19,6 +19,7 @@ from tandem.models.loading import load_tokenizer
 from tandem.monitor.metrics import MetricsWriter
 from tandem.monitor.progress import TrainingProgress
 from tandem.orchestrator.client import ServerPool
+from tandem.orchestrator.collapse import CollapseWatch
 from tandem.orchestrator.config import OrchestratorConfig
 from tandem.orchestrator.evaluation import evaluate
 from tandem.orchestrator.prompt_check import check_prompt_lengths
@@ -105,6 +106,7 @@ class Orchestrator:
         self.policy = PolicySync(cfg.run_dir, self.pool, cfg.weights)
         self.collector = RolloutCollector(self.members, self.pool, cfg)
         self.metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl", source="orchestrator")
+        self.collapse = CollapseWatch(cfg.eval.collapse_evals)
 
     async def run(self) -> None:
         """Connect, then run the steps with the weight watcher beside them; either failing stops both."""
@@ -145,6 +147,8 @@ class Orchestrator:
             stats["eval/reward_mean"],
             "".join(f", {k} {v:.4f}" for k, v in metrics.items()),
         )
+        if warning := self.collapse.evaluated(step, stats["eval/reward_mean"]):
+            log.warning(warning)
 
     async def final_eval(self) -> None:
         """Evaluate the policy trained on every step (weights/step_{max_steps})."""
@@ -209,6 +213,7 @@ class Orchestrator:
         write_step(cfg.run_dir, step, per_group, cp=cfg.cp)
         stats = step_metrics(batch, item.waited, time.perf_counter() - item.began)
         self.metrics.log(step, **stats)
+        self.collapse.add(batch.trajectories)
         log.debug("wrote %s", step_dir(cfg.run_dir, step))
         progress.update(
             step + 1,
