@@ -93,3 +93,17 @@ def test_seeded_sampling_is_reproducible_across_batches(tiny_model: Path) -> Non
     assert len({tuple(v) for v in alone.values()}) == 3  # the n samples differ from each other
     reseeded = _tokens(core, {"a": (ids, SamplingParams(**{**params.__dict__, "seed": 43}), 3)})["a"]
     assert reseeded != alone
+
+
+def test_fan_out_counts_against_max_num_seqs(tiny_model: Path) -> None:
+    """Prompts with n > 1 admitted together: their forks must fit the step's row buffer
+    (max_num_seqs + max_n); counted as one sequence each, 8 prompts × n 8 drew 64 rows of 24."""
+    config = {
+        "model": {"name": str(tiny_model)},
+        "engine": {"kv_cache_memory_gb": 0.25, "max_num_seqs": 16, "max_n": 8},
+    }
+    core = EngineCore(InferenceConfig.model_validate(config))
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=0)
+    requests = {f"p{i}": (core.tokenizer.encode(f"prompt {i}"), params, 8) for i in range(8)}
+    out = _tokens(core, requests)
+    assert all(len(samples) == 8 and all(len(t) == 4 for t in samples.values()) for samples in out.values())

@@ -99,9 +99,11 @@ class Scheduler:
         """Waiting sequences join. A joining prompt's full blocks are registered in the prefix
         cache at once, so a later one in this same batch already shares them: each layer writes
         every token's keys and values before any attention reads the cache."""
+        # Rows, not sequences: a prompt not yet forked becomes `fan_out` sequences when it finishes.
+        occupied = sum(s.fan_out for s in self.running)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if self.running and len(self.running) + seq.fan_out > self.max_num_seqs:
+            if self.running and occupied + seq.fan_out > self.max_num_seqs:
                 break
             hit = self.blocks.match_prefix(seq)
             count = min(seq.num_uncached, budget)
@@ -113,6 +115,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
+            occupied += seq.fan_out
             batch.seqs.append(seq)
             batch.num_new_tokens.append(count)
             budget -= count
