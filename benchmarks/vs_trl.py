@@ -2,27 +2,30 @@
 
     uv run python benchmarks/vs_trl.py                      # 10 minutes each, on this machine
     uv run python benchmarks/vs_trl.py --minutes 2          # a quick end-to-end check
-    uv run python benchmarks/vs_trl.py --tandem-arg=--trainer.optim.lr --tandem-arg=5e-5
+    uv run python benchmarks/vs_trl.py --only tandem --tandem-arg=--trainer.optim.lr --tandem-arg=5e-5
 
 Steps, one after the other, everything under `--out` (default runs/vs_trl):
-1. start checkpoint (`start/`, built once): a 4.9M-parameter Qwen3 (6 layers, hidden 256) with its
-   own tokenizer — a 512-token byte-level BPE trained here with the `tokenizers` library on English
-   text and reverse-text prompts, GPT-2-style pre-tokenization (letters merge into multi-letter
-   tokens, unlike tandem's letter-by-letter tokenizer) and a ChatML chat template — under-trained by
-   tandem's `sft` on reverse text (4–8 letters, `--sft-steps`) to a held-out reward of about 0.6.
-2. TRL (`trl/`): GRPOTrainer in its own virtual environment (`trl-venv/`, made here with
-   `python3 -m venv` + `pip install trl==1.16.0 torch transformers` unless `--trl-python` names one),
-   driven by benchmarks/vs_trl_grpo.py: HF generate, the same reward function
-   (tandem.envs.reverse_text.reward), 16 prompts × group size 8 per step, lr `--trl-lr`.
-3. tandem (`tandem/`): `rl @ examples/reverse_text/rl.toml --model.name start/` plus `--tandem-arg`s,
-   stopped with SIGINT when its wall time is up.
+1. start checkpoint (`sft/final`, built once): a 4.85M-parameter Qwen3 (6 layers, hidden 256) with
+   its own tokenizer — a 512-token byte-level BPE trained here with the `tokenizers` library on
+   English prose, GPT-2-style pre-tokenization (letter strings split into English-like pieces,
+   "th", "er"..., unlike tandem's letter-by-letter tokenizer) and a ChatML chat template —
+   under-trained by tandem's `sft` on reverse text (4–8 letters, `--sft-steps` 150: held-out 0.57).
+2. TRL (`trl-*/`): GRPOTrainer in its own virtual environment (`trl-venv/`, made here with
+   `python3 -m venv` and `pip install trl==1.16.0 <--trl-torch> transformers` unless `--trl-python`
+   names one), driven by benchmarks/vs_trl_grpo.py: HF generate, tandem's reward function
+   (tandem.envs.reverse_text.reward), `--batch-size` completions per step in groups of
+   `--group-size`, lr `--trl-lr`, TRL's other defaults except gradient checkpointing (off).
+3. tandem (`tandem-*/`): `rl @ examples/reverse_text/rl.toml --model.name <start>` with the same
+   batch, group size and evaluation, plus `--tandem-arg`s; stopped with SIGINT when its time is up.
 
 Fairness: each side's clock starts when its process starts (imports, model load and, for tandem,
-server start-up count) and both evaluate greedily the first `--eval-tasks` held-out tasks with
-max 32 new tokens. TRL's evaluation time is *not* counted against its wall time (its clock is
-paused while it evaluates); tandem's periodic evaluation is (it runs inside the orchestrator).
-Gain = last held-out reward within the wall time − the reward at step 0, by each side's own
-evaluator; both evaluators are run on the start checkpoint and printed, so they can be compared.
+server start-up count); both evaluate greedily the first `--eval-tasks` held-out tasks with at most
+32 new tokens every `--eval-steps` steps. TRL's evaluation time is *not* counted against its wall
+time (its clock pauses); tandem's is (it runs inside the orchestrator). Gain = the last held-out
+reward within the wall time − the reward at step 0, by each side's own evaluator (both print the
+start checkpoint's reward, so the two evaluators can be compared). `--only SIDE` reruns one side
+and reuses the other's last result. Threads: whatever the environment says (OMP_NUM_THREADS);
+tandem's launcher splits the cores between its processes itself.
 """
 
 import argparse
