@@ -127,6 +127,9 @@ def main() -> None:
         # TRL's default (True) also turns off the KV cache in generate: 201 s for the first step
         # here instead of seconds. A 4.9M model needs no activation checkpointing.
         gradient_checkpointing=False,
+        # TRL's default bf16 autocast runs CPU matmuls through a slow bf16 fallback
+        # (bf16_dot_with_fp32_arith): minutes per backward here. fp32, like tandem on CPU.
+        bf16=False,
         max_steps=1_000_000,
         logging_steps=10,
         save_strategy="no",
