@@ -6,7 +6,8 @@ from its file, it imports only the standard library):
     trl-venv/bin/python benchmarks/vs_trl_grpo.py --model START --out DIR --seconds 600
 
 The clock starts when this script starts; time spent in the held-out evaluation (greedy HF
-generate of the first `--eval-tasks` held-out tasks, every `--eval-steps` steps and at the end) is
+generate of the first `--eval-tasks` held-out tasks, every `--eval-steps` steps, as tandem's
+orchestrator does: no extra evaluation at the stop) is
 not counted. Writes DIR/result.json: the held-out curve [(step, seconds, reward)], steps and
 median seconds per step.
 """
@@ -93,10 +94,7 @@ class WallClock(TrainerCallback):
         if self.elapsed() >= self.seconds:
             control.should_training_stop = True
         if state.global_step % self.eval_steps == 0 and not control.should_training_stop:
-            self.evaluate(model, state.global_step)
-
-    def on_train_end(self, args, state, control, model=None, **kwargs):
-        self.evaluate(model, state.global_step)
+            self.evaluate(model, state.global_step)  # as tandem: every eval_steps, none at the stop
 
 
 def main() -> None:
