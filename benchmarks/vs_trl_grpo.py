@@ -6,9 +6,8 @@ from its file, it imports only the standard library):
     trl-venv/bin/python benchmarks/vs_trl_grpo.py --model START --out DIR --seconds 600
 
 The clock starts when this script starts; time spent in the held-out evaluation (greedy HF
-generate of the first `--eval-tasks` held-out tasks, every `--eval-steps` steps, as tandem's
-orchestrator does: no extra evaluation at the stop) is
-not counted. Writes DIR/result.json: the held-out curve [(step, seconds, reward)], steps and
+generate of the first `--eval-tasks` held-out tasks, every `--eval-steps` steps as tandem's
+orchestrator does, none extra at the stop) is not counted. Writes DIR/result.json: the held-out curve [(step, seconds, reward)], steps and
 median seconds per step.
 """
 
