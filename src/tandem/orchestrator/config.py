@@ -78,6 +78,12 @@ class EvalConfig(Section):
         64, gt=0, description="Held-out tasks of each environment per evaluation (the first N of its split)."
     )
     max_tokens: int | None = Field(None, gt=0, description="Generation limit; default: sampling.max_tokens.")
+    collapse_evals: int = Field(
+        3,
+        ge=0,
+        description="Warn when the held-out reward and the sampling entropy both fell at this many "
+        "evaluations in a row (orchestrator/collapse.py); 0 = never.",
+    )
 
 
 class ClientConfig(Section):

@@ -22,6 +22,7 @@ from tandem.monitor.metrics import MetricsWriter
 from tandem.monitor.progress import TrainingProgress
 from tandem.monitor.wandb_run import WandbRun, require_wandb, run_config
 from tandem.orchestrator.client import ServerPool
+from tandem.orchestrator.collapse import CollapseWatch
 from tandem.orchestrator.config import OrchestratorConfig
 from tandem.orchestrator.evaluation import evaluate
 from tandem.orchestrator.prompt_check import check_prompt_lengths
@@ -131,6 +132,7 @@ class Orchestrator:
         self.tokenizer: Any = None
         if cfg.monitor.wandb_enabled:
             require_wandb()
+        self.collapse = CollapseWatch(cfg.eval.collapse_evals)
 
     async def run(self) -> None:
         """Connect, then run the steps with the weight watcher beside them; either failing stops both."""
@@ -182,6 +184,8 @@ class Orchestrator:
             stats["eval/reward_mean"],
             "".join(f", {k} {v:.4f}" for k, v in metrics.items()),
         )
+        if warning := self.collapse.evaluated(step, stats["eval/reward_mean"]):
+            log.warning(warning)
 
     async def final_eval(self) -> None:
         """Evaluate the policy trained on every step (weights/step_{max_steps})."""
@@ -249,6 +253,7 @@ class Orchestrator:
         if self.wandb is not None and self.wandb.samples_due(step):
             rows = rollout_rows(batch, self.tokenizer, self.wandb.cfg.sample_rows)
             self.wandb.log_table("rollouts", step, rows)
+        self.collapse.add(batch.trajectories)
         log.debug("wrote %s", step_dir(cfg.run_dir, step))
         progress.update(
             step + 1,
