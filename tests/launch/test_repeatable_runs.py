@@ -10,7 +10,7 @@ resolved config, and a table of rollouts.
 The orchestrator and the trainer run inside the test process (the orchestrator on an event loop,
 the trainer in a thread: the same `Orchestrator.run` and `train` that `rl` starts as processes),
 against one real inference server that is put back on the base weights before each run: one
-`rl` launch of the same run took 50–180 s on the 2-core CI machine, most of it start-up.
+`rl` launch of the example (3 small steps) took 105–250 s on the shared 2-core machine, mostly start-up.
 """
 
 import asyncio
