@@ -1,16 +1,16 @@
 """The reproducible mode on CPU: two runs of the reverse-text RL example (examples/reverse_text/rl.toml
 with its shipped SFT checkpoint, resolved by the launcher's plan; two small steps) with
 max_async_level = 0 and seeded sampling log the same rewards and losses to metrics.jsonl and
-publish bit-identical final weights (without seeds the second run would draw other tokens: the
-server's own generator has moved on). The first run also logs to W&B
-in offline mode (the real wandb package), which changes nothing; what it wrote is read back with
-wandb's own reader (`wandb leet inspect --json`): the orchestrator's and the trainer's metrics in one
-run, the resolved config, and a table of rollouts.
+publish bit-identical final weights (without seeds the second run draws other tokens: the
+server's own generator has moved on). The first run also logs to W&B in offline mode (the real
+wandb package), which changes nothing; what it wrote is read back with wandb's own reader
+(`wandb leet inspect --json`): the orchestrator's and the trainer's metrics in one run, the
+resolved config, and a table of rollouts.
 
 The orchestrator and the trainer run inside the test process (the orchestrator on an event loop,
 the trainer in a thread: the same `Orchestrator.run` and `train` that `rl` starts as processes),
-against one real inference server that is put back on the base weights before each run: two
-`rl` launches cost more than this module's time budget on 2 cores (their start-up dominates).
+against one real inference server that is put back on the base weights before each run: one
+`rl` launch of the example (3 small steps) took 105–250 s on the shared 2-core machine, mostly start-up.
 """
 
 import asyncio
@@ -44,6 +44,7 @@ def example_plan(run_dir: Path, port: int, *overrides: str) -> RunPlan:
     argv = ["@", str(EXAMPLE / "rl.toml"), "--model.name", str(EXAMPLE / "sft-checkpoint")]
     argv += ["--run_dir", str(run_dir), "--max_steps", str(STEPS), "--inference.port", str(port)]
     argv += ["--weights.transport", "filesystem", "--trainer.ckpt.interval", "0"]
+    argv += ["--weights.wait_timeout", "120", "--trainer.rollout_timeout_s", "120"]  # a failed side
     argv += ["--orchestrator.batch_size", "16", "--orchestrator.group_size", "4"]
     argv += ["--orchestrator.max_async_level", "0", "--orchestrator.eval.interval", "0"]
     argv += ["--orchestrator.env.args.num_train_tasks", "256", "--orchestrator.env.args.num_eval_tasks", "8"]
@@ -84,7 +85,7 @@ def run_example(server: RunningServer, tmp_path: Path, name: str, *overrides: st
         except BaseException as e:  # reported by the test below
             failures.append(e)
 
-    thread = threading.Thread(target=trainer, name=f"trainer-{name}")
+    thread = threading.Thread(target=trainer, name=f"trainer-{name}", daemon=True)
     thread.start()
     with pytest.MonkeyPatch.context() as env:
         env.setenv(RUN_CONFIG_ENV, str(plan.config_dir / "rl.toml"))  # as the launcher sets it
