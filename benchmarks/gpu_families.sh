@@ -15,15 +15,7 @@ PART=${PART:-all}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 BUDGET=${BUDGET:-560}  # seconds per part; each step gets at most what is left
-part() {  # name, timeout (s), command...
-  local name=$1 limit=$2; shift 2
-  local left=$(( BUDGET - ($(date +%s) - start) ))
-  [ "$left" -lt "$limit" ] && limit=$left
-  if [ "$limit" -le 10 ]; then echo "$name: skipped (out of time)"; return; fi
-  local t0=$(date +%s)
-  timeout -s INT -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name: exit $? after $(( $(date +%s) - t0 )) s (limit $limit s; log $OUT/$name.log)"
-}
+source "$(dirname "$0")/gpu_part.sh"
 python3 -c "import torch, transformers; print(torch.__version__, torch.version.cuda, transformers.__version__, torch.cuda.get_device_name())" > "$OUT/device.txt" 2>&1
 if [ "$PART" = trainer ] || [ "$PART" = all ]; then
   start=$(date +%s)
