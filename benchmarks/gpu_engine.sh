@@ -13,16 +13,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 BUDGET=${BUDGET:-530}  # seconds for everything; each part gets at most what is left
 start=$(date +%s)
 
-part() {  # name, timeout (s), command...
-  local name=$1 limit=$2; shift 2
-  local left=$(( BUDGET - ($(date +%s) - start) ))
-  [ "$left" -lt "$limit" ] && limit=$left
-  if [ "$limit" -le 10 ]; then echo "$name: skipped (out of time)"; return; fi
-  local t0=$(date +%s)
-  # SIGINT first, so a benchmark's `finally` stops the server it started; SIGKILL 15 s later
-  timeout -s INT -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name: exit $? after $(( $(date +%s) - t0 )) s (limit $limit s; log $OUT/$name.log)"
-}
+source "$(dirname "$0")/gpu_part.sh"
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/device.txt" 2>&1
 python3 -c "import torch, triton, transformers; print(torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__)" >> "$OUT/device.txt" 2>&1

@@ -3,7 +3,8 @@
 # shapes (benchmarks/bench_models.py FAMILY_SHAPES), layer counts cut to fit. Two parts, each
 # under 10 minutes (run them as two commands, or PART=all for both):
 #   PART=trainer  trainer MFU, tandem against transformers (trainer_mfu.py --variants families),
-#                 then the GLM-5 CUDA tests (sparse path = dense mask, trains, memory linear)
+#                 then the CUDA tests of the families (GLM-5 sparse path = dense mask, trains,
+#                 memory linear; the engines with CUDA graphs against transformers)
 #   PART=engine   engine decode tok/s at 64 and 256 concurrent requests (moe_decode.py --shape
 #                 for GLM-4.5-Air, MiniMax-M2, GLM-5; each model deleted after its run: disk)
 # Logs and JSON go to $OUT (default ./gpu-out); the tables are printed last.
@@ -15,22 +16,15 @@ PART=${PART:-all}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 BUDGET=${BUDGET:-560}  # seconds per part; each step gets at most what is left
-part() {  # name, timeout (s), command...
-  local name=$1 limit=$2; shift 2
-  local left=$(( BUDGET - ($(date +%s) - start) ))
-  [ "$left" -lt "$limit" ] && limit=$left
-  if [ "$limit" -le 10 ]; then echo "$name: skipped (out of time)"; return; fi
-  local t0=$(date +%s)
-  timeout -s INT -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name: exit $? after $(( $(date +%s) - t0 )) s (limit $limit s; log $OUT/$name.log)"
-}
+source "$(dirname "$0")/gpu_part.sh"
 python3 -c "import torch, transformers; print(torch.__version__, torch.version.cuda, transformers.__version__, torch.cuda.get_device_name())" > "$OUT/device.txt" 2>&1
 if [ "$PART" = trainer ] || [ "$PART" = all ]; then
   start=$(date +%s)
   part families_trainer 470 python3 benchmarks/trainer_mfu.py --variants families --steps 4 --warmup 2 \
     --out "$OUT/families_trainer.jsonl"
-  part glm5_gpu_tests 80 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_models_cuda.py -k glm5
-  tail -n 3 "$OUT/glm5_gpu_tests.log" 2>/dev/null
+  part family_gpu_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider -k "glm5 or glm_and_minimax" \
+    tests/gpu/test_models_cuda.py tests/gpu/test_engine_cuda.py
+  tail -n 3 "$OUT/family_gpu_tests.log" 2>/dev/null
   sed -n '/^variant/,$p' "$OUT/families_trainer.log"
 fi
 if [ "$PART" = engine ] || [ "$PART" = all ]; then

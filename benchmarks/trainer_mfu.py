@@ -229,9 +229,8 @@ def run_hf(shape: str, compiled: bool, steps: int, warmup: int) -> dict:
 
     config = hf_config(shape)
     device = torch.device("cuda")
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").to(
-        device
-    )
+    with device:  # built on the GPU: a CPU init of a MoE layer's billions of parameters takes minutes
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     model.config.use_cache = False
     model.train()
     forward = torch.compile(model) if compiled else model

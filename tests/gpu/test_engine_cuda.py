@@ -1,6 +1,7 @@
 """CUDA paths of the native engine added for issue 11: the one-pass sampler, FP8 weights (all
 three matmuls, quantize-at-update, refused updates), Qwen3-MoE with CUDA graphs and the
-grouped GEMM, and the packed decode inputs with CUDA graphs under the overlapped loop.
+grouped GEMM, and the packed decode inputs with CUDA graphs under the overlapped loop; and for
+issue 14 the GLM and MiniMax families with CUDA graphs.
 
 Marked `gpu`; skipped where no CUDA device is visible: `pytest tests/gpu -m gpu`.
 """
@@ -157,6 +158,31 @@ def test_moe_engine_with_graphs_and_grouped_gemm_matches_transformers(tmp_path: 
         agree += [t.token_id for t in got[str(i)]][:2] == ref[0, len(ids) : len(ids) + 2].tolist()
     assert agree >= 3  # bf16 on both sides, different kernels: the first tokens agree
     assert core.runner.graphs
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "minimax_m2", "glm_moe_dsa"])
+def test_glm_and_minimax_engines_capture_graphs_and_follow_transformers(tmp_path: Path, family: str) -> None:
+    """GLM-4.5, MiniMax-M2 and GLM-5 (MLA over the compressed cache, an indexer keeping 16 keys)
+    in bf16 on CUDA: decode steps are captured, and the sampled tokens' logprobs follow an fp32
+    transformers forward (bf16 against fp32: a mean gap under 0.05)."""
+    path = build_tiny_model(out=tmp_path / family, family=family, num_layers=2, num_experts=8,
+                            moe_intermediate_size=128, index_topk=16)  # fmt: skip
+    core = EngineCore(engine_config(path, cuda_graphs=True))
+    assert core.runner.use_graphs
+    prompts = [*PROMPTS, list(range(50, 90))]
+    got = run(core, prompts, SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=1))
+    assert core.runner.graphs
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
+    gaps = []
+    for i, ids in enumerate(prompts):
+        completion = [t.token_id for t in got[str(i)]]
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids + completion], device="cuda")).logits[0, len(ids) - 1 : -1]
+        want = (
+            logits.double().log_softmax(-1).gather(1, torch.tensor(completion, device="cuda")[:, None])[:, 0]
+        )
+        gaps.append((torch.tensor([t.logprob for t in got[str(i)]], device="cuda") - want).abs().mean())
+    assert float(torch.stack(gaps).mean()) < 0.05, gaps
 
 
 def test_overlapped_graph_steps_equal_plain_steps(tiny: Path) -> None:

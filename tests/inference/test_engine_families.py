@@ -3,7 +3,7 @@
 One tiny model and one engine per family: random score-correction biases (and, for GLM-4.5,
 grouped routing: 2 groups, the best one), a step budget of 16 tokens so the longest prompt is
 prefilled in chunks over the cache, and for GLM-5 an indexer keeping 8 keys per query so the
-sparse selection decides what is attended to. Every greedy token is transformers' argmax
+sparse selection decides what is attended to (its second layer sharing the first's choice). Every greedy token is transformers' argmax
 given the tokens before it (so the samples are its greedy output; one forward each, where
 transformers' own generate is slow and, for GLM-5, breaks index-score ties unlike its forward),
 and greedy and sampled tokens' logprobs equal transformers' within 1e-4.
@@ -37,6 +37,8 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     config = AutoConfig.from_pretrained(path)
     if config.model_type == "glm4_moe":
         config.n_group, config.topk_group = 2, 1
+    if config.model_type == "glm_moe_dsa":
+        config.indexer_types = ["full", "shared"]  # layer 1 attends to what layer 0's indexer chose
     hf = AutoModelForCausalLM.from_pretrained(path, config=config)
     torch.manual_seed(0)
     with torch.no_grad():
