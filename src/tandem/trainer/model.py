@@ -87,7 +87,9 @@ def build_trainer_model(
     try:
         with torch.device("meta"):
             model = fam.build(config, resolve_backend(cfg.attention, world.device)).to(weights)
-    except (UnsupportedConfig, ValueError) as e:
+    except UnsupportedConfig as e:
+        raise UserError(f"{cfg.name}: {e}; use model.impl = 'hf'") from None
+    except ValueError as e:
         raise UserError(f"{cfg.name}: {e}") from None
     compile_blocks = parallel.compile == "on" or (parallel.compile == "auto" and world.device.type == "cuda")
     plan = ParallelPlan(

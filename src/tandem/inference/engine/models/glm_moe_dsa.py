@@ -177,10 +177,7 @@ def _groups(meta: AttentionMetadata, block_size: int) -> Iterator[tuple]:
 
 class GlmMoeDsaForCausalLM(MoeCausalLM):
     prompts_from_cache = True
-
-    def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
-        check(config)
-        super().__init__(config, max_positions)
+    check = staticmethod(check)
 
     @classmethod
     def cache_shapes(cls, config: PretrainedConfig) -> list[tuple[int, ...]]:
