@@ -6,15 +6,18 @@ prefilled in chunks over the cache, and for GLM-5 an indexer keeping 8 keys per 
 sparse selection decides what is attended to (its second layer sharing the first's choice). Every greedy token is transformers' argmax
 given the tokens before it (so the samples are its greedy output; one forward each, where
 transformers' own generate is slow and, for GLM-5, breaks index-score ties unlike its forward),
-and greedy and sampled tokens' logprobs equal transformers' within 1e-4.
+and greedy and sampled tokens' logprobs equal transformers' within 1e-4. A config field the
+engine does not implement is refused at load in one line.
 """
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from tandem.cli import UserError
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine.api import SamplingParams
 from tandem.inference.engine.core import EngineCore
@@ -86,3 +89,17 @@ def test_greedy_and_logprobs_equal_transformers(model: Path) -> None:
             got = torch.tensor([t.logprob for t in tokens], dtype=torch.float64)
             assert torch.allclose(got, want, atol=1e-4, rtol=0), (kind, key, (got - want).abs().max())
     assert core.blocks.num_free == core.blocks.num_usable
+
+
+def test_an_unsupported_config_field_is_refused_in_one_line(tmp_path: Path) -> None:
+    path = build_tiny_model(out=tmp_path / "m", family="minimax_m2", num_experts=4, num_layers=1,
+                            hidden_size=64, head_dim=16, moe_intermediate_size=32)  # fmt: skip
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "qk_norm_type": "per_head"}))
+    with pytest.raises(UserError, match="config field qk_norm_type = 'per_head' is not supported") as error:
+        EngineCore(
+            InferenceConfig.model_validate(
+                {"model": {"name": str(path)}, "engine": {"kv_cache_memory_gb": 0.05}}
+            )
+        )
+    assert "\n" not in str(error.value)

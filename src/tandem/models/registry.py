@@ -66,6 +66,6 @@ def require(config: Any, field: str, allowed: Callable[[Any], bool], what: str) 
     if not allowed(value):
         raise UnsupportedConfig(
             f"{config.model_type}: config field {field} = {value!r} is not supported by tandem's "
-            f"implementation ({what}); use model.impl = 'hf'"
+            f"implementation ({what})"
         )
     return value

@@ -107,7 +107,9 @@ def build_trainer_model(
     try:
         with torch.device("meta"):
             model = fam.build(config, resolve_backend(cfg.attention, world.device)).to(weights)
-    except (UnsupportedConfig, ValueError) as e:
+    except UnsupportedConfig as e:
+        raise UserError(f"{cfg.name}: {e}; use model.impl = 'hf'") from None
+    except ValueError as e:
         raise UserError(f"{cfg.name}: {e}") from None
     layouts = fam.hf_layout(config)
     if lora is not None:

@@ -23,11 +23,22 @@ def is_sparse(config: PretrainedConfig, i: int) -> bool:
     return i >= config.first_k_dense_replace
 
 
-def router_spec(config: PretrainedConfig) -> RouterSpec:
-    """Sigmoid routing with correction bias, grouped and scaled (GLM-4.5 and GLM-5 share it)."""
+def check_moe(config: PretrainedConfig) -> None:
+    """The MoE fields GLM-4.5 and GLM-5 support in one setting only."""
     require(
         config, "n_group", lambda v: v and config.n_routed_experts % v == 0, "groups that divide the experts"
     )
+    require(config, "n_shared_experts", lambda v: v is not None and v >= 1, "at least one shared expert")
+
+
+def check(config: PretrainedConfig) -> None:
+    """Every field check of GLM-4.5 (the engine runs it too)."""
+    check_common(config)
+    check_moe(config)
+
+
+def router_spec(config: PretrainedConfig) -> RouterSpec:
+    """Sigmoid routing with correction bias, grouped and scaled (GLM-4.5 and GLM-5 share it)."""
     return RouterSpec(
         num_experts=config.n_routed_experts,
         top_k=config.num_experts_per_tok,
@@ -41,7 +52,6 @@ def router_spec(config: PretrainedConfig) -> RouterSpec:
 
 
 def moe(config: PretrainedConfig) -> MoE:
-    require(config, "n_shared_experts", lambda v: v is not None and v >= 1, "at least one shared expert")
     size = config.moe_intermediate_size
     return MoE(
         config.hidden_size, size, router_spec(config), shared_hidden_dim=size * config.n_shared_experts
@@ -54,7 +64,7 @@ def attention(config: PretrainedConfig) -> Attention:
 
 
 def build(config: PretrainedConfig, attention_backend: str) -> CausalLM:
-    check_common(config)
+    check(config)
     dim, eps = config.hidden_size, config.rms_norm_eps
     layers = [
         DecoderLayer(attention(config), moe(config) if is_sparse(config, i) else MLP(dim, config.intermediate_size),

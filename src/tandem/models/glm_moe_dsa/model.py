@@ -17,7 +17,7 @@ import torch
 from transformers import PretrainedConfig
 
 from tandem.models.decoder_config import causal_lm, check_common, rope_parameters, rotary
-from tandem.models.glm4_moe.model import moe
+from tandem.models.glm4_moe.model import check_moe, moe
 from tandem.models.layers.attention import PackedDocs
 from tandem.models.layers.dsa import Indexer, TokenDocuments
 from tandem.models.layers.mla import LatentAttention
@@ -37,7 +37,9 @@ def has_indexer(config: PretrainedConfig, i: int) -> bool:
 
 
 def check(config: PretrainedConfig) -> None:
+    """Every field check of GLM-5 (the engine runs it too)."""
     check_common(config, layer_type="indexed_attention")
+    check_moe(config)
     require(config, "q_lora_rank", lambda v: bool(v), "a low-rank query projection")
     require(config, "num_key_value_heads", lambda v: v == config.num_attention_heads,
             "one latent KV per query head (num_key_value_heads = num_attention_heads)")  # fmt: skip

@@ -16,8 +16,10 @@ from tandem.models.layers.transformer import CausalLM, DecoderLayer
 from tandem.models.registry import require
 
 
-def check_published_fields(config: PretrainedConfig) -> None:
-    """The published checkpoint's own fields (absent from transformers' config class)."""
+def check(config: PretrainedConfig) -> None:
+    """Every field check of MiniMax-M2 (the engine runs it too); the published checkpoint's own
+    fields are absent from transformers' config class."""
+    check_common(config)
     require(config, "scoring_func", lambda v: v in (None, "sigmoid"), "sigmoid routing")
     require(config, "use_routing_bias", lambda v: v in (None, True), "routing with the correction bias")
     require(config, "use_qk_norm", lambda v: v in (None, True), "QK norm")
@@ -42,8 +44,7 @@ def router_spec(config: PretrainedConfig) -> RouterSpec:
 
 
 def build(config: PretrainedConfig, attention_backend: str) -> CausalLM:
-    check_common(config)
-    check_published_fields(config)
+    check(config)
     dim, eps = config.hidden_size, config.rms_norm_eps
     layers = [
         DecoderLayer(gqa_attention(config, "full", qkv_bias=False, out_bias=False),

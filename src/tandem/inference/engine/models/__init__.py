@@ -31,6 +31,7 @@ from tandem.inference.engine.models.layers import CausalLM
 from tandem.inference.engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from tandem.inference.engine.models.qwen3 import Qwen3ForCausalLM
 from tandem.inference.engine.models.qwen3_moe import Qwen3MoeForCausalLM
+from tandem.models.registry import UnsupportedConfig
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
@@ -66,8 +67,11 @@ def build_model(
     config = hf_model.config
     cls = model_class(config)
     device = next(hf_model.parameters()).device
-    with torch.device("meta"):
-        model = cls(config, max_positions)
+    try:
+        with torch.device("meta"):
+            model = cls(config, max_positions)
+    except UnsupportedConfig as e:
+        raise UserError(f"the native engine cannot serve this model: {e}; use backend = 'vllm'") from None
     state = cls.from_transformers(dict(hf_model.state_dict()), config)
     scales = {name: state.pop(name) for name in [n for n in state if n.endswith(".weight_scale_inv")]}
     if scales and quantization != "fp8":

@@ -7,7 +7,7 @@ from transformers import PretrainedConfig
 
 from tandem.inference.engine.models.layers import Attention, GatedMLP
 from tandem.inference.engine.models.moe import MoeCausalLM, SparseMoeBlock
-from tandem.models.glm4_moe.model import is_sparse, router_spec
+from tandem.models.glm4_moe.model import check, is_sparse, router_spec
 
 
 def glm_moe_block(config: PretrainedConfig) -> SparseMoeBlock:
@@ -19,6 +19,8 @@ def glm_moe_block(config: PretrainedConfig) -> SparseMoeBlock:
 
 
 class Glm4MoeForCausalLM(MoeCausalLM):
+    check = staticmethod(check)
+
     def attention(self, config: PretrainedConfig, index: int) -> nn.Module:
         return Attention(config, qk_norm="head" if config.use_qk_norm else None, out_bias=False)
 

@@ -156,6 +156,10 @@ def _groups(meta: AttentionMetadata, block_size: int) -> Iterator[tuple]:
     """The step's attention groups as (rows of the step to write, positions of the valid queries
     in the flattened [B · Lq] batch or None for all, query index [B, Lq], block tables [B, W],
     visible keys [B, Lq, W · block_size]): the decodes first (Lq = 1), then every chunk group."""
+    if meta.prompts is not None:
+        raise RuntimeError(
+            "GLM-5 attends whole prompts over the cache: the runner must honour prompts_from_cache"
+        )
     d = meta.decodes
     if d is not None:
         tables = d.block_tables
@@ -177,10 +181,7 @@ def _groups(meta: AttentionMetadata, block_size: int) -> Iterator[tuple]:
 
 class GlmMoeDsaForCausalLM(MoeCausalLM):
     prompts_from_cache = True
-
-    def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
-        check(config)
-        super().__init__(config, max_positions)
+    check = staticmethod(check)
 
     @classmethod
     def cache_shapes(cls, config: PretrainedConfig) -> list[tuple[int, ...]]:

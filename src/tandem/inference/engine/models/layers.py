@@ -280,6 +280,7 @@ class CausalLM(nn.Module):
 
     def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
         super().__init__()
+        self.check(config)
         self.config = config
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -298,6 +299,11 @@ class CausalLM(nn.Module):
     def mlp(self, config: PretrainedConfig, index: int) -> nn.Module:
         """The MLP of layer `index` (the family's choice)."""
         raise NotImplementedError
+
+    @staticmethod
+    def check(config: PretrainedConfig) -> None:
+        """Refuse config fields the family does not implement (UnsupportedConfig, one line naming
+        the field); the trainer's checks of the same family where it has them."""
 
     def attention(self, config: PretrainedConfig, index: int) -> nn.Module:
         """The attention of layer `index`: Qwen3's unless the family says otherwise."""

@@ -7,11 +7,12 @@ from transformers import PretrainedConfig
 
 from tandem.inference.engine.models.layers import Attention
 from tandem.inference.engine.models.moe import MoeCausalLM, SparseMoeBlock
-from tandem.models.minimax_m2.model import router_spec
+from tandem.models.minimax_m2.model import check, router_spec
 from tandem.models.minimax_m2.state_dict_adapter import EXPERT_NAMES
 
 
 class MiniMaxM2ForCausalLM(MoeCausalLM):
+    check = staticmethod(check)
     mlp_name = "block_sparse_moe"
     expert_names = EXPERT_NAMES
     rename = (".mlp.", ".block_sparse_moe.")  # transformers holds the block as `mlp`
