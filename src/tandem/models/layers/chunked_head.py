@@ -10,10 +10,12 @@ each chunk's logits and forms the gradient directly, elementwise given the saved
     ∂ℓ/∂z = onehot(target) − p          ∂H/∂z = −p ⊙ (log p + H)
 
 so peak memory is one chunk of logits in either direction. On CUDA each direction's per-chunk
-arithmetic is one compiled kernel that reads the chunk's logits once.
+arithmetic is one Triton kernel that reads the chunk's logits once (triton_head.py), and the
+backward writes the logit gradient over the recomputed logits.
 """
 
 import functools
+import os
 from collections.abc import Callable
 
 import torch
@@ -60,10 +62,16 @@ def _compiled(fn: Callable) -> Callable:
     return torch.compile(fn, dynamic=True)
 
 
-def _kernel(fn: Callable, device: torch.device) -> Callable:
-    """On CUDA the softmax statistics and the logit gradient each run as one fused kernel
-    (compiled), reading a chunk of logits once; elsewhere they run op by op."""
-    return _compiled(fn) if device.type == "cuda" else fn
+def _kernels(logits: torch.Tensor) -> tuple[Callable, Callable]:
+    """(token_stats, logit_grad) for a chunk of these logits: the one-pass Triton kernels on CUDA
+    (bf16, fp16 or fp32 logits), the torch functions above elsewhere."""
+    if logits.device.type != "cuda" or logits.dtype == torch.float64:
+        return token_stats, logit_grad
+    if os.environ.get("TANDEM_HEAD_KERNEL") == "compiled":  # measurement only: triton vs compiled
+        return _compiled(token_stats), _compiled(logit_grad)
+    from tandem.models.layers import triton_head
+
+    return triton_head.token_stats, triton_head.logit_grad
 
 
 class ChunkedLogprobs(torch.autograd.Function):
@@ -81,10 +89,10 @@ class ChunkedLogprobs(torch.autograd.Function):
         n = hidden.shape[0]
         dtype = torch.promote_types(weight.dtype, torch.float32)
         logprobs, entropy, lse = (torch.empty(n, dtype=dtype, device=hidden.device) for _ in range(3))
-        stats = _kernel(token_stats, hidden.device)
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
             logits = hidden[start:end] @ weight.T
+            stats = _kernels(logits)[0]
             logprobs[start:end], entropy[start:end], lse[start:end] = stats(
                 logits, targets[start:end], temperature
             )
@@ -103,12 +111,11 @@ class ChunkedLogprobs(torch.autograd.Function):
         grad_weight = (
             torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
         )
-        gradient = _kernel(logit_grad, hidden.device)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = min(start + ctx.chunk_size, hidden.shape[0])
             rows = slice(start, end)
             logits = hidden[rows] @ weight.T
-            grad_z = gradient(
+            grad_z = _kernels(logits)[1](
                 logits,
                 targets[rows],
                 lse[rows],
