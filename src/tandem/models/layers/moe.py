@@ -16,6 +16,12 @@ over experts computes the same thing exactly. Expert parallelism needs no change
 `parallelize` shards the stacked weights over the `ep` mesh dimension and installs a `dispatcher`
 that moves each token to the rank holding its expert and back (models/expert_parallel.py).
 
+Tokens reach their experts and come back through row permutations (`dispatch_and_combine`):
+the token-expert pairs sorted by expert, each output put back in its pair's place and weighted
+over the k slots of its token. Both directions' backwards are gathers by the inverse
+permutation, not the accumulating scatters (atomics) that autograd makes of `x[token]` and
+`index_add_`, and the k outputs of a token are summed in fp32.
+
 `tokens_per_expert` accumulates how many token-expert pairs each expert received (on this rank)
 since the trainer last read and reset it; the trainer logs the load from it every step.
 """
@@ -130,6 +136,61 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs) if outs else x
 
 
+class _GatherPairs(torch.autograd.Function):
+    """x [T, dim] → x[token] [T·k, dim], the token of each pair in expert order; the backward sums
+    each token's k pair gradients, found through the inverse permutation."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, token: torch.Tensor, inverse: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.tokens = x.shape[0]
+        return x[token]
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:
+        (inverse,) = ctx.saved_tensors
+        return grad[inverse].view(ctx.tokens, -1, grad.shape[1]).sum(1), None, None
+
+
+class _PermuteRows(torch.autograd.Function):
+    """y[index] for a permutation `index` whose inverse is `inverse`: the backward is y's gradient
+    gathered by `inverse`."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, y: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return y[index]
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:
+        (inverse,) = ctx.saved_tensors
+        return grad[inverse], None, None
+
+
+def dispatch_and_combine(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    counts: torch.Tensor,
+    experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Σ_slots weight · expert(x) per token: x [T, dim], the router's weights and expert indices
+    [T, k], counts [num_experts] of the pairs per expert; `experts` maps the pairs' inputs sorted
+    by expert (and the counts) to their outputs. The trainer's layer and the engine's block both
+    route through here, so they compute the same numbers."""
+    k = indices.shape[1]
+    order = indices.flatten().argsort(stable=True)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.shape[0], device=order.device)
+    y = experts(_GatherPairs.apply(x, order // k, inverse), counts)
+    y = _PermuteRows.apply(y, inverse, order).view(-1, k, x.shape[-1])
+    return (y * weights[..., None]).sum(1).to(x.dtype)
+
+
 class MoE(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, spec: RouterSpec, shared_hidden_dim: int = 0) -> None:
         super().__init__()
@@ -142,14 +203,10 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, indices = self.router(x)
-        flat = indices.flatten()
-        counts = torch.bincount(flat, minlength=self.experts.num_experts)
+        counts = torch.bincount(indices.flatten(), minlength=self.experts.num_experts)
         with torch.no_grad():
             self.tokens_per_expert += counts
-        order = flat.argsort(stable=True)
-        token = order // indices.shape[1]
-        y = self.experts(x[token], counts) * weights.flatten()[order, None]
-        out = torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+        out = dispatch_and_combine(x, weights, indices, counts, self.experts)
         if self.shared is not None:
             out = out + self.shared(x)
         return out.view(shape)

@@ -4,8 +4,8 @@ GLM-5).
 The router and the experts are the trainer's (`tandem.models.layers.moe`: a softmax or sigmoid
 router in fp32 with the optional correction bias and expert groups; experts stacked [experts,
 out, in] and run as one grouped GEMM on CUDA in bf16, a loop over experts elsewhere), and the
-block combines their outputs as the trainer's does, so the sampler and the trainer compute the
-same numbers. Two differences, neither numeric: tokens per expert are counted with a
+block routes tokens to them and combines their outputs through the trainer's
+`dispatch_and_combine`, so the sampler and the trainer compute the same numbers. Two differences, neither numeric: tokens per expert are counted with a
 scatter-add instead of `bincount` (which reads its input's maximum back to the host), so a
 decode step stays capturable in a CUDA graph; and no load statistics are kept.
 
@@ -20,7 +20,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from tandem.inference.engine.models.layers import CausalLM, GatedMLP
-from tandem.models.layers.moe import GroupedExperts, Router, RouterSpec
+from tandem.models.layers.moe import GroupedExperts, Router, RouterSpec, dispatch_and_combine
 
 EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")  # the checkpoint's gate, up and down
 
@@ -95,10 +95,7 @@ class SparseMoeBlock(nn.Module):
         flat = indices.flatten()
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
         counts.index_add_(0, flat, torch.ones_like(flat))
-        order = flat.argsort(stable=True)
-        token = order // indices.shape[1]
-        y = self.grouped.compute(x[token], counts) * weights.flatten()[order, None]
-        out = torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+        out = dispatch_and_combine(x, weights, indices, counts, self.grouped.compute)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
