@@ -194,7 +194,7 @@ def write_config_dir(config, root: Path) -> Path:  # noqa: ANN001
     return out
 
 
-def run_tandem(shape: str, attention: str, steps: int, warmup: int) -> dict:
+def run_tandem(shape: str, attention: str, steps: int, warmup: int, weights: str) -> dict:
     from tandem.config.base import ModelConfig
     from tandem.trainer.config import OptimConfig, ParallelConfig
     from tandem.trainer.model import build_trainer_model
@@ -205,7 +205,7 @@ def run_tandem(shape: str, attention: str, steps: int, warmup: int) -> dict:
     world = init_distributed("cuda")
     with tempfile.TemporaryDirectory() as tmp:
         name = str(write_config_dir(config, Path(tmp)))
-        model_cfg = ModelConfig(name=name, attention=attention, dtype=FAMILY_WEIGHTS.get(shape, "auto"))
+        model_cfg = ModelConfig(name=name, attention=attention, dtype=weights)
         model = build_trainer_model(model_cfg, world, ParallelConfig(), load_weights=False)
     model.init_weights()
     optimizer = build_optimizer(model, OptimConfig(lr=1e-5))
@@ -386,7 +386,8 @@ def run_one(variant: str, steps: int, warmup: int) -> list[dict]:
         return [{"variant": variant, **run_rl(impl, steps, warmup)}]
     if impl.startswith("tandem"):
         backend = impl.split("-", 1)[1] if "-" in impl else "auto"
-        return [{"variant": variant, **run_tandem(shape, backend, steps, warmup)}]
+        weights = "bfloat16" if impl.startswith("tandem_bf16") else FAMILY_WEIGHTS.get(shape, "auto")
+        return [{"variant": variant, **run_tandem(shape, backend, steps, warmup, weights)}]
     return [{"variant": variant, **run_hf(shape, impl == "hf_compiled", steps, warmup)}]
 
 
