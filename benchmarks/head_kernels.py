@@ -85,9 +85,14 @@ def main() -> None:
         lp, entropy = chunked_head.chunked_logprobs(hidden, weight, head_targets, 1.0, rows)
         (lp.sum() + 0.01 * entropy.sum()).backward()
 
-    for kernel in ("compiled", "triton"):
-        os.environ["TANDEM_HEAD_KERNEL"] = kernel
+    triton_kernels = chunked_head._kernels
+    for kernel, choose in (
+        ("compiled", lambda _: (compiled_stats, compiled_grad)),
+        ("triton", triton_kernels),
+    ):
+        chunked_head._kernels = choose  # the head's per-chunk kernels, swapped for the baseline row
         rows_out.append((f"head fwd+bwd, {4 * rows} tokens", kernel, time_ms(head_step, 10), 0))
+    chunked_head._kernels = triton_kernels
 
     print(f"\nrows {rows}, vocab {vocab}, bf16 logits; stats max |diff| {stats_error:.2e}, "
           f"grad max rel diff {grad_error:.2e}\n")  # fmt: skip

@@ -123,7 +123,11 @@ def test_query_columns_attend_like_the_whole_row(backend: str) -> None:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(out=tmp_path_factory.mktemp("tiny") / "m", num_layers=4)
+    """Wide enough that a block's activations, not the weights, set the peak at 8k tokens."""
+    return build_tiny_model(
+        out=tmp_path_factory.mktemp("tiny") / "m", num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=4,
+        intermediate_size=2048, max_position_embeddings=8192,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -136,24 +140,30 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 )
 def test_memory_settings_keep_the_gradients_and_save_memory(tiny: Path, options: dict) -> None:
     world = init_distributed("cuda")
-    positions = torch.cat([torch.arange(n) for n in (700, 1348)])[None].to(CUDA)
+    positions = torch.cat([torch.arange(n) for n in (3000, 5192)])[None].to(CUDA)
     ids = torch.randint(0, 500, positions.shape, device=CUDA, generator=torch.Generator(CUDA).manual_seed(0))
     results = {}
     for name, parallel in (("plain", ParallelConfig()), ("setting", ParallelConfig(**options))):
         model = build_trainer_model(ModelConfig(name=str(tiny)), world, parallel)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
         logprobs, _ = model.sequence_logprobs(ids, positions)
         (-logprobs.sum()).backward()
         torch.cuda.synchronize()
         grads = [p.grad.full_tensor().float() for p in model.parameters()]
-        results[name] = (float(logprobs.sum()), grads, torch.cuda.max_memory_allocated())
+        results[name] = (float(logprobs.sum()), grads, torch.cuda.max_memory_allocated() - base)
         del model, logprobs
     (loss, grads, peak), (loss_s, grads_s, peak_s) = results["plain"], results["setting"]
     assert loss_s == pytest.approx(loss, rel=1e-3)
     for a, b in zip(grads_s, grads, strict=True):
         assert rel(a, b) < 2e-2
-    assert peak_s < peak, f"peak memory {peak_s / 2**20:.0f} MiB, without the setting {peak / 2**20:.0f} MiB"
+    print(
+        f"{options}: peak above the weights {peak_s / 2**20:.0f} MiB, without the setting {peak / 2**20:.0f} MiB"
+    )
+    assert peak_s < 0.8 * peak, (
+        f"peak memory {peak_s / 2**20:.0f} MiB, without the setting {peak / 2**20:.0f} MiB"
+    )
 
 
 @pytest.fixture(scope="module")

@@ -294,6 +294,22 @@ def test_bad_config_and_parallel_settings_fail_with_one_line(checkpoint: Path, t
         build_trainer_model(ModelConfig(name=str(checkpoint), device="cpu"), world, ParallelConfig(ep=2))
 
 
+def test_glm5_accepts_the_published_layer_type_name(checkpoint: Path, tmp_path: Path) -> None:
+    """Published GLM-5 config.json files name the layers `deepseek_sparse_attention`."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    if config["model_type"] != "glm_moe_dsa":
+        pytest.skip("GLM-5 only")
+    published = tmp_path / "published"
+    published.mkdir()
+    (published / "model.safetensors").symlink_to(checkpoint / "model.safetensors")
+    layers = ["deepseek_sparse_attention"] * config["num_hidden_layers"]
+    (published / "config.json").write_text(json.dumps({**config, "layer_types": layers}))
+    model = build_trainer_model(
+        ModelConfig(name=str(published), device="cpu"), init_distributed("cpu"), ParallelConfig()
+    )
+    assert len(model.layers) == config["num_hidden_layers"]
+
+
 def test_experts_that_ep_cannot_split_fail() -> None:
     from tandem.models.expert_parallel import apply_expert_parallel
 

@@ -13,16 +13,18 @@ from tandem.models.layers.transformer import Attention, CausalLM
 from tandem.models.registry import require
 
 
-def check_common(config: PretrainedConfig, layer_type: str = "full_attention") -> None:
+def check_common(config: PretrainedConfig, layer_type: str | tuple[str, ...] = "full_attention") -> None:
     """Fields every family here supports in one setting only: SwiGLU with silu, one attention
-    type in every layer (`layer_type`: no sliding window), no attention dropout."""
+    type in every layer (`layer_type`, or any of several names for it: no sliding window), no
+    attention dropout."""
+    names = (layer_type,) if isinstance(layer_type, str) else layer_type
     require(config, "hidden_act", lambda v: v == "silu", "SwiGLU with silu only")
     require(config, "use_sliding_window", lambda v: not v, "full attention in every layer")
     require(
         config,
         "layer_types",
-        lambda v: v is None or all(t == layer_type for t in v),
-        f"{layer_type} in every layer",
+        lambda v: v is None or all(t in names for t in v),
+        f"{' or '.join(names)} in every layer",
     )
     require(config, "attention_dropout", lambda v: not v, "no attention dropout")
 

@@ -101,16 +101,24 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     """While active, what autograd saves for backward waits in pinned host memory instead of on
     the GPU, and comes back when backward needs it (copies on the compute stream, so ordered with
     the kernels that make and use them). Parameters, non-float tensors (masks, indices) and
-    tensors already on the host stay where they are."""
+    tensors already on the host stay where they are. A tensor comes back with the strides it left
+    with (a compiled block's backward asserts them, and a saved slice of a wider tensor is not
+    contiguous); only an expanded one (a zero stride) is stored, and returned, contiguous."""
 
     def __init__(self) -> None:
         super().__init__(self.pack, self.unpack)
 
     @staticmethod
+    def _empty_like(t: torch.Tensor, **where: object) -> torch.Tensor:
+        if 0 in t.stride():
+            return torch.empty(t.size(), dtype=t.dtype, **where)
+        return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, **where)
+
+    @staticmethod
     def pack(t: torch.Tensor) -> object:
         if isinstance(t, nn.Parameter) or not t.is_floating_point() or t.device.type == "cpu":
             return t
-        host = torch.empty(t.size(), dtype=t.dtype, pin_memory=True)
+        host = OffloadActivations._empty_like(t, pin_memory=True)
         host.copy_(t, non_blocking=True)
         return t.device, host
 
@@ -119,7 +127,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         if isinstance(packed, torch.Tensor):
             return packed
         device, host = packed
-        return host.to(device, non_blocking=True)
+        return OffloadActivations._empty_like(host, device=device).copy_(host, non_blocking=True)
 
 
 def apply_activation_offload(model: CausalLM) -> None:

@@ -38,7 +38,9 @@ def has_indexer(config: PretrainedConfig, i: int) -> bool:
 
 def check(config: PretrainedConfig) -> None:
     """Every field check of GLM-5 (the engine runs it too)."""
-    check_common(config, layer_type="indexed_attention")
+    # published checkpoints' config.json (and transformers up to ~5.17) name the layers
+    # deepseek_sparse_attention; later transformers name them indexed_attention
+    check_common(config, layer_type=("indexed_attention", "deepseek_sparse_attention"))
     check_moe(config)
     require(config, "q_lora_rank", lambda v: bool(v), "a low-rank query projection")
     require(config, "num_key_value_heads", lambda v: v == config.num_attention_heads,

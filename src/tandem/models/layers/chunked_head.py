@@ -11,11 +11,11 @@ each chunk's logits and forms the gradient directly, elementwise given the saved
 
 so peak memory is one chunk of logits in either direction. On CUDA each direction's per-chunk
 arithmetic is one Triton kernel that reads the chunk's logits once (triton_head.py), and the
-backward writes the logit gradient over the recomputed logits.
+backward writes the logit gradient over the recomputed logits. Measured on one H200 for a chunk of
+4,096 × 151,936 bf16 logits (benchmarks/head_kernels.py): 0.58 + 0.71 ms against 2.48 + 3.14 ms
+for the same functions under torch.compile.
 """
 
-import functools
-import os
 from collections.abc import Callable
 
 import torch
@@ -57,18 +57,11 @@ def default_chunk_size(device: torch.device) -> int:
     return 4096 if device.type == "cuda" else 1024
 
 
-@functools.cache
-def _compiled(fn: Callable) -> Callable:
-    return torch.compile(fn, dynamic=True)
-
-
 def _kernels(logits: torch.Tensor) -> tuple[Callable, Callable]:
     """(token_stats, logit_grad) for a chunk of these logits: the one-pass Triton kernels on CUDA
     (bf16, fp16 or fp32 logits), the torch functions above elsewhere."""
     if logits.device.type != "cuda" or logits.dtype == torch.float64:
         return token_stats, logit_grad
-    if os.environ.get("TANDEM_HEAD_KERNEL") == "compiled":  # measurement only: triton vs compiled
-        return _compiled(token_stats), _compiled(logit_grad)
     from tandem.models.layers import triton_head
 
     return triton_head.token_stats, triton_head.logit_grad
