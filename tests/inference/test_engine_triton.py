@@ -1,10 +1,7 @@
 """The CUDA decode kernel, run by Triton's CPU interpreter against the gather + SDPA path."""
 
-import os
-import subprocess
-import sys
-
 import pytest
+from triton_interpreter import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -28,11 +25,7 @@ print("ok")
 
 
 def test_decode_kernel_matches_gather_path_in_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+    run_interpreted(SCRIPT, timeout=120)
 
 
 MODEL_SCRIPT = """
@@ -75,11 +68,7 @@ def test_fused_kernels_give_transformers_greedy_outputs(tmp_path) -> None:  # ty
     path = build_tiny_model(
         out=tmp_path / "m", num_layers=2, hidden_size=64, head_dim=16, intermediate_size=128
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", MODEL_SCRIPT, str(path)], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+    run_interpreted(MODEL_SCRIPT, str(path), timeout=300)
 
 
 SAMPLER_SCRIPT = """
@@ -115,8 +104,4 @@ print("ok")
 def test_fused_sampler_draws_what_the_torch_sampler_draws(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Seeded and greedy rows: the same ids as the torch path (bf16 logits), logprobs to 1e-5;
     unseeded rows draw apart by row and by step seed."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", SAMPLER_SCRIPT], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+    run_interpreted(SAMPLER_SCRIPT, timeout=300)
