@@ -20,8 +20,9 @@ from cp_worker import CASES, WIDTH
 
 from tandem.cli import UserError
 from tandem.config.base import ModelConfig, cp_width_multiple
-from tandem.models.context_parallel import check_heads
-from tandem.models.tiny import build_tiny_model
+from tandem.models.context_parallel import apply_context_parallel, check_heads
+from tandem.models.registry import family
+from tandem.models.tiny import TinyShape, build_tiny_model, tiny_config
 from tandem.orchestrator.config import OrchestratorConfig
 from tandem.trainer.config import ParallelConfig
 from tandem.trainer.model import build_trainer_model
@@ -89,6 +90,18 @@ def test_bad_parallel_settings_fail_at_start_in_one_line(models: tuple[Path, Pat
         ParallelConfig(activation_offload=True, activation_checkpointing="full")
     with pytest.raises(ValueError, match=r"cp \(2\) must divide num_ranks \(3\)"):
         OrchestratorConfig(num_ranks=3, cp=2)
+
+
+def test_latent_attention_refuses_context_parallelism() -> None:
+    """GLM-5's attention and indexer do not go through the split documents: refused, not wrong."""
+    import torch.distributed as dist
+
+    init_distributed("cpu")
+    config = tiny_config(TinyShape(family="glm_moe_dsa", num_experts=4, moe_intermediate_size=32), 512, 1, 0)
+    with torch.device("meta"):
+        model = family("glm_moe_dsa").build(config, "sdpa")
+    with pytest.raises(ValueError, match=r"cp > 1 is not implemented for multi-head latent attention"):
+        apply_context_parallel(model, dist.group.WORLD, "ring")
 
 
 def test_rl_trainer_refuses_rows_longer_than_seq_len() -> None:

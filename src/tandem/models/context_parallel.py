@@ -43,6 +43,7 @@ from torch import nn
 from tandem.config.base import CPStyle, cp_width_multiple
 from tandem.models.expert_parallel import all_to_all
 from tandem.models.layers.attention import PackedDocs
+from tandem.models.layers.mla import LatentAttention
 from tandem.models.layers.transformer import Attention
 
 
@@ -209,6 +210,12 @@ class ContextParallel:
 def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, style: CPStyle) -> None:
     """Split the model's rows over `group` (checking first that `style` can split its heads)."""
     cp = dist.get_world_size(group)
+    if any(isinstance(m, LatentAttention) for m in model.modules()):
+        # (its attention and indexer read documents of their own, not the split ones)
+        raise ValueError(
+            "trainer.parallel.cp > 1 is not implemented for multi-head latent attention (GLM-5, "
+            "glm_moe_dsa): use cp = 1"
+        )
     for attention in (m for m in model.modules() if isinstance(m, Attention)):
         check_heads(attention.num_heads, attention.num_kv_heads, cp, style)
     model.context_parallel = ContextParallel(group, style)
