@@ -89,9 +89,14 @@ def start_server(
 
 @contextmanager
 def serve_in_thread(app: object, timeout_s: float = 30.0) -> Iterator[str]:
-    """Serve an ASGI app with uvicorn in a thread of this process on a free port; yields its URL."""
+    """Serve an ASGI app with uvicorn in a thread of this process on a free port (keeping idle
+    connections as long as the real servers do); yields its URL."""
+    from tandem.inference.cli import KEEP_ALIVE_S
+
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout_s

@@ -140,6 +140,22 @@ def test_bad_checkpoints_keep_the_old_weights(
         assert server.post("/update_weights", body).status_code == 400
 
 
+def test_an_idle_kept_alive_connection_outlives_the_clients_expiry(server: InProcessServer) -> None:
+    """A connection idle for longer than httpx's 5 s keep-alive expiry is still open, so a client
+    never sends on a connection the server is closing at the same moment."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(server.url)
+    request = f"GET /health HTTP/1.1\r\nHost: {url.hostname}\r\n\r\n".encode()
+    with socket.create_connection((url.hostname, url.port), timeout=10) as conn:
+        for _ in range(2):
+            conn.sendall(request)
+            reply = conn.recv(65536)
+            assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+            time.sleep(6)
+
+
 def test_pause_holds_new_requests_until_resume(server: InProcessServer) -> None:
     assert server.post("/pause").json()["paused"] is True
     assert httpx.get(server.url + "/health").json()["paused"] is True

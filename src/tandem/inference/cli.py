@@ -52,8 +52,16 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
+KEEP_ALIVE_S = 75
+
+
 def http_server(app: "ASGIApp", config: InferenceConfig) -> "uvicorn.Server":
-    """uvicorn serving `app` as configured; set its `should_exit` to stop it from another thread."""
+    """uvicorn serving `app` as configured; set its `should_exit` to stop it from another thread.
+
+    Idle connections are kept open for 75 s, well past the clients' own 5 s expiry (httpx's and
+    openai's default): with both at 5 s, a client could send on a connection in the instant the
+    server closed it, and the request failed with a connection error (seen in RL runs whose
+    steps wait ~5 s for the trainer)."""
     import uvicorn
 
     return uvicorn.Server(
@@ -64,6 +72,7 @@ def http_server(app: "ASGIApp", config: InferenceConfig) -> "uvicorn.Server":
             log_level=config.log_level,
             access_log=config.access_log,
             timeout_graceful_shutdown=5,
+            timeout_keep_alive=KEEP_ALIVE_S,
         )
     )
 
