@@ -16,6 +16,7 @@ from server_process import free_port
 from tandem.inference.config import InferenceConfig
 from tandem.inference.errors import APIError
 from tandem.inference.protocol import UpdateWeightsRequest
+from tandem.inference.vllm.process import new_api_key
 from tandem.inference.vllm.proxy import VLLMFront
 
 FAKE_VLLM = """
@@ -134,3 +135,10 @@ def test_step_updates_read_run_dir_on_a_filesystem_server(tmp_path: Path) -> Non
     )
     with pytest.raises(APIError, match="'step' needs the server to know the run directory"):
         without.weights_path(UpdateWeightsRequest(step=3))
+
+
+def test_the_private_api_key_is_never_taken_for_an_option() -> None:
+    """vLLM's parser takes an `--api-key` value that starts with '-' for an option and exits; a
+    URL-safe token did so one start in 64 (seen here as a failed start-up)."""
+    keys = [new_api_key() for _ in range(2000)]
+    assert not any(key.startswith("-") for key in keys) and len(set(keys)) == len(keys)
