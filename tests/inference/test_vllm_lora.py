@@ -2,7 +2,8 @@
 `vllm.max_lora_rank`, joined to a weight link whose trainer side is this test (the trainer's LoRA
 model, a WeightSender over gloo). An adapter loaded from its PEFT directory, and one streamed by
 broadcast, make vLLM generate what the merged model generates in transformers; an adapter of a
-rank above the server's is refused with the old one live. One vLLM start (50-150 s)."""
+rank above the server's is refused with the old one live. One vLLM start of its own: a server that
+serves adapters takes every update as an adapter, so it cannot share test_vllm_backend's."""
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -17,11 +18,13 @@ from server_process import free_port
 from test_lora_updates import Trainer, stream
 from test_vllm_backend import (
     API_KEY,
+    HEADERS,
     LOGPROB_ATOL,
     STARTUP_TIMEOUT_S,
     Reference,
     greedy_completion,
     needs_vllm,
+    start_vllm,
     vllm_args,
 )
 
@@ -31,7 +34,6 @@ from tandem.transport.weight_link import LinkSettings
 from tandem.transport.weight_sender import WeightSender
 
 pytestmark = needs_vllm
-HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +57,12 @@ def linked(
         LinkSettings("127.0.0.1", port, 30.0, STARTUP_TIMEOUT_S, 1 << 20), 1, 0, 1, torch.device("cpu")
     )
     log_path = tmp_path_factory.mktemp("vllm_lora_log") / "server.log"
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        with launch_server(args, log_path, timeout_s=STARTUP_TIMEOUT_S + 30) as running:
+    try:
+        with start_vllm(launch_server, args, log_path) as running:
             sender.connect(lambda dtype: update_stream(trainer.model, dtype)[0])
             yield running, sender
-    sender.close()
+    finally:
+        sender.close()
 
 
 def assert_serves(client: openai.OpenAI, merged: Path, version: int) -> list[int]:

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from transformers import AutoConfig
 
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine.api import Engine, WeightLoadError
@@ -33,7 +32,6 @@ from tandem.inference.protocol import (
     UpdateWeightsRequest,
 )
 from tandem.inference.responses import ResponseBuilder, TokenTexts
-from tandem.transport.weight_link import LinkError, TransferError, TransferRefused
 
 if TYPE_CHECKING:
     from tandem.transport.weight_receiver import WeightReceiver
@@ -120,6 +118,8 @@ def sse(data: dict | str) -> str:
 
 def model_vocab_size(name: str) -> int | None:
     """Rows of the model's embedding (often more than the tokenizer's size): valid token ids."""
+    from transformers import AutoConfig  # here: the vLLM backend's front imports this module too
+
     try:
         return int(AutoConfig.from_pretrained(name).vocab_size)
     except (OSError, ValueError, AttributeError, TypeError):
@@ -339,6 +339,8 @@ class Server:
 
     async def receive_weights(self, version: int) -> int:
         """Policy `version` over the in-memory transport; errors as API errors naming the step."""
+        from tandem.transport.weight_link import LinkError, TransferError, TransferRefused  # loads torch
+
         assert self.receiver is not None
         try:
             return await self.engine.receive_weights(self.receiver, version)

@@ -75,8 +75,10 @@ def vllm_env(config: InferenceConfig) -> dict[str, str]:
 
 
 def new_api_key() -> str:
-    """A private key between the front and vLLM, so vLLM's port cannot be used around the front."""
-    return secrets.token_urlsafe(24)
+    """A private key between the front and vLLM, so vLLM's port cannot be used around the front.
+    Hexadecimal: a URL-safe token starts with '-' one time in 64, and vLLM's argument parser
+    then takes it for an option (`--api-key: expected at least one argument`)."""
+    return secrets.token_hex(24)
 
 
 def _die_with_parent() -> None:
