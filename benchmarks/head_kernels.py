@@ -87,7 +87,7 @@ def main() -> None:
 
     triton_kernels = chunked_head._kernels
     for kernel, choose in (
-        ("compiled", lambda _: (compiled_stats, compiled_grad)),
+        ("compiled", lambda *_: (compiled_stats, compiled_grad)),
         ("triton", triton_kernels),
     ):
         chunked_head._kernels = choose  # the head's per-chunk kernels, swapped for the baseline row

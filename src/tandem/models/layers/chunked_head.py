@@ -57,10 +57,10 @@ def default_chunk_size(device: torch.device) -> int:
     return 4096 if device.type == "cuda" else 1024
 
 
-def _kernels(logits: torch.Tensor) -> tuple[Callable, Callable]:
-    """(token_stats, logit_grad) for a chunk of these logits: the one-pass Triton kernels on CUDA
+def _kernels(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[Callable, Callable]:
+    """(token_stats, logit_grad) for the chunks of hidden Wᵀ: the one-pass Triton kernels on CUDA
     (bf16, fp16 or fp32 logits), the torch functions above elsewhere."""
-    if logits.device.type != "cuda" or logits.dtype == torch.float64:
+    if hidden.device.type != "cuda" or torch.promote_types(hidden.dtype, weight.dtype) == torch.float64:
         return token_stats, logit_grad
     from tandem.models.layers import triton_head
 
@@ -82,10 +82,10 @@ class ChunkedLogprobs(torch.autograd.Function):
         n = hidden.shape[0]
         dtype = torch.promote_types(weight.dtype, torch.float32)
         logprobs, entropy, lse = (torch.empty(n, dtype=dtype, device=hidden.device) for _ in range(3))
+        stats = _kernels(hidden, weight)[0]
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
             logits = hidden[start:end] @ weight.T
-            stats = _kernels(logits)[0]
             logprobs[start:end], entropy[start:end], lse[start:end] = stats(
                 logits, targets[start:end], temperature
             )
@@ -104,11 +104,12 @@ class ChunkedLogprobs(torch.autograd.Function):
         grad_weight = (
             torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
         )
+        gradient = _kernels(hidden, weight)[1]
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = min(start + ctx.chunk_size, hidden.shape[0])
             rows = slice(start, end)
             logits = hidden[rows] @ weight.T
-            grad_z = _kernels(logits)[1](
+            grad_z = gradient(
                 logits,
                 targets[rows],
                 lse[rows],
