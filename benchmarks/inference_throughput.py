@@ -4,10 +4,12 @@ transformers `generate` on the same model measured in the same run as the baseli
 Each request sends P random prompt token ids and asks for O tokens (EOS ignored) and n samples.
 The server runs in a subprocess; the clients are processes of this script (asyncio + httpx),
 started once. After an untimed warm-up phase (every batch size and block-table width gets its
-CUDA graph), two timed phases: streaming (output tokens/s, time to first token and inter-token
-latency p50/p99) and whole responses. With `--compare-prefix-cache`, a second server with the
-prefix cache off times whole responses too. Every phase sends new prompts, so no prefix is ever
-shared. Each phase reports the engine steps it took and the server's CPU time per output token
+CUDA graph), timed phases: whole responses, streaming (output tokens/s, time to first token and
+inter-token latency p50/p99), then whole responses again (does a server slow down once it has
+served streams?). With `--compare-prefix-cache`, a second server with the prefix cache off
+times whole responses as the first timed phase after its warm-up, as the first server's first
+whole phase was: the two are compared at the same point of a server's life. Every phase sends
+new prompts, so no prefix is ever shared. Each phase reports the engine steps it took and the server's CPU time per output token
 (all threads, and its event loop alone). Then transformers generates the same batch in one call.
 
     uv run python benchmarks/inference_throughput.py                     # CPU: tiny model
@@ -458,7 +460,8 @@ def main() -> None:
                     pool, port, prompts(), args, stream=False
                 )  # warm-up: graphs for every batch and width
                 first = not phases
-                names = [("streaming", True), ("whole", False)] if first else [("whole", False)]
+                names = [("whole", False), ("streaming", True), ("whole after streams", False)]
+                names = names if first else names[:1]
                 for name, stream in names:
                     key = f"tandem server, {name}" + ("" if first else f", {label}")
                     phases[key] = run_load(pool, port, prompts(), args, stream=stream, server_pid=server.pid)
