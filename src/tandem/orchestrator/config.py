@@ -138,6 +138,13 @@ class OrchestratorConfig(Section):
         "micro-batch, whose width is padded to what cp_style needs.",
     )
     cp_style: CPStyle = Field("ulysses", description="The trainer's trainer.parallel.cp_style.")
+    share_prompts: bool = Field(
+        False,
+        description="Pack the samples of one prompt with the prompt once (its completions as branches "
+        "that each see the prompt): the trainer computes each group's prompt once instead of group_size "
+        "times, with the same loss. Needs the trainer's tandem model with attention sdpa or flex (or "
+        "auto), cp = 1 and not GLM-5 (transport/rollouts.py).",
+    )
     micro_batch_tokens: int = Field(
         8192,
         gt=0,
@@ -201,6 +208,12 @@ class OrchestratorConfig(Section):
                 "shape",
                 f"cp ({self.cp}) must divide num_ranks ({self.num_ranks}): the trainer's context-parallel "
                 "groups (trainer.parallel.cp) split its ranks",
+            )
+        if self.share_prompts and self.cp > 1:
+            raise PydanticCustomError(
+                "shape",
+                f"share_prompts needs cp = 1 (trainer.parallel.cp is {self.cp}): context parallelism splits "
+                "rows by columns, which shared prompts do not survive",
             )
         if self.micro_batch_tokens < self.seq_len:
             raise PydanticCustomError(

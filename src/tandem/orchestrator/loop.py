@@ -246,6 +246,7 @@ class Orchestrator:
             step=step,
             temperature=cfg.sampling.temperature,
             width_multiple=cfg.width_multiple,
+            share_prompts=cfg.share_prompts,
         )
         write_step(cfg.run_dir, step, per_group, cp=cfg.cp)
         stats = step_metrics(batch, item.waited, time.perf_counter() - item.began)

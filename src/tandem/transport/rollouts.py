@@ -14,6 +14,14 @@ Token alignment: every per-token tensor is aligned with `input_ids`. `loss_mask[
 is a trained completion token; its logprob comes from the logits at position t - 1 (the trainer
 shifts). A packed sample always starts with at least one prompt token, so no loss token is ever
 predicted from another sample's context.
+
+Shared prompts (`share_prompts`): the samples of one prompt (a GRPO group) can be packed as one
+unit, the prompt but its last token once, then for each sample that last token again and its
+completion, with positions continuing from the prompt: [p0 .. p(P-2)] [p(P-1) c c c]
+[p(P-1) c c] ... A branch starts where a position does not increase and is not 0; its tokens
+attend to the unit's shared prompt and to their own branch (models/layers/attention.py). Each
+completion then sees exactly the context it had unshared, and the prompt is computed once
+instead of once per sample.
 """
 
 import json
@@ -151,17 +159,52 @@ def balance_ranks(lengths: dict[int, int], num_ranks: int) -> list[list[int]]:
     return ranks
 
 
+def shares_prompts(position_ids: torch.Tensor) -> bool:
+    """Whether packed rows hold a shared prompt's branches (a position that neither increases nor is 0)."""
+    later, earlier = position_ids[:, 1:], position_ids[:, :-1]
+    return bool(((later <= earlier) & (later != 0)).any())
+
+
+def prompt_units(samples: list[Sample], seq_len: int, share: bool) -> list[list[int]]:
+    """Sample indices in packing units: one sample each, or (`share`) the samples of one prompt
+    together, split where a unit would pass seq_len tokens."""
+    if not share:
+        return [[i] for i in range(len(samples))]
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for i, s in enumerate(samples):
+        by_prompt.setdefault(tuple(s.prompt_ids) if len(s.prompt_ids) > 1 else (-1 - i,), []).append(i)
+    units = []
+    for indices in by_prompt.values():
+        unit: list[int] = []
+        for i in indices:
+            if unit and unit_len(unit + [i], samples) > seq_len:
+                units.append(unit)
+                unit = []
+            unit.append(i)
+        units.append(unit)
+    return units
+
+
+def unit_len(unit: list[int], samples: list[Sample]) -> int:
+    """Tokens of a packing unit: a lone sample's, or the shared prompt but its last token once
+    plus, per sample, that token and the completion."""
+    if len(unit) == 1:
+        return len(samples[unit[0]])
+    shared = len(samples[unit[0]].prompt_ids) - 1
+    return shared + sum(len(samples[i]) - shared for i in unit)
+
+
 def build_micro_batch(
-    rows: list[list[int]],
+    rows: list[list[list[int]]],
     samples: list[Sample],
     step: int,
     temperature: float,
     num_loss_tokens: int,
     width_multiple: int = 1,
 ) -> MicroBatch:
-    """Lay out `rows` (lists of sample indices) as tensors padded to the longest row, rounded up
-    to a multiple of `width_multiple`."""
-    longest = max([sum(len(samples[i]) for i in row) for row in rows] + [1])
+    """Lay out `rows` (lists of packing units, each a list of sample indices) as tensors padded
+    to the longest row, rounded up to a multiple of `width_multiple`."""
+    longest = max([sum(unit_len(u, samples) for u in row) for row in rows] + [1])
     width = -(-longest // width_multiple) * width_multiple
     shape = (max(len(rows), 1), width)
     input_ids = torch.full(shape, PAD_ID, dtype=torch.long)
@@ -173,34 +216,42 @@ def build_micro_batch(
     metas = []
     for r, row in enumerate(rows):
         start = 0
-        for i in row:
-            s = samples[i]
-            n, p = len(s), len(s.prompt_ids)
-            end = start + n
-            input_ids[r, start:end] = torch.tensor(s.prompt_ids + s.completion_ids, dtype=torch.long)
-            position_ids[r, start:end] = torch.arange(n)
-            mask = torch.tensor(s.completion_mask, dtype=torch.bool)
-            loss_mask[r, start + p : end] = mask
-            logprobs = torch.tensor(s.completion_logprobs, dtype=torch.float32)
-            sampler_logprobs[r, start + p : end] = torch.where(mask, logprobs, 0.0)
-            advantages[r, start + p : end] = torch.where(mask, s.advantage, 0.0)
-            sample_index[r, start:end] = i
-            metas.append(
-                SampleMeta(
-                    index=i,
-                    task_id=s.task_id,
-                    env=s.env,
-                    reward=float(s.reward),
-                    advantage=float(s.advantage),
-                    policy_version=s.policy_version,
-                    policy_versions=list(s.policy_versions) or [s.policy_version],
-                    prompt_len=p,
-                    completion_len=len(s.completion_ids),
-                    num_loss_tokens=int(mask.sum()),
-                    metrics={k: float(v) for k, v in s.metrics.items()},
+        for unit in row:
+            # the tokens of the unit's shared prompt laid out once, before its branches
+            head = len(samples[unit[0]].prompt_ids) - 1 if len(unit) > 1 else 0
+            if head:
+                input_ids[r, start : start + head] = torch.tensor(samples[unit[0]].prompt_ids[:head])
+                position_ids[r, start : start + head] = torch.arange(head)
+                sample_index[r, start : start + head] = unit[0]
+                start += head
+            for i in unit:
+                s = samples[i]
+                n, p = len(s) - head, len(s.prompt_ids) - head
+                end = start + n
+                input_ids[r, start:end] = torch.tensor((s.prompt_ids + s.completion_ids)[head:])
+                position_ids[r, start:end] = torch.arange(head, head + n)
+                mask = torch.tensor(s.completion_mask, dtype=torch.bool)
+                loss_mask[r, start + p : end] = mask
+                logprobs = torch.tensor(s.completion_logprobs, dtype=torch.float32)
+                sampler_logprobs[r, start + p : end] = torch.where(mask, logprobs, 0.0)
+                advantages[r, start + p : end] = torch.where(mask, s.advantage, 0.0)
+                sample_index[r, start:end] = i
+                metas.append(
+                    SampleMeta(
+                        index=i,
+                        task_id=s.task_id,
+                        env=s.env,
+                        reward=float(s.reward),
+                        advantage=float(s.advantage),
+                        policy_version=s.policy_version,
+                        policy_versions=list(s.policy_versions) or [s.policy_version],
+                        prompt_len=len(s.prompt_ids),
+                        completion_len=len(s.completion_ids),
+                        num_loss_tokens=int(mask.sum()),
+                        metrics={k: float(v) for k, v in s.metrics.items()},
+                    )
                 )
-            )
-            start = end
+                start = end
         # padding after the last sample: its own "sequence" with positions from 0
         position_ids[r, start:] = torch.arange(width - start)
     return MicroBatch(
@@ -225,11 +276,13 @@ def pack_samples(
     step: int = 0,
     temperature: float = 1.0,
     width_multiple: int = 1,
+    share_prompts: bool = False,
 ) -> list[list[MicroBatch]]:
     """Pack a step's samples into micro-batches for each of `num_ranks` trainer data-parallel
     groups (ranks, without context parallelism).
 
-    Samples are spread over groups balanced by token count, packed into rows of at most
+    Samples (or with `share_prompts`, units of the samples of one prompt: `prompt_units`) are
+    spread over groups balanced by token count, packed into rows of at most
     `seq_len` tokens, and rows are grouped `micro_batch_tokens // seq_len` to a micro-batch (the
     budget of one micro-batch of a group: under context parallelism its ranks share it); its
     width is rounded up to `width_multiple`. Every group gets the same number of micro-batches
@@ -245,9 +298,10 @@ def pack_samples(
         s.check(seq_len)
     rows_per_micro_batch = micro_batch_tokens // seq_len
     num_loss_tokens = sum(sum(map(bool, s.completion_mask)) for s in samples)
-    lengths = {i: len(s) for i, s in enumerate(samples)}
+    units = prompt_units(samples, seq_len, share_prompts)
+    lengths = {u: unit_len(unit, samples) for u, unit in enumerate(units)}
     per_rank_rows = [
-        first_fit_rows({i: lengths[i] for i in indices}, seq_len)
+        [[units[u] for u in row] for row in first_fit_rows({u: lengths[u] for u in indices}, seq_len)]
         for indices in balance_ranks(lengths, num_ranks)
     ]
     per_rank_groups = [

@@ -91,6 +91,8 @@ class IndexedDecoderLayer(DecoderLayer):
 
 
 class IndexedCausalLM(CausalLM):
+    supports_shared_prompts = False  # the indexer's documents (layers/dsa.py) know no branches
+
     def blocks(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, _: PackedDocs, position_ids: torch.Tensor
     ) -> torch.Tensor:

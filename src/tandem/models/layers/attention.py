@@ -18,6 +18,13 @@ before it in its own document, and to nothing else, whichever backend runs:
 `auto` picks `sdpa` on CPU and, on CUDA, the backend measured fastest on an H200 with
 benchmarks/trainer_mfu.py (docs/trainer.md has the comparison).
 
+Shared prompts (transport/rollouts.py): a document may hold one prompt and several branches, a
+branch starting where a position does not increase and is not 0. With `shared_prompts` a token
+attends, within its document and causally, to its own segment (the prompt and first branch, or
+a later branch) and to the tokens before its segment's first position: a later branch sees the
+prompt, not the branches before it. Without branches that is the rule above. The masked
+backends (`sdpa`, `flex`) do this; the others refuse it.
+
 Under ring context parallelism (models/context_parallel.py) a rank's queries are only some
 columns of each row (`query_columns`) while its keys and values are the whole row; the same rule
 then holds with every column's global index: query column c attends to key column j iff j ≤ c
@@ -68,21 +75,38 @@ class PackedDocs:
 
     @classmethod
     def from_positions(
-        cls, position_ids: torch.Tensor, backend: str, query_columns: torch.Tensor | None = None
+        cls,
+        position_ids: torch.Tensor,
+        backend: str,
+        query_columns: torch.Tensor | None = None,
+        shared_prompts: bool = False,
     ) -> "PackedDocs":
         """From the whole rows' position ids; `query_columns` (ascending): the columns whose
-        queries this rank computes (ring context parallelism), None = all of them."""
+        queries this rank computes (ring context parallelism), None = all of them;
+        `shared_prompts`: documents may hold branches (see the module docstring)."""
         rows, width = position_ids.shape
         starts = position_ids == 0
         starts[:, 0] = True  # a row always begins a document
+        if shared_prompts and (backend not in ("sdpa", "flex") or query_columns is not None):
+            raise ValueError(
+                f"rows with shared prompts need the 'sdpa' or 'flex' attention backend without context "
+                f"parallelism (got {backend!r}{' under context parallelism' if query_columns is not None else ''})"
+            )
         if backend in ("sdpa", "flex"):
             doc_ids = starts.cumsum(dim=1)
+            branches = _branches(position_ids, starts) if shared_prompts else None
             if backend == "flex":
-                return cls(backend, block_mask=_document_block_mask(doc_ids, query_columns))
+                flex_branches = None if branches is None else (*branches, position_ids)
+                return cls(backend, block_mask=_document_block_mask(doc_ids, query_columns, flex_branches))
             keys = torch.arange(width, device=position_ids.device)
             queries = keys if query_columns is None else query_columns
-            same_doc = doc_ids[:, queries, None] == doc_ids[:, None, :]
-            return cls(backend, mask=(same_doc & (keys[None, :] <= queries[:, None]))[:, None])
+            allowed = (doc_ids[:, queries, None] == doc_ids[:, None, :]) & (keys[None, :] <= queries[:, None])
+            if branches is not None:
+                segment, first_position = branches
+                allowed &= (segment[:, :, None] == segment[:, None, :]) | (
+                    position_ids[:, None, :] < first_position[:, :, None]
+                )
+            return cls(backend, mask=allowed[:, None])
         if query_columns is not None:
             return _query_segments(starts, query_columns, backend)
         flat_starts = starts.flatten().nonzero().flatten()
@@ -206,13 +230,37 @@ def _varlen_supports_gqa() -> bool:
     return "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
-def _document_block_mask(doc_ids: torch.Tensor, query_columns: torch.Tensor | None) -> object:
+def _branches(position_ids: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's segment id (a document, or a branch after its first) and its segment's first
+    position: a token sees another segment's tokens only below that position."""
+    new_branch = torch.zeros_like(starts)
+    new_branch[:, 1:] = (position_ids[:, 1:] <= position_ids[:, :-1]) & (position_ids[:, 1:] != 0)
+    segment_start = starts | new_branch
+    columns = torch.arange(position_ids.shape[1], device=position_ids.device)
+    first_column = torch.where(segment_start, columns, 0).cummax(dim=1).values
+    return segment_start.cumsum(dim=1), position_ids.gather(1, first_column)
+
+
+def _document_block_mask(
+    doc_ids: torch.Tensor,
+    query_columns: torch.Tensor | None,
+    branches: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> object:
+    """The flex block mask of the documents; with `branches` (segment ids, each segment's first
+    position, the positions) the shared-prompt rule of the module docstring."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def same_document_causal(
         b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
     ) -> torch.Tensor:
         return (doc_ids[b, q] == doc_ids[b, kv]) & (q >= kv)
+
+    def same_document_branch_causal(
+        b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
+    ) -> torch.Tensor:
+        segment, first_position, positions = branches
+        visible = (segment[b, q] == segment[b, kv]) | (positions[b, kv] < first_position[b, q])
+        return same_document_causal(b, h, q, kv) & visible
 
     def of_query_columns(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         return same_document_causal(b, h, query_columns[q], kv)
@@ -221,6 +269,8 @@ def _document_block_mask(doc_ids: torch.Tensor, query_columns: torch.Tensor | No
     mask_mod, queries = (
         (same_document_causal, width) if query_columns is None else (of_query_columns, len(query_columns))
     )
+    if branches is not None:
+        mask_mod = same_document_branch_causal
     return create_block_mask(
         mask_mod, rows, None, queries, width, device=doc_ids.device, _compile=doc_ids.is_cuda
     )

@@ -17,7 +17,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        h = x.float()
+        h = x.to(torch.promote_types(dtype, torch.float32))  # at least fp32; fp64 stays fp64
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
 

@@ -112,14 +112,22 @@ class CausalLM(nn.Module):
         self.rotary = rotary
         self.attention_backend = attention_backend
         self.context_parallel = None  # a ContextParallel when the rows are split over ranks
+        self.shared_prompts = False  # the rows may hold shared prompts (layers/attention.py); set per batch
 
     @property
     def head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.head is None else self.head.weight
 
+    @property
+    def supports_shared_prompts(self) -> bool:
+        """Whether rows with shared prompts can be attended as they must (layers/attention.py)."""
+        return self.attention_backend in ("sdpa", "flex") and self.context_parallel is None
+
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         if self.context_parallel is None:
-            docs = PackedDocs.from_positions(position_ids, self.attention_backend)
+            docs = PackedDocs.from_positions(
+                position_ids, self.attention_backend, shared_prompts=self.shared_prompts
+            )
         else:
             input_ids, position_ids, docs = self.context_parallel.shard(
                 input_ids, position_ids, self.attention_backend

@@ -33,7 +33,7 @@ from tandem.trainer.parallel import World, all_reduce_sum, data_shard, init_dist
 from tandem.trainer.rl.config import RLTrainerConfig
 from tandem.trainer.rl.loss import LossInputs, LossStats, build_objective, policy_loss
 from tandem.trainer.weight_publisher import PolicyPublisher
-from tandem.transport.rollouts import MicroBatch, RolloutError, prune_steps, read_rank
+from tandem.transport.rollouts import MicroBatch, RolloutError, prune_steps, read_rank, shares_prompts
 
 
 def micro_batch_loss(
@@ -78,6 +78,19 @@ def check_micro_batches(
                 f"rollouts/step_{step}: token ids span [{low}, {high}], outside the model's vocabulary "
                 f"of {vocab_size} (rollouts from a different model?)"
             )
+
+
+def attend_shared_prompts(model: nn.Module, micro_batches: list[MicroBatch], step: int) -> None:
+    """Tell the model whether this step's rows hold shared prompts; refuse them if it cannot."""
+    shared = any(shares_prompts(mb.position_ids) for mb in micro_batches)
+    if shared and not getattr(model, "supports_shared_prompts", False):
+        raise RolloutError(
+            f"rollouts/step_{step} share prompts between samples (orchestrator.share_prompts), which "
+            "this trainer's model cannot attend: that needs model.impl = 'tandem' with attention 'sdpa', "
+            "'flex' or 'auto', no context parallelism, and not GLM-5; set orchestrator.share_prompts = false"
+        )
+    if hasattr(model, "shared_prompts"):
+        model.shared_prompts = shared
 
 
 def sample_stats(
@@ -182,6 +195,7 @@ def _train(cfg: RLTrainerConfig, world: World) -> dict[str, Any]:
                 cfg.run_dir, step, group, cfg.rollout_timeout_s, num_ranks=groups, cp=cfg.parallel.cp
             )
             check_micro_batches(micro_batches, model.hf_config.vocab_size, cfg, step)
+            attend_shared_prompts(model, micro_batches, step)
             compute_start = time.monotonic()
             stats = train_step(model, objective, optimizer, micro_batches, step, cfg, world)
             stats.update(expert_load(model, passes))
