@@ -53,6 +53,29 @@ def test_attention_backends_match_masked_sdpa(backend: str) -> None:
         assert rel(got, want) < 2e-2, (name, rel(got, want))
 
 
+def test_flex_attends_shared_prompts_as_masked_sdpa() -> None:
+    """Rows holding shared prompts (a prompt, then branches whose positions continue from it):
+    flex's compiled block mask gives what the dense mask gives, forward and backward."""
+    prompt, branches = 40, [30, 70, 5, 120]
+    row = [torch.arange(prompt - 1)] + [torch.arange(prompt - 1, prompt - 1 + n) for n in branches]
+    first = torch.cat(row)
+    positions = torch.stack([torch.cat([first, torch.arange(512 - len(first))]), torch.arange(512)]).to(CUDA)
+    torch.manual_seed(0)
+    q = torch.randn(2, 512, 8, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 512, 2, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    grad = torch.randn_like(q)
+    results = {}
+    for name in ("sdpa", "flex"):
+        docs = PackedDocs.from_positions(positions, name, shared_prompts=True)
+        out = packed_attention(q, k, v, docs, 0.125)
+        out.backward(grad)
+        results[name] = [out.detach(), *(t.grad.clone() for t in (q, k, v))]
+        q.grad = k.grad = v.grad = None
+    for name, want, got in zip(["out", "q", "k", "v"], results["sdpa"], results["flex"], strict=True):
+        assert rel(got, want) < 2e-2, (name, rel(got, want))
+
+
 def test_grouped_experts_equal_the_loop() -> None:
     torch.manual_seed(0)
     experts = GroupedExperts(8, 64, 32).to(CUDA)
