@@ -35,9 +35,10 @@ def packed_positions(lengths: list[list[int]]) -> torch.Tensor:
     return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths]).to(CUDA)
 
 
-@pytest.mark.parametrize("backend", ["flex", "varlen", "sdpa_docs"])
-def test_attention_backends_match_masked_sdpa(backend: str) -> None:
-    positions = packed_positions([[100, 300, 112], [512]])
+def assert_backend_matches_masked_sdpa(
+    positions: torch.Tensor, backend: str, shared_prompts: bool = False
+) -> None:
+    """Attention forward and backward of `backend` against the dense-mask SDPA, bf16."""
     torch.manual_seed(0)
     q = torch.randn(2, 512, 8, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(2, 512, 2, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
@@ -45,12 +46,18 @@ def test_attention_backends_match_masked_sdpa(backend: str) -> None:
     grad = torch.randn_like(q)
     results = {}
     for name in ("sdpa", backend):
-        out = packed_attention(q, k, v, PackedDocs.from_positions(positions, name), 0.125)
+        docs = PackedDocs.from_positions(positions, name, shared_prompts=shared_prompts)
+        out = packed_attention(q, k, v, docs, 0.125)
         out.backward(grad)
         results[name] = [out.detach(), *(t.grad.clone() for t in (q, k, v))]
         q.grad = k.grad = v.grad = None
     for name, want, got in zip(["out", "q", "k", "v"], results["sdpa"], results[backend], strict=True):
         assert rel(got, want) < 2e-2, (name, rel(got, want))
+
+
+@pytest.mark.parametrize("backend", ["flex", "varlen", "sdpa_docs"])
+def test_attention_backends_match_masked_sdpa(backend: str) -> None:
+    assert_backend_matches_masked_sdpa(packed_positions([[100, 300, 112], [512]]), backend)
 
 
 def test_flex_attends_shared_prompts_as_masked_sdpa() -> None:
@@ -60,20 +67,7 @@ def test_flex_attends_shared_prompts_as_masked_sdpa() -> None:
     row = [torch.arange(prompt - 1)] + [torch.arange(prompt - 1, prompt - 1 + n) for n in branches]
     first = torch.cat(row)
     positions = torch.stack([torch.cat([first, torch.arange(512 - len(first))]), torch.arange(512)]).to(CUDA)
-    torch.manual_seed(0)
-    q = torch.randn(2, 512, 8, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(2, 512, 2, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn_like(k, requires_grad=True)
-    grad = torch.randn_like(q)
-    results = {}
-    for name in ("sdpa", "flex"):
-        docs = PackedDocs.from_positions(positions, name, shared_prompts=True)
-        out = packed_attention(q, k, v, docs, 0.125)
-        out.backward(grad)
-        results[name] = [out.detach(), *(t.grad.clone() for t in (q, k, v))]
-        q.grad = k.grad = v.grad = None
-    for name, want, got in zip(["out", "q", "k", "v"], results["sdpa"], results["flex"], strict=True):
-        assert rel(got, want) < 2e-2, (name, rel(got, want))
+    assert_backend_matches_masked_sdpa(positions, "flex", shared_prompts=True)
 
 
 def test_grouped_experts_equal_the_loop() -> None:

@@ -35,6 +35,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from tandem.models.layers.attention import branch_starts
 from tandem.transport.layout import READY, prune_steps, rank_path, step_dir, written_steps  # noqa: F401 (re-exported)
 
 FORMAT_VERSION = 1
@@ -160,9 +161,8 @@ def balance_ranks(lengths: dict[int, int], num_ranks: int) -> list[list[int]]:
 
 
 def shares_prompts(position_ids: torch.Tensor) -> bool:
-    """Whether packed rows hold a shared prompt's branches (a position that neither increases nor is 0)."""
-    later, earlier = position_ids[:, 1:], position_ids[:, :-1]
-    return bool(((later <= earlier) & (later != 0)).any())
+    """Whether packed rows hold a shared prompt's branches."""
+    return bool(branch_starts(position_ids).any())
 
 
 def prompt_units(samples: list[Sample], seq_len: int, share: bool) -> list[list[int]]:
@@ -170,10 +170,12 @@ def prompt_units(samples: list[Sample], seq_len: int, share: bool) -> list[list[
     together, split where a unit would pass seq_len tokens."""
     if not share:
         return [[i] for i in range(len(samples))]
-    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    units, by_prompt = [], {}
     for i, s in enumerate(samples):
-        by_prompt.setdefault(tuple(s.prompt_ids) if len(s.prompt_ids) > 1 else (-1 - i,), []).append(i)
-    units = []
+        if len(s.prompt_ids) > 1:
+            by_prompt.setdefault(tuple(s.prompt_ids), []).append(i)
+        else:  # a 1-token prompt has nothing to share: its branches would start at position 0
+            units.append([i])
     for indices in by_prompt.values():
         unit: list[int] = []
         for i in indices:

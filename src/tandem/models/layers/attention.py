@@ -230,12 +230,18 @@ def _varlen_supports_gqa() -> bool:
     return "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
+def branch_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """Where a shared prompt's later branch starts: a position that neither increases nor is 0."""
+    later, earlier = position_ids[:, 1:], position_ids[:, :-1]
+    starts = torch.zeros_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = (later <= earlier) & (later != 0)
+    return starts
+
+
 def _branches(position_ids: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's segment id (a document, or a branch after its first) and its segment's first
     position: a token sees another segment's tokens only below that position."""
-    new_branch = torch.zeros_like(starts)
-    new_branch[:, 1:] = (position_ids[:, 1:] <= position_ids[:, :-1]) & (position_ids[:, 1:] != 0)
-    segment_start = starts | new_branch
+    segment_start = starts | branch_starts(position_ids)
     columns = torch.arange(position_ids.shape[1], device=position_ids.device)
     first_column = torch.where(segment_start, columns, 0).cummax(dim=1).values
     return segment_start.cumsum(dim=1), position_ids.gather(1, first_column)
