@@ -12,7 +12,7 @@ sampled id decodes. A random model never samples its end-of-text, so every compl
 max_tokens (512): the steps are the config's longest. `rl` runs as a user would start it, with the
 model and run directory overridden; a `sitecustomize` put on PYTHONPATH caps the trainer process
 and the server process (torch.cuda.set_per_process_memory_fraction: --trainer-gib and --server-gib
-of the device) and writes each one's peak allocated and reserved memory when it exits. The
+of the device) and writes each one's peak allocated and reserved memory every second and at exit. The
 server's KV cache is inside its cap (the config's kv_cache_memory_gb). nvidia-smi's peak of the
 device's used memory (CUDA contexts of every process included) is sampled alongside.
 
@@ -44,7 +44,7 @@ from tandem.models.tiny import TinyModelConfig, tiny_qwen3_config  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "gpu_24gb" / "rl.toml"
 HOOK = """
-import atexit, json, os, sys
+import atexit, json, os, sys, threading, time
 _role = next((r for m, r in (("tandem.trainer.rl.cli", "trainer"), ("tandem.inference.cli", "server"))
               if m in " ".join(sys.orig_argv)), None)
 if _role is not None and os.environ.get("TANDEM_BENCH_CAP_DIR"):
@@ -53,12 +53,21 @@ if _role is not None and os.environ.get("TANDEM_BENCH_CAP_DIR"):
     torch.cuda.set_per_process_memory_fraction(_cap / torch.cuda.get_device_properties(0).total_memory, 0)
 
     def _report():
+        if not torch.cuda.is_initialized():
+            return
         out = os.path.join(os.environ["TANDEM_BENCH_CAP_DIR"], _role + ".json")
-        with open(out, "w") as f:
+        with open(out + ".tmp", "w") as f:
             json.dump({"peak allocated GiB": torch.cuda.max_memory_allocated(0) / 2**30,
                        "peak reserved GiB": torch.cuda.max_memory_reserved(0) / 2**30,
                        "cap GiB": _cap / 2**30}, f)
+        os.replace(out + ".tmp", out)
 
+    def _every_second():  # the server's atexit did not run at the launcher's stop (2026-12-01)
+        while True:
+            time.sleep(1.0)
+            _report()
+
+    threading.Thread(target=_every_second, daemon=True).start()
     atexit.register(_report)
 """
 """The sitecustomize of the trainer's and server's interpreters (every other process ignores it)."""

@@ -69,10 +69,13 @@ def trainer(tmp_path_factory: pytest.TempPathFactory) -> Trainer:
 
 
 @contextmanager
-def server(base: Path, transport: str, trainer: Trainer) -> Iterator[tuple[str, WeightSender]]:
+def server(
+    base: Path, transport: str, trainer: Trainer, base_on_cpu: bool = False
+) -> Iterator[tuple[str, WeightSender]]:
     settings = LinkSettings("127.0.0.1", free_port(), 30.0, 60.0, 512 << 20)
+    engine_config = {"max_model_len": 128, "lora_base_on_cpu": base_on_cpu}
     config = InferenceConfig.model_validate(
-        {"model": {"name": str(base)}, "engine": {"max_model_len": 128}, "weights": {"transport": transport}}
+        {"model": {"name": str(base)}, "engine": engine_config, "weights": {"transport": transport}}
     )
     engine = AsyncEngine(config)
     receiver = WeightReceiver(settings, 0, transport, engine.core.device, engine.core.dtype)
@@ -155,9 +158,11 @@ def test_adapters_from_disk_and_broadcast_merge_onto_the_base(trainer: Trainer, 
         assert_serves(url, second_merged)
 
 
-def test_a_colocated_adapter_is_merged(trainer: Trainer) -> None:
-    _, merged = trainer.adapter(seed=3)
-    with server(trainer.base, "colocated", trainer) as (url, sender):
-        answer = stream(url, sender, trainer, version=1)
-        assert answer.status_code == 200 and answer.json()["weight_version"] == 1, answer.text
-        assert_serves(url, merged)
+@pytest.mark.parametrize("base_on_cpu", [False, True], ids=["base_on_device", "base_on_cpu"])
+def test_colocated_adapters_are_merged_onto_the_base(trainer: Trainer, base_on_cpu: bool) -> None:
+    with server(trainer.base, "colocated", trainer, base_on_cpu) as (url, sender):
+        for version, seed in enumerate((3, 4), start=1):
+            _, merged = trainer.adapter(seed=seed)
+            answer = stream(url, sender, trainer, version=version)
+            assert answer.status_code == 200 and answer.json()["weight_version"] == version, answer.text
+            assert_serves(url, merged)
