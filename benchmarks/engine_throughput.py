@@ -9,6 +9,8 @@ events; the bound is the output tokens over the replays' GPU time, and the engin
 is (replay time) / (wall time).
 
     uv run python benchmarks/engine_throughput.py                       # CPU, tiny model
+    uv run python benchmarks/engine_throughput.py --shape host --num-requests 256 --prompt-len 8 \\
+        --output-len 128 --skip-hf                                    # CPU: host work only
     python benchmarks/engine_throughput.py --shape qwen3-0.6b --num-requests 256 \\
         --prompt-len 128 --output-len 256 --out results.json            # CUDA, bf16
 
@@ -36,9 +38,14 @@ from tandem.models.tiny import build_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_models import SHAPES, build_random  # noqa: E402
+from engine_step_host import build_model as build_host_model  # noqa: E402
 
 
 def build_model(shape: str, out: Path, device: torch.device) -> Path:
+    """`host`: engine_step_host.py's model of negligible compute, so that on CPU the run measures
+    the engine's host work (the core's bookkeeping, AsyncEngine's hand-off to asyncio)."""
+    if shape == "host":
+        return build_host_model(out)
     return build_tiny_model(out=out) if shape == "tiny" else build_random(shape, out, device)
 
 
@@ -274,7 +281,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--shape", choices=["tiny", *SHAPES], default=None, help="default: tiny on CPU, 0.6B on CUDA"
+        "--shape", choices=["tiny", "host", *SHAPES], default=None, help="default: tiny on CPU, 0.6B on CUDA"
     )
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=32)
