@@ -105,8 +105,10 @@ def run_core(core: EngineCore, prompts: list[list[int]], output_len: int, tag: s
 
 def run_async(
     engine: AsyncEngine, prompts: list[list[int]], output_len: int, stream: bool = True
-) -> tuple[float, int]:
-    """One asyncio consumer per request; `stream=False` delivers each request once, at its end."""
+) -> tuple[float, int, int]:
+    """One asyncio consumer per request; `stream=False` delivers each request once, at its end.
+    Seconds, output tokens and engine steps (more steps than the core's for the same batch means
+    the requests reached the engine thread over several steps)."""
     params = SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True)
 
     async def one(i: int, ids: list[int]) -> int:
@@ -116,9 +118,10 @@ def run_async(
     async def main() -> int:
         return sum(await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts))))
 
+    steps = engine.core.num_steps
     start = time.perf_counter()
     tokens = asyncio.run(main())
-    return time.perf_counter() - start, tokens
+    return time.perf_counter() - start, tokens, engine.core.num_steps - steps
 
 
 def run_hf(path: Path, prompts: list[list[int]], output_len: int, device: torch.device, dtype: torch.dtype):
@@ -357,11 +360,12 @@ def main() -> None:
     freeze_heap()
     run_async(engine, prompts()[: min(8, args.num_requests)], 4)  # warm-up
     for name, stream in (("streams", True), ("whole", False)):
-        seconds, tokens = run_async(engine, prompts(), args.output_len, stream)
+        seconds, tokens, steps = run_async(engine, prompts(), args.output_len, stream)
         runs[f"tandem AsyncEngine, {name}"] = {
             "seconds": seconds,
             "output_tokens": tokens,
             "tok_per_s": tokens / seconds,
+            "steps": steps,
         }
     asyncio.run(engine.shutdown())
     del engine
