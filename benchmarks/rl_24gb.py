@@ -53,8 +53,6 @@ if _role is not None and os.environ.get("TANDEM_BENCH_CAP_DIR"):
     torch.cuda.set_per_process_memory_fraction(_cap / torch.cuda.get_device_properties(0).total_memory, 0)
 
     def _report():
-        if not torch.cuda.is_initialized():
-            return
         out = os.path.join(os.environ["TANDEM_BENCH_CAP_DIR"], _role + ".json")
         with open(out + ".tmp", "w") as f:
             json.dump({"peak allocated GiB": torch.cuda.max_memory_allocated(0) / 2**30,

@@ -16,7 +16,12 @@ print(" ".join(f"{n}=={locked[n]}" if n in locked else n for n in sys.argv[1:]))
 PY
 )
 mkdir -p .whl
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+log=$(mktemp)
+if ! python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-  --implementation cp --abi cp312 --abi abi3 --abi none --dest .whl $pins 2>&1 | grep -v '^WARNING: Location' || true
-ls .whl | wc -l
+  --implementation cp --abi cp312 --abi abi3 --abi none --dest .whl $pins > "$log" 2>&1; then
+  grep -v '^WARNING: Location' "$log" >&2  # pip's notes on this machine's empty index folders left out
+  exit 1
+fi
+rm -f "$log"
+echo "$(ls .whl | wc -l) wheels in .whl"

@@ -130,8 +130,8 @@ class LoRAMerger:
             base = self._base(weight, target)
             delta = scale * (half["B"] @ half["A"])
             # device first, then fp32: `.to(cuda, float32)` of a host tensor converts on the CPU
-            # into unpinned memory and moves twice the bytes (with lora_base_on_cpu a 1.7B model's
-            # update took 1.7 s in benchmarks/rl_24gb.py, 49 ms with the base on the GPU)
+            # into unpinned memory and moves twice the bytes (the likely cause of the 1.7 s updates
+            # of a 1.7B model with lora_base_on_cpu in benchmarks/rl_24gb.py; 49 ms with the base on the GPU)
             base = base.to(target.device, non_blocking=True).to(torch.float32)
             yield weight, (base + delta).to(target.dtype)
             done.add(weight)
