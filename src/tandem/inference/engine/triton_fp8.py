@@ -23,11 +23,14 @@ CONFIGS = [
     for m, n, w, s in [
         (16, 32, 4, 4),
         (16, 64, 4, 4),
+        (16, 64, 4, 6),
+        (16, 128, 4, 4),
         (32, 64, 4, 4),
+        (64, 32, 4, 4),
         (64, 64, 4, 3),
         (64, 128, 8, 3),
         (128, 128, 8, 3),
-    ]
+    ]  # decode is bound by reading the weight: small BLOCK_M, enough programs and stages in flight
 ]
 
 
@@ -48,7 +51,8 @@ def _fp8_matmul_kernel(
         w = tl.load(
             w_ptr + cols[:, None].to(tl.int64) * stride_w + (k0 + k)[None, :], mask=col_ok[:, None], other=0.0
         )
-        scale = tl.load(s_ptr + (cols // BLOCK) * stride_s + k0 // BLOCK, mask=col_ok, other=0.0)
+        # the weight's scale blocks are 128 × 128 and BLOCK_K is 128: block (col // 128, k0 // 128)
+        scale = tl.load(s_ptr + (cols // BLOCK_K) * stride_s + k0 // BLOCK_K, mask=col_ok, other=0.0)
         acc += tl.dot(x, tl.trans(w.to(x.dtype))) * scale[None, :]
     out = out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -90,12 +94,13 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -
 
 
 @triton.jit
-def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, rows, GROUP: tl.constexpr):
+def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, stride_x, stride_q, rows, GROUP: tl.constexpr):
     row = tl.program_id(0)
     group = tl.program_id(1)
+    valid = row < M  # rows M… are padding: zeros with scale 1
     k = group * GROUP + tl.arange(0, GROUP)
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + k).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / 448.0
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + k, mask=valid & (k >= 0), other=0.0).to(tl.float32)
+    scale = tl.where(valid, tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / 448.0, 1.0)
     q = tl.clamp(x / scale, -448.0, 448.0)
     tl.store(q_ptr + row.to(tl.int64) * stride_q + k, q.to(q_ptr.dtype.element_ty))
     tl.store(s_ptr + group * rows + row, scale)  # [rows, groups] stored column-major
@@ -103,39 +108,44 @@ def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, rows, GROUP
 
 def quantize_groups(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token and 128 channels: e4m3 [rows, K] and float32 scales [rows, K/128] (column-major,
-    as the blockwise `_scaled_mm` wants them), for x's first rows; `rows` ≥ len(x) pads with zeros."""
+    as the blockwise `_scaled_mm` wants them), for x's first rows; `rows` ≥ len(x) pads with zeros
+    (scale 1). One launch, no memset: the kernel writes the padding too."""
     x = x.contiguous()
     m, k = x.shape
-    q = torch.zeros(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.ones(k // BLOCK, rows, dtype=torch.float32, device=x.device)
-    if m:
-        _quantize_groups_kernel[(m, k // BLOCK)](x, q, scales, x.stride(0), q.stride(0), rows, GROUP=BLOCK)
+    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(k // BLOCK, rows, dtype=torch.float32, device=x.device)
+    if rows:
+        _quantize_groups_kernel[(rows, k // BLOCK)](
+            x, q, scales, m, x.stride(0), q.stride(0), rows, GROUP=BLOCK
+        )
     return q, scales.t()
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK_K: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    valid = row < M  # rows M… are padding: zeros with scale 1
     amax = tl.zeros((), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * stride_x + k, mask=(k < K) & valid, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
-    scale = tl.maximum(amax, 1e-12) / 448.0
+    scale = tl.where(valid, tl.maximum(amax, 1e-12) / 448.0, 1.0)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * stride_x + k, mask=(k < K) & valid, other=0.0).to(tl.float32)
         q = tl.clamp(x / scale, -448.0, 448.0)
         tl.store(q_ptr + row * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
     tl.store(s_ptr + row, scale)
 
 
 def quantize_rows(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One scale per token: e4m3 [rows, K] and float32 scales [rows, 1]; `rows` ≥ len(x) pads."""
+    """One scale per token: e4m3 [rows, K] and float32 scales [rows, 1]; `rows` ≥ len(x) pads
+    with zeros (scale 1). One launch, no memset: the kernel writes the padding too."""
     x = x.contiguous()
     m, k = x.shape
-    q = torch.zeros(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.ones(rows, 1, dtype=torch.float32, device=x.device)
-    if m:
-        _quantize_rows_kernel[(m,)](x, q, scales, k, x.stride(0), q.stride(0), BLOCK_K=1024)
+    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    if rows:
+        _quantize_rows_kernel[(rows,)](x, q, scales, m, k, x.stride(0), q.stride(0), BLOCK_K=1024)
     return q, scales
