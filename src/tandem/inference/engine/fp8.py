@@ -106,7 +106,10 @@ class Fp8Weight:
             return triton_fp8.fp8_matmul(x, self.weight, self.scale)
         if self.kernel == "blockwise":  # cuBLASLt wants the rows padded to a multiple of 4
             xq, xs = triton_fp8.quantize_groups(x, -(-rows // 4) * 4)
-            out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.scale.t(), out_dtype=x.dtype)
+            # scale_b must be [K/128, N/128] exactly; the padded columns only align its stride
+            out = torch._scaled_mm(
+                xq, self.weight.t(), scale_a=xs, scale_b=self.scale[:, : self.groups].t(), out_dtype=x.dtype
+            )
         else:
             xq, xs = triton_fp8.quantize_rows(x, -(-rows // 16) * 16)
             out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.scale, out_dtype=x.dtype)
