@@ -58,7 +58,7 @@ def build_model(
     max_positions: int,
     use_kernels: bool = True,
     quantization: str = "none",
-    fp8_kernel: str = "triton",
+    fp8_kernel: str = "rowwise",
     dtype: torch.dtype = torch.float32,
 ) -> CausalLM:
     """The engine's implementation of `hf_model`'s architecture, holding the same weights (FP8
