@@ -31,6 +31,7 @@ def main() -> None:
     engine, http, fp8, moe = (load(folder, f) for f in ("engine.json", "http.json", "fp8.json", "moe.json"))
     phases = http.get("phases", {})
     runs = engine.get("runs", {})
+    moe = (moe.get("runs") or [{}])[0]  # moe_decode.py writes one entry per shape; the script runs one
     hf = get(runs, "transformers generate", "tok_per_s")
     whole = get(phases, "tandem server, whole", "output_tokens_per_s")
     rows = [
