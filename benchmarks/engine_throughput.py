@@ -21,6 +21,7 @@ logprobs on the benchmark model against a transformers forward pass.
 
 import argparse
 import asyncio
+import gc
 import json
 import sys
 import time
@@ -103,13 +104,15 @@ def run_core(core: EngineCore, prompts: list[list[int]], output_len: int, tag: s
     return result
 
 
-def run_async(
-    engine: AsyncEngine, prompts: list[list[int]], output_len: int, stream: bool = True
-) -> tuple[float, int, int]:
+def run_async(engine: AsyncEngine, prompts: list[list[int]], output_len: int, stream: bool = True) -> dict:
     """One asyncio consumer per request; `stream=False` delivers each request once, at its end.
-    Seconds, output tokens and engine steps (more steps than the core's for the same batch means
-    the requests reached the engine thread over several steps)."""
+    Besides seconds, tokens and engine steps (more steps than the core's for the same batch means
+    the requests reached the engine thread over several steps), where the time went: wall time
+    inside `core.step()` (called by the engine thread), the rest (the engine thread's loop, its
+    waits for the GIL, the hand-off), garbage collection in any thread, the core's own host
+    phases, and with CUDA graphs their replays' GPU time, as `run_core` reports them."""
     params = SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True)
+    core = engine.core
 
     async def one(i: int, ids: list[int]) -> int:
         updates = engine.generate(f"a{i}", ids, params, stream=stream)
@@ -118,10 +121,48 @@ def run_async(
     async def main() -> int:
         return sum(await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts))))
 
-    steps = engine.core.num_steps
+    in_step, gc_seconds, gc_started = [0.0], [0.0], [0.0]
+    plain_step = core.step
+
+    def timed_step() -> list:
+        t = time.perf_counter()
+        out = plain_step()
+        in_step[0] += time.perf_counter() - t
+        return out
+
+    def on_gc(phase: str, _info: dict) -> None:
+        if phase == "start":
+            gc_started[0] = time.perf_counter()
+        else:
+            gc_seconds[0] += time.perf_counter() - gc_started[0]
+
+    sync(core.device)
+    if core.runner.use_graphs:
+        core.runner.replay_events = []
+    steps, timings = core.num_steps, dict(core.timings)
+    core.step = timed_step  # the engine thread is idle now; it looks the method up every step
+    gc.callbacks.append(on_gc)
     start = time.perf_counter()
-    tokens = asyncio.run(main())
-    return time.perf_counter() - start, tokens, engine.core.num_steps - steps
+    try:
+        tokens = asyncio.run(main())
+    finally:
+        gc.callbacks.remove(on_gc)
+        del core.step
+    sync(core.device)
+    seconds = time.perf_counter() - start
+    count = core.num_steps - steps
+    result = {"seconds": seconds, "output_tokens": tokens, "tok_per_s": tokens / seconds, "steps": count}
+    result["ms_per_step"] = {
+        "all": 1e3 * seconds / count,
+        "inside core.step": 1e3 * in_step[0] / count,
+        "outside core.step": 1e3 * (seconds - in_step[0]) / count,
+        "garbage collection": 1e3 * gc_seconds[0] / count,
+    }
+    result["host_seconds_by_phase"] = {k: v - timings[k] for k, v in core.timings.items()}
+    events, core.runner.replay_events = core.runner.replay_events, None
+    if events:
+        result["graph_replay_ms_per_step"] = sum(a.elapsed_time(b) for a, b in events) / len(events)
+    return result
 
 
 def run_hf(path: Path, prompts: list[list[int]], output_len: int, device: torch.device, dtype: torch.dtype):
@@ -360,13 +401,7 @@ def main() -> None:
     freeze_heap()
     run_async(engine, prompts()[: min(8, args.num_requests)], 4)  # warm-up
     for name, stream in (("streams", True), ("whole", False)):
-        seconds, tokens, steps = run_async(engine, prompts(), args.output_len, stream)
-        runs[f"tandem AsyncEngine, {name}"] = {
-            "seconds": seconds,
-            "output_tokens": tokens,
-            "tok_per_s": tokens / seconds,
-            "steps": steps,
-        }
+        runs[f"tandem AsyncEngine, {name}"] = run_async(engine, prompts(), args.output_len, stream)
     asyncio.run(engine.shutdown())
     del engine
     if device.type == "cuda":
@@ -404,6 +439,14 @@ def main() -> None:
     print(
         f"prefix cache on vs off (no prompt shares a prefix): {results['prefix_cache_cost']:+.1%} throughput cost"
     )
+    print("\nwhere a step's wall time goes (ms per engine step; core = the core's own host phases)")
+    for name, r in runs.items():
+        parts = dict(r.get("ms_per_step", {"all": 1e3 * r["seconds"] / r["steps"]} if r.get("steps") else {}))
+        phases = r.get("host_seconds_by_phase", {})
+        if r.get("steps") and phases:
+            parts.update({f"core {k}": 1e3 * v / r["steps"] for k, v in phases.items()})
+        if parts:
+            print(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
 
