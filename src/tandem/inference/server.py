@@ -32,6 +32,7 @@ from tandem.inference.protocol import (
     UpdateWeightsRequest,
 )
 from tandem.inference.responses import ResponseBuilder, TokenTexts
+from tandem.transport.weights import weights_dir
 
 if TYPE_CHECKING:
     from tandem.transport.weight_receiver import WeightReceiver
@@ -335,7 +336,7 @@ class Server:
             return Path(req.path).expanduser()
         if self.config.run_dir is None:
             raise APIError(400, "'step' needs the server to know the run directory (set run_dir)", "step")
-        return self.config.run_dir / "weights" / f"step_{req.step}"
+        return weights_dir(self.config.run_dir, req.step)
 
     async def receive_weights(self, version: int) -> int:
         """Policy `version` over the in-memory transport; errors as API errors naming the step."""

@@ -23,7 +23,7 @@ from tandem.launch.devices import visible_gpus
 from tandem.launch.plan import RunPlan, plan_run
 from tandem.launch.preflight import preflight
 from tandem.launch.supervisor import Console
-from tandem.transport.weights import clear_offer
+from tandem.transport.weights import clear_offer, latest_version, weights_dir
 
 PROG = "rl"
 
@@ -41,8 +41,8 @@ def describe(plan: RunPlan) -> str:
 
 
 def latest_weights(run_dir: Path) -> Path | None:
-    published = [p for p in (run_dir / "weights").glob("step_*") if (p / "STABLE").is_file()]
-    return max(published, key=lambda p: int(p.name.removeprefix("step_")), default=None)
+    version = latest_version(run_dir)
+    return None if version is None else weights_dir(run_dir, version)
 
 
 def launch(plan: RunPlan) -> int:

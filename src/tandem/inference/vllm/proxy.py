@@ -36,6 +36,7 @@ from tandem.inference.errors import APIError, install_error_handlers
 from tandem.inference.metrics import ServerCounters, metric
 from tandem.inference.protocol import UpdateWeightsRequest
 from tandem.inference.server import GENERATION_PATHS, Gatekeeper, Server, SSEResponse, wait_for_resume
+from tandem.transport.weights import weights_dir
 
 log = logging.getLogger("tandem.inference.vllm")
 LOAD_METHOD = "tandem_load_weights"
@@ -202,7 +203,7 @@ class VLLMFront:
             return Path(req.path).expanduser().resolve()
         if self.config.run_dir is None:
             raise APIError(400, "'step' needs the server to know the run directory (set run_dir)", "step")
-        return (self.config.run_dir / "weights" / f"step_{req.step}").resolve()
+        return weights_dir(self.config.run_dir, req.step).resolve()
 
     async def rpc(self, method: str, args: list, timeout_s: float) -> list[dict]:
         """Call a worker-extension method on every vLLM worker; their results."""
