@@ -21,10 +21,12 @@ logprobs on the benchmark model against a transformers forward pass.
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -72,24 +74,22 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run_core(core: EngineCore, prompts: list[list[int]], output_len: int, tag: str) -> dict:
-    """All requests at once, stepped to the end; with CUDA graphs, their replays' GPU time."""
-    params = SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True)
+@contextlib.contextmanager
+def measured(core: EngineCore) -> Iterator[dict]:
+    """Time the block's run of `core` into the dict it yields, which the block gives
+    "output_tokens": seconds, tok/s, engine steps, the core's host seconds by phase and, with
+    CUDA graphs, their replays' GPU time and the share of the run it fills."""
+    result: dict = {}
     sync(core.device)
     if core.runner.use_graphs:
         core.runner.replay_events = []
     steps, timings = core.num_steps, dict(core.timings)
     start = time.perf_counter()
-    for i, ids in enumerate(prompts):
-        core.add_request(f"{tag}-{i}", ids, params, 1)
-    tokens = 0
-    while core.has_work():
-        for _, updates in core.step():
-            tokens += sum(len(u.tokens) for u in updates)
+    yield result
     sync(core.device)
     seconds = time.perf_counter() - start
-    result = {"seconds": seconds, "output_tokens": tokens, "tok_per_s": tokens / seconds}
-    result["steps"] = core.num_steps - steps
+    tokens = result["output_tokens"]
+    result.update(seconds=seconds, tok_per_s=tokens / seconds, steps=core.num_steps - steps)
     result["host_seconds_by_phase"] = {k: v - timings[k] for k, v in core.timings.items()}
     events, core.runner.replay_events = core.runner.replay_events, None
     if events:
@@ -101,16 +101,28 @@ def run_core(core: EngineCore, prompts: list[list[int]], output_len: int, tag: s
             graph_replay_bound_tok_per_s=tokens / replay,
             share_of_graph_replay_bound=replay / seconds,
         )
+
+
+def run_core(core: EngineCore, prompts: list[list[int]], output_len: int, tag: str) -> dict:
+    """All requests at once, stepped to the end; with CUDA graphs, their replays' GPU time."""
+    params = SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True)
+    with measured(core) as result:
+        for i, ids in enumerate(prompts):
+            core.add_request(f"{tag}-{i}", ids, params, 1)
+        tokens = 0
+        while core.has_work():
+            for _, updates in core.step():
+                tokens += sum(len(u.tokens) for u in updates)
+        result["output_tokens"] = tokens
     return result
 
 
 def run_async(engine: AsyncEngine, prompts: list[list[int]], output_len: int, stream: bool = True) -> dict:
     """One asyncio consumer per request; `stream=False` delivers each request once, at its end.
-    Besides seconds, tokens and engine steps (more steps than the core's for the same batch means
-    the requests reached the engine thread over several steps), where the time went: wall time
+    Besides what `measured` reports (more steps than the core's for the same batch means the
+    requests reached the engine thread over several steps), where the time went: wall time
     inside `core.step()` (called by the engine thread), the rest (the engine thread's loop, its
-    waits for the GIL, the hand-off), garbage collection in any thread, the core's own host
-    phases, and with CUDA graphs their replays' GPU time, as `run_core` reports them."""
+    waits for the GIL, the hand-off) and garbage collection in any thread."""
     params = SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True)
     core = engine.core
 
@@ -136,32 +148,21 @@ def run_async(engine: AsyncEngine, prompts: list[list[int]], output_len: int, st
         else:
             gc_seconds[0] += time.perf_counter() - gc_started[0]
 
-    sync(core.device)
-    if core.runner.use_graphs:
-        core.runner.replay_events = []
-    steps, timings = core.num_steps, dict(core.timings)
-    core.step = timed_step  # the engine thread is idle now; it looks the method up every step
-    gc.callbacks.append(on_gc)
-    start = time.perf_counter()
-    try:
-        tokens = asyncio.run(main())
-    finally:
-        gc.callbacks.remove(on_gc)
-        del core.step
-    sync(core.device)
-    seconds = time.perf_counter() - start
-    count = core.num_steps - steps
-    result = {"seconds": seconds, "output_tokens": tokens, "tok_per_s": tokens / seconds, "steps": count}
+    with measured(core) as result:
+        core.step = timed_step  # the engine thread is idle now; it looks the method up every step
+        gc.callbacks.append(on_gc)
+        try:
+            result["output_tokens"] = asyncio.run(main())
+        finally:
+            gc.callbacks.remove(on_gc)
+            del core.step
+    count = result["steps"]
     result["ms_per_step"] = {
-        "all": 1e3 * seconds / count,
+        "all": 1e3 * result["seconds"] / count,
         "inside core.step": 1e3 * in_step[0] / count,
-        "outside core.step": 1e3 * (seconds - in_step[0]) / count,
+        "outside core.step": 1e3 * (result["seconds"] - in_step[0]) / count,
         "garbage collection": 1e3 * gc_seconds[0] / count,
     }
-    result["host_seconds_by_phase"] = {k: v - timings[k] for k, v in core.timings.items()}
-    events, core.runner.replay_events = core.runner.replay_events, None
-    if events:
-        result["graph_replay_ms_per_step"] = sum(a.elapsed_time(b) for a, b in events) / len(events)
     return result
 
 
@@ -441,12 +442,11 @@ def main() -> None:
     )
     print("\nwhere a step's wall time goes (ms per engine step; core = the core's own host phases)")
     for name, r in runs.items():
-        parts = dict(r.get("ms_per_step", {"all": 1e3 * r["seconds"] / r["steps"]} if r.get("steps") else {}))
-        phases = r.get("host_seconds_by_phase", {})
-        if r.get("steps") and phases:
-            parts.update({f"core {k}": 1e3 * v / r["steps"] for k, v in phases.items()})
-        if parts:
-            print(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
+        if not r.get("steps"):
+            continue
+        parts = r.get("ms_per_step") or {"all": 1e3 * r["seconds"] / r["steps"]}
+        phases = {f"core {k}": 1e3 * v / r["steps"] for k, v in r.get("host_seconds_by_phase", {}).items()}
+        print(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in {**parts, **phases}.items()))
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
 

@@ -99,7 +99,7 @@ def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, stride_x, stride_q, rows, GR
     group = tl.program_id(1)
     valid = row < M  # rows M… are padding: zeros with scale 1
     k = group * GROUP + tl.arange(0, GROUP)
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + k, mask=valid & (k >= 0), other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + k, mask=valid, other=0.0).to(tl.float32)
     scale = tl.where(valid, tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / 448.0, 1.0)
     q = tl.clamp(x / scale, -448.0, 448.0)
     tl.store(q_ptr + row.to(tl.int64) * stride_q + k, q.to(q_ptr.dtype.element_ty))
