@@ -8,9 +8,13 @@ Each (shape, setting, trainer) runs in its own process: it builds the trainer's 
 (trainer/model.py: fp32 weights, bf16 compute under FSDP2, torch.compile per block, flex
 attention, the chunked output head; random init, vocabulary 151,936) with the setting's
 `[trainer.parallel]` keys, and trains one packed row holding one document of L tokens, for L in
-LENGTHS (4k … 512k) up to --max-len, in turn, until one does not fit. A length trains when a whole optimizer
-step (forward, backward, clipping, AdamW) finishes; the longest is the last that did, below the
-first that ran out of memory (so the answer is bracketed by the grid).
+LENGTHS (4k … 512k) up to --max-len (default 128k), in turn, until one does not fit. A length
+trains when a whole optimizer step (forward, backward, clipping, AdamW) finishes; the longest is
+the last that did, below the first that ran out of memory (so the answer is bracketed by the
+grid). A length whose step would take longer than --max-step-s (default 30 s; predicted from the
+last step as growing with the square of the length, which bounds attention-dominated steps) is
+not tried: the row says "time cap" and the answer is a lower bound. 4k and 8k are there to
+compile (the second shape recompiles with dynamic shapes; later lengths reuse it).
 
 - settings: `none`, `full` and `selective` activation checkpointing, `offload` (activations in
   pinned host memory, no checkpointing).
@@ -18,8 +22,8 @@ first that ran out of memory (so the answer is bracketed by the grid).
 - rl: trainer/rl/train.py's `train_step` on the orchestrator's packing of one sample (a
   256-token prompt, the rest completion, sampler logprobs near the random model's).
 
-Tokens/s: the median of 2 steps after one warm-up (which compiles) at 16k, 32k and 64k; one step
-beyond. MFU counts 6·N·T + 6·L·d·T² per document as benchmarks/trainer_mfu.py does (recompute not
+Tokens/s: the second of two steps at 16k, 32k and 64k (the first may still compile); one step
+elsewhere. MFU counts 6·N·T + 6·L·d·T² per document as benchmarks/trainer_mfu.py does (recompute not
 counted). Peak GPU memory is torch's max allocated at that length; host memory is the drop of
 MemAvailable during the length's steps. With offload, a length whose host memory (extrapolated
 linearly from the previous length) would pass 80% of what is available is not tried ("host
@@ -34,7 +38,6 @@ measured). Every run ends with the table of everything measured so far.
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_mfu import PEAK_FLOPS, hf_config, step_flops  # noqa: E402
 
 K = 1024
-LENGTHS = [4 * K, 8 * K, 16 * K, 32 * K, 48 * K, 64 * K, 96 * K, 128 * K, 192 * K, 256 * K, 384 * K, 512 * K]
+LENGTHS = [4 * K, 8 * K, 16 * K, 32 * K, 64 * K, 96 * K, 128 * K, 192 * K, 256 * K, 384 * K, 512 * K]
 TIMED = (16 * K, 32 * K, 64 * K)  # tokens/s reported here
 SETTINGS = {
     "none": {},
@@ -160,8 +163,19 @@ def rl_step(model, optimizer, world, length: int, parallel):  # noqa: ANN001, AN
     return step
 
 
-def run_combo(shape: str, setting: str, trainer: str, lengths: list[int], out: Path) -> None:
-    """The child: each of `lengths` in turn until one fails; one JSON row each, then "done"."""
+def run_combo(
+    shape: str,
+    setting: str,
+    trainer: str,
+    lengths: list[int],
+    out: Path,
+    max_step_s: float,
+    last: tuple[int, float] | None,
+) -> None:
+    """The child: each of `lengths` in turn until one fails; one JSON row each, then "done".
+
+    `last` is (length, step seconds) of the longest length an earlier run measured, for the time cap.
+    """
     from tandem.trainer.config import OptimConfig
     from tandem.trainer.optim import build_optimizer
 
@@ -180,9 +194,12 @@ def run_combo(shape: str, setting: str, trainer: str, lengths: list[int], out: P
         if host_per_token is not None and host_per_token * length > 0.8 * available:
             record(length=length, status="host memory", host_gib=host_per_token * length / 2**30)
             break
+        if last is not None and last[1] * (length / last[0]) ** 2 > max_step_s:
+            record(length=length, status="time cap", predicted_step_s=last[1] * (length / last[0]) ** 2)
+            break
         make = sft_step if trainer == "sft" else rl_step
         step = make(model, optimizer, world, length, *([parallel] if trainer == "rl" else []))
-        steps = 3 if length in TIMED else 1
+        steps = 2 if length in TIMED else 1
         times = []
         try:
             torch.cuda.synchronize()
@@ -198,7 +215,9 @@ def run_combo(shape: str, setting: str, trainer: str, lengths: list[int], out: P
             record(length=length, status=status, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
             break
         host_per_token = host.used / length
-        seconds = statistics.median(times[1:]) if steps > 1 else times[0]
+        seconds = times[-1]
+        if length >= TIMED[0]:  # below it a step may still compile, so it predicts nothing
+            last = (length, seconds)
         record(
             length=length,
             status="ok",
@@ -233,9 +252,12 @@ def print_table(rows: list[dict]) -> None:
         trained = [r for r in measured if r["status"] == "ok"]
         failed = next((r for r in measured if r["status"] != "ok"), None)
         done = (*combo, None) in latest
-        longest = f"{trained[-1]['length'] // K}k" if trained else f"< {LENGTHS[0] // K}k"
+        bound = "≥ " if (done and not failed) or (failed and failed["status"] == "time cap") else ""
+        longest = f"{bound}{trained[-1]['length'] // K}k" if trained else f"< {LENGTHS[0] // K}k"
         beyond = (
-            f"{failed['length'] // K}k ({failed['status']})"
+            f"{failed['length'] // K}k not tried (a step ≈ {failed['predicted_step_s']:.0f} s)"
+            if failed and failed["status"] == "time cap"
+            else f"{failed['length'] // K}k ({failed['status']})"
             if failed
             else ("(grid end)" if done else "(unfinished)")
         )
@@ -253,16 +275,21 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPE_NAMES))
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--trainers", default="sft,rl")
-    parser.add_argument("--max-len", type=int, default=256 * K, help="longest length tried (tokens)")
+    parser.add_argument("--max-len", type=int, default=128 * K, help="longest length tried (tokens)")
+    parser.add_argument(
+        "--max-step-s", type=float, default=30.0, help="longest step a length may take (seconds)"
+    )
     parser.add_argument("--budget-s", type=float, default=540.0)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "long_context.jsonl")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--from-len", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--last", help=argparse.SUPPRESS)  # "length:step seconds" measured before
     args = parser.parse_args()
     if args.one:
         shape, setting, trainer = args.one.split(":")
         lengths = [n for n in LENGTHS if args.from_len <= n <= args.max_len]
-        run_combo(shape, setting, trainer, lengths, args.out)
+        last = tuple(float(x) for x in args.last.split(":")) if args.last else None
+        run_combo(shape, setting, trainer, lengths, args.out, args.max_step_s, last)
         return
     args.out.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget_s
@@ -281,14 +308,22 @@ def main() -> None:
             break
         # a combination stopped by an earlier run's budget goes on after the lengths it measured
         measured = [
-            r["length"]
-            for r in rows
-            if (r["shape"], r["setting"], r["trainer"]) == combo and r["status"] == "ok"
+            r for r in rows if (r["shape"], r["setting"], r["trainer"]) == combo and r["status"] == "ok"
         ]
-        start = min((n for n in LENGTHS if n > max(measured, default=0)), default=args.max_len + 1)
+        last = max(measured, key=lambda r: r["length"], default=None)
+        start = min((n for n in LENGTHS if n > (last["length"] if last else 0)), default=args.max_len + 1)
+        if start > args.max_len:
+            with args.out.open("a") as f:
+                shape, setting, trainer = combo
+                f.write(
+                    json.dumps({"shape": shape, "setting": setting, "trainer": trainer, "status": "done"})
+                    + "\n"
+                )
+            continue
         print(f"== {':'.join(combo)} from {start // K}k", flush=True)
         command = [sys.executable, __file__, "--one", ":".join(combo), "--max-len", str(args.max_len)]
-        command += ["--from-len", str(start)]
+        command += ["--from-len", str(start), "--max-step-s", str(args.max_step_s)]
+        command += ["--last", f"{last['length']}:{last['step_s']}"] if last else []
         try:
             subprocess.run([*command, "--out", str(args.out)], check=False, timeout=remaining)
         except subprocess.TimeoutExpired:
