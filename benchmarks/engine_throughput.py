@@ -25,6 +25,7 @@ import contextlib
 import gc
 import json
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -114,6 +115,16 @@ def run_core(core: EngineCore, prompts: list[list[int]], output_len: int, tag: s
             for _, updates in core.step():
                 tokens += sum(len(u.tokens) for u in updates)
         result["output_tokens"] = tokens
+    return result
+
+
+def run_core_in_thread(core: EngineCore, prompts: list[list[int]], output_len: int, tag: str) -> dict:
+    """run_core on a second thread while this one waits in join(): what stepping the core from
+    a thread other than the one that built it (as AsyncEngine does) costs by itself."""
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(run_core(core, prompts, output_len, tag)))
+    thread.start()
+    thread.join()
     return result
 
 
@@ -387,6 +398,10 @@ def main() -> None:
         else:
             run_core(core, prompts(), args.output_len, "c")  # (its graphs)
         runs[name] = run_core(core, prompts(), args.output_len, "w")
+        if cached:
+            runs["tandem EngineCore, stepped by another thread"] = run_core_in_thread(
+                core, prompts(), args.output_len, "t"
+            )
         if cached and args.profile:
             results["profile"] = profile_decode(core, prompts())
             print(results["profile"], flush=True)
@@ -403,6 +418,10 @@ def main() -> None:
     run_async(engine, prompts()[: min(8, args.num_requests)], 4)  # warm-up
     for name, stream in (("streams", True), ("whole", False)):
         runs[f"tandem AsyncEngine, {name}"] = run_async(engine, prompts(), args.output_len, stream)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)  # Python's default, for comparison with the engine's own
+    runs["tandem AsyncEngine, whole, GIL switch 5 ms"] = run_async(engine, prompts(), args.output_len, False)
+    sys.setswitchinterval(switch)
     asyncio.run(engine.shutdown())
     del engine
     if device.type == "cuda":

@@ -24,6 +24,8 @@ that a checkpoint or transfer tensor is copied into (weights.py reads them throu
 `CausalLM.checkpoint_tensors`): the copy quantizes it into that layer's rows.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -60,6 +62,30 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 
+@functools.cache
+def block_scale_row_stride(groups: int, device: torch.device) -> int:
+    """The row stride of a weight's 128×128 scales ([N/128, K/128], K/128 = `groups`) that this
+    torch's `_scaled_mm` accepts. Versions differ: some want exactly K/128, later ones K/128 rounded
+    up to 4 (16-byte rows). Both agree when K/128 is a multiple of 4, as in every Qwen3 shape;
+    otherwise one tiny matmul on `device` says which."""
+    padded = -(-groups // 4) * 4
+    if padded == groups or device.type != "cuda":
+        return padded
+    a = torch.zeros(4, groups * BLOCK, device=device).to(torch.float8_e4m3fn)
+    b = torch.zeros(BLOCK, groups * BLOCK, device=device).to(torch.float8_e4m3fn)
+    scale_a = torch.ones(groups, 4, device=device).t()  # [M, K/128], M-major
+    for stride in (groups, padded):
+        scale_b = torch.ones(1, stride, device=device)[:, :groups]
+        try:
+            torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b.t(), out_dtype=torch.bfloat16)
+        except RuntimeError:
+            continue
+        return stride
+    raise UserError(
+        f"engine.fp8_kernel = 'blockwise': torch._scaled_mm takes no 128×128 scale layout for K = {groups * BLOCK}"
+    )
+
+
 class Fp8Weight:
     """One projection's FP8 weight, and the matmul that reads it (Projection.matmul)."""
 
@@ -68,9 +94,10 @@ class Fp8Weight:
         self.weight = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=device)
         if kernel == "rowwise":
             self.scale = torch.empty(1, rows, dtype=torch.float32, device=device)  # scale_b of _scaled_mm
-        else:  # [N/128, K/128], K/128 padded to a multiple of 4 (cuBLAS' layout for 128×128 scales)
+        else:  # [N/128, K/128], each row padded as the kernel wants it
             groups = cols // BLOCK
-            self.scale = torch.ones(rows // BLOCK, -(-groups // 4) * 4, dtype=torch.float32, device=device)
+            padded = -(-groups // 4) * 4 if kernel == "triton" else block_scale_row_stride(groups, device)
+            self.scale = torch.ones(rows // BLOCK, padded, dtype=torch.float32, device=device)
         self.groups = cols // BLOCK
 
     def load(self, start: int, weight: torch.Tensor) -> None:
