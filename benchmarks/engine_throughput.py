@@ -27,8 +27,9 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -118,14 +119,17 @@ def run_core(core: EngineCore, prompts: list[list[int]], output_len: int, tag: s
     return result
 
 
-def run_core_in_thread(core: EngineCore, prompts: list[list[int]], output_len: int, tag: str) -> dict:
-    """run_core on a second thread while this one waits in join(): what stepping the core from
-    a thread other than the one that built it (as AsyncEngine does) costs by itself."""
-    result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(run_core(core, prompts, output_len, tag)))
+T = TypeVar("T")
+
+
+def in_thread(fn: Callable[..., T], *args: object) -> T:
+    """fn(*args) on a second thread while this one waits in join(): stepping the core from a
+    thread other than the one that built it, as AsyncEngine does, and nothing else."""
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(fn(*args)))
     thread.start()
     thread.join()
-    return result
+    return result[0]
 
 
 def run_async(engine: AsyncEngine, prompts: list[list[int]], output_len: int, stream: bool = True) -> dict:
@@ -399,12 +403,13 @@ def main() -> None:
             run_core(core, prompts(), args.output_len, "c")  # (its graphs)
         runs[name] = run_core(core, prompts(), args.output_len, "w")
         if cached:
-            runs["tandem EngineCore, stepped by another thread"] = run_core_in_thread(
-                core, prompts(), args.output_len, "t"
+            runs["tandem EngineCore, stepped by another thread"] = in_thread(
+                run_core, core, prompts(), args.output_len, "t"
             )
         if cached and args.profile:
             results["profile"] = profile_decode(core, prompts())
-            print(results["profile"], flush=True)
+            results["profile_in_thread"] = in_thread(profile_decode, core, prompts())
+            print(results["profile"], "\non another thread:", results["profile_in_thread"], flush=True)
         del core
         if device.type == "cuda":
             torch.cuda.empty_cache()
