@@ -33,6 +33,7 @@ from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from tandem.config.base import CPStyle
+from tandem.models.activation_offload import ActivationOffloader, offloaded_forward
 from tandem.models.context_parallel import apply_context_parallel
 from tandem.models.layers.moe import MoE
 from tandem.models.layers.transformer import CausalLM
@@ -97,49 +98,14 @@ def apply_activation_checkpointing(model: CausalLM, mode: ActivationCheckpointin
         layer.forward = checkpointed
 
 
-class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
-    """While active, what autograd saves for backward waits in pinned host memory instead of on
-    the GPU, and comes back when backward needs it (copies on the compute stream, so ordered with
-    the kernels that make and use them). Parameters, non-float tensors (masks, indices) and
-    tensors already on the host stay where they are. A tensor comes back with the strides it left
-    with (a compiled block's backward asserts them, and a saved slice of a wider tensor is not
-    contiguous); only an expanded one (a zero stride) is stored, and returned, contiguous."""
-
-    def __init__(self) -> None:
-        super().__init__(self.pack, self.unpack)
-
-    @staticmethod
-    def _empty_like(t: torch.Tensor, **where: object) -> torch.Tensor:
-        if 0 in t.stride():
-            return torch.empty(t.size(), dtype=t.dtype, **where)
-        return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, **where)
-
-    @staticmethod
-    def pack(t: torch.Tensor) -> object:
-        if isinstance(t, nn.Parameter) or not t.is_floating_point() or t.device.type == "cpu":
-            return t
-        host = OffloadActivations._empty_like(t, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        return t.device, host
-
-    @staticmethod
-    def unpack(packed: object) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
-        device, host = packed
-        return OffloadActivations._empty_like(host, device=device).copy_(host, non_blocking=True)
-
-
-def apply_activation_offload(model: CausalLM) -> None:
-    """Run each block's forward with its saved activations offloaded to host memory."""
+def apply_activation_offload(model: CausalLM, compile: bool) -> None:
+    """Offload each block's saved activations to host memory (models/activation_offload.py);
+    with `compile`, the block's forward is compiled inside the offload hooks (in place of
+    apply_compile, which would compile the hooks too)."""
+    offloader = ActivationOffloader()
     for layer in model.layers:
-        forward = layer.forward
-
-        def offloaded(*args: object, _forward=forward) -> torch.Tensor:
-            with OffloadActivations():
-                return _forward(*args)
-
-        layer.forward = offloaded
+        forward = torch.compile(layer.forward) if compile else layer.forward
+        layer.forward = offloaded_forward(forward, offloader)
 
 
 def apply_compile(model: CausalLM) -> None:
@@ -182,8 +148,8 @@ def parallelize_decoder(model: CausalLM, plan: ParallelPlan) -> None:
     if plan.activation_checkpointing != "none":
         apply_activation_checkpointing(model, plan.activation_checkpointing)
     if plan.activation_offload:
-        apply_activation_offload(model)
-    if plan.compile:
+        apply_activation_offload(model, plan.compile)
+    elif plan.compile:
         apply_compile(model)
     apply_fsdp(model, plan)
 
