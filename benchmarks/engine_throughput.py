@@ -111,12 +111,26 @@ def run_core(core: EngineCore, prompts: list[list[int]], output_len: int, tag: s
     with measured(core) as result:
         for i, ids in enumerate(prompts):
             core.add_request(f"{tag}-{i}", ids, params, 1)
-        tokens = 0
+        tokens, times = 0, []
         while core.has_work():
+            t = time.perf_counter()
             for _, updates in core.step():
                 tokens += sum(len(u.tokens) for u in updates)
+            times.append(time.perf_counter() - t)
         result["output_tokens"] = tokens
+    result["step_ms"] = step_spread(times)
     return result
+
+
+def step_spread(times: list[float]) -> dict:
+    """Which steps took the time: the first 8 (prefill) together, the median, the slowest, the last."""
+    ms = sorted(1e3 * t for t in times)
+    return {
+        "first 8 steps": 1e3 * sum(times[:8]),
+        "median step": ms[len(ms) // 2],
+        "slowest step": ms[-1],
+        "last step": 1e3 * times[-1],
+    }
 
 
 T = TypeVar("T")
@@ -148,13 +162,15 @@ def run_async(engine: AsyncEngine, prompts: list[list[int]], output_len: int, st
     async def main() -> int:
         return sum(await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts))))
 
-    in_step, gc_seconds, gc_started = [0.0], [0.0], [0.0]
+    gc_seconds, gc_started = [0.0], [0.0]
     plain_step = core.step
+
+    times: list[float] = []
 
     def timed_step() -> list:
         t = time.perf_counter()
         out = plain_step()
-        in_step[0] += time.perf_counter() - t
+        times.append(time.perf_counter() - t)
         return out
 
     def on_gc(phase: str, _info: dict) -> None:
@@ -174,10 +190,11 @@ def run_async(engine: AsyncEngine, prompts: list[list[int]], output_len: int, st
     count = result["steps"]
     result["ms_per_step"] = {
         "all": 1e3 * result["seconds"] / count,
-        "inside core.step": 1e3 * in_step[0] / count,
-        "outside core.step": 1e3 * (result["seconds"] - in_step[0]) / count,
+        "inside core.step": 1e3 * sum(times) / count,
+        "outside core.step": 1e3 * (result["seconds"] - sum(times)) / count,
         "garbage collection": 1e3 * gc_seconds[0] / count,
     }
+    result["step_ms"] = step_spread(times)
     return result
 
 
@@ -471,6 +488,8 @@ def main() -> None:
         parts = r.get("ms_per_step") or {"all": 1e3 * r["seconds"] / r["steps"]}
         phases = {f"core {k}": 1e3 * v / r["steps"] for k, v in r.get("host_seconds_by_phase", {}).items()}
         print(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in {**parts, **phases}.items()))
+        if "step_ms" in r:
+            print("    " + ", ".join(f"{k} {v:.1f} ms" for k, v in r["step_ms"].items()))
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
 

@@ -113,6 +113,10 @@ def test_fp8_engine_follows_bf16_and_refuses_a_mismatched_update(
 ) -> None:
     if kernel == "blockwise" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the blockwise recipe runs on SM90 only")
+    widths = {}
+    if kernel == "blockwise":  # every K a multiple of 512
+        widths = {"hidden_size": 512, "head_dim": 128, "intermediate_size": 1024}
+        tiny = build_tiny_model(out=tmp_path / "step_0", num_layers=2, **widths)
     bf16 = run(EngineCore(engine_config(tiny)), PROMPTS, GREEDY)
     params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=5)
 
@@ -128,12 +132,14 @@ def test_fp8_engine_follows_bf16_and_refuses_a_mismatched_update(
                 >= 3
             )
             before = [t.token_id async for u in engine.generate("s", PROMPTS[1], params) for t in u.tokens]
-            wide = build_tiny_model(out=tmp_path / "wide", num_layers=2, intermediate_size=1024)
+            wide = build_tiny_model(
+                out=tmp_path / "wide", num_layers=2, **{**widths, "intermediate_size": 2048}
+            )
             with pytest.raises(WeightLoadError, match="has shape"):
                 await engine.update_weights(wide)
             after = [t.token_id async for u in engine.generate("t", PROMPTS[1], params) for t in u.tokens]
             assert after == before and engine.weight_version == 0  # the old weights stay live
-            other = build_tiny_model(out=tmp_path / "step_3", num_layers=2, seed=3)
+            other = build_tiny_model(out=tmp_path / "step_3", num_layers=2, seed=3, **widths)
             assert await engine.update_weights(other) == 3
             moved = [t.token_id async for u in engine.generate("u", PROMPTS[1], params) for t in u.tokens]
             assert moved != before

@@ -162,6 +162,15 @@ def test_layers_that_are_not_multiples_of_128_are_refused(tmp_path: Path) -> Non
         engine_model(path)
 
 
+def test_blockwise_refuses_a_k_that_is_not_a_multiple_of_512(model_dirs) -> None:
+    a, _ = model_dirs  # hidden size 256
+    with pytest.raises(
+        UserError,
+        match=r"'blockwise': model\.layers\.0\.self_attn\.q_proj\.weight has K = 256; .* multiple of 512",
+    ):
+        quantize_model(engine_model(a, quantization="none"), "blockwise", {}, torch.float32)
+
+
 def test_fp8_on_a_cpu_fails_at_start_in_one_line(model_dirs) -> None:
     a, _ = model_dirs
     config = {"model": {"name": str(a)}, "engine": {"quantization": "fp8"}}

@@ -14,6 +14,10 @@ rowwise, the fastest there in total on an H200, 2026-12-02, is the default):
 - "triton": triton_fp8.fp8_matmul reads the stored weight and block scales; bf16 activations.
 - "blockwise": torch._scaled_mm with DeepSeek's recipe (activations quantized per token and 128
   channels, weights per 128×128 block; cuBLAS, SM90 and CUDA ≥ 12.9): the stored layout as is.
+  Every K must be a multiple of 512: cuBLAS reads the scales' rows 16-byte aligned, and torch
+  2.11's `_scaled_mm` accepts unaligned ones (K/128 not a multiple of 4) and then computes
+  garbage (measured on an H200: a K = 256 model's greedy tokens all wrong), so the engine refuses
+  such a model at start.
 - "rowwise": torch._scaled_mm with one scale per token and one per output channel (CUTLASS,
   SM89+): the weight is re-quantized per row at load and update, a conversion that drops the
   block scales (coarser: one scale for a whole row).
@@ -23,8 +27,6 @@ Weight updates: `fp8_slots` holds, for every quantized layer's checkpoint name, 
 that a checkpoint or transfer tensor is copied into (weights.py reads them through
 `CausalLM.checkpoint_tensors`): the copy quantizes it into that layer's rows.
 """
-
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -62,30 +64,6 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 
-@functools.cache
-def block_scale_row_stride(groups: int, device: torch.device) -> int:
-    """The row stride of a weight's 128×128 scales ([N/128, K/128], K/128 = `groups`) that this
-    torch's `_scaled_mm` accepts. Versions differ: some want exactly K/128, later ones K/128 rounded
-    up to 4 (16-byte rows). Both agree when K/128 is a multiple of 4, as in every Qwen3 shape;
-    otherwise one tiny matmul on `device` says which."""
-    padded = -(-groups // 4) * 4
-    if padded == groups or device.type != "cuda":
-        return padded
-    a = torch.zeros(4, groups * BLOCK, device=device).to(torch.float8_e4m3fn)
-    b = torch.zeros(BLOCK, groups * BLOCK, device=device).to(torch.float8_e4m3fn)
-    scale_a = torch.ones(groups, 4, device=device).t()  # [M, K/128], M-major
-    for stride in (groups, padded):
-        scale_b = torch.ones(1, stride, device=device)[:, :groups]
-        try:
-            torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b.t(), out_dtype=torch.bfloat16)
-        except RuntimeError:
-            continue
-        return stride
-    raise UserError(
-        f"engine.fp8_kernel = 'blockwise': torch._scaled_mm takes no 128×128 scale layout for K = {groups * BLOCK}"
-    )
-
-
 class Fp8Weight:
     """One projection's FP8 weight, and the matmul that reads it (Projection.matmul)."""
 
@@ -94,10 +72,9 @@ class Fp8Weight:
         self.weight = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=device)
         if kernel == "rowwise":
             self.scale = torch.empty(1, rows, dtype=torch.float32, device=device)  # scale_b of _scaled_mm
-        else:  # [N/128, K/128], each row padded as the kernel wants it
+        else:  # [N/128, K/128], K/128 padded to a multiple of 4 (16-byte rows, as cuBLAS reads them)
             groups = cols // BLOCK
-            padded = -(-groups // 4) * 4 if kernel == "triton" else block_scale_row_stride(groups, device)
-            self.scale = torch.ones(rows // BLOCK, padded, dtype=torch.float32, device=device)
+            self.scale = torch.ones(rows // BLOCK, -(-groups // 4) * 4, dtype=torch.float32, device=device)
         self.groups = cols // BLOCK
 
     def load(self, start: int, weight: torch.Tensor) -> None:
@@ -194,6 +171,11 @@ def quantize_model(
                 raise UserError(
                     f"engine.quantization = 'fp8': cannot quantize {name.rsplit('.', 1)[0]}.{part} "
                     f"[{part_rows}, {cols}]: both sizes must be multiples of {BLOCK}"
+                )
+            if kernel == "blockwise" and cols % (4 * BLOCK):
+                raise UserError(
+                    f"engine.fp8_kernel = 'blockwise': {name.rsplit('.', 1)[0]}.{part} has K = {cols}; "
+                    f"cuBLAS's 128×128 scales need K to be a multiple of {4 * BLOCK} (use 'rowwise' or 'triton')"
                 )
         plan.append((name, owner, projection))
     slots: dict[str, Slot] = {}
