@@ -146,6 +146,22 @@ def in_thread(fn: Callable[..., T], *args: object) -> T:
     return result[0]
 
 
+def one_torch_thread(fn: Callable[..., T]) -> Callable[..., T]:
+    """fn with torch's intra-op parallelism at one thread while it runs (on CPU a second thread's
+    OpenMP team competes with the first's: the core stepped by another thread runs at 2/3 speed
+    with two intra-op threads on two cores, at full speed with one)."""
+
+    def run(*args: object) -> T:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return fn(*args)
+        finally:
+            torch.set_num_threads(threads)
+
+    return run
+
+
 def run_async(engine: AsyncEngine, prompts: list[list[int]], output_len: int, stream: bool = True) -> dict:
     """One asyncio consumer per request; `stream=False` delivers each request once, at its end.
     Besides what `measured` reports (more steps than the core's for the same batch means the
@@ -422,6 +438,9 @@ def main() -> None:
         if cached:
             runs["tandem EngineCore, stepped by another thread"] = in_thread(
                 run_core, core, prompts(), args.output_len, "t"
+            )
+            runs["tandem EngineCore, another thread, one torch thread"] = in_thread(
+                one_torch_thread(run_core), core, prompts(), args.output_len, "u"
             )
         if cached and args.profile:
             results["profile"] = profile_decode(core, prompts())
