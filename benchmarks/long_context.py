@@ -163,6 +163,12 @@ def rl_step(model, optimizer, world, length: int, parallel):  # noqa: ANN001, AN
     return step
 
 
+def append_row(out: Path, combo: tuple[str, str, str], **row: object) -> None:
+    shape, setting, trainer = combo
+    with out.open("a") as f:
+        f.write(json.dumps({"shape": shape, "setting": setting, "trainer": trainer, **row}) + "\n")
+
+
 def run_combo(
     shape: str,
     setting: str,
@@ -180,8 +186,7 @@ def run_combo(
     from tandem.trainer.optim import build_optimizer
 
     def record(**row: object) -> None:
-        with out.open("a") as f:
-            f.write(json.dumps({"shape": shape, "setting": setting, "trainer": trainer, **row}) + "\n")
+        append_row(out, (shape, setting, trainer), **row)
 
     model, world, parallel = build(shape, setting)
     optimizer = build_optimizer(model, OptimConfig(lr=1e-5))
@@ -194,8 +199,9 @@ def run_combo(
         if host_per_token is not None and host_per_token * length > 0.8 * available:
             record(length=length, status="host memory", host_gib=host_per_token * length / 2**30)
             break
-        if last is not None and last[1] * (length / last[0]) ** 2 > max_step_s:
-            record(length=length, status="time cap", predicted_step_s=last[1] * (length / last[0]) ** 2)
+        predicted = None if last is None else last[1] * (length / last[0]) ** 2
+        if predicted is not None and predicted > max_step_s:
+            record(length=length, status="time cap", predicted_step_s=predicted)
             break
         make = sft_step if trainer == "sft" else rl_step
         step = make(model, optimizer, world, length, *([parallel] if trainer == "rl" else []))
@@ -313,12 +319,7 @@ def main() -> None:
         last = max(measured, key=lambda r: r["length"], default=None)
         start = min((n for n in LENGTHS if n > (last["length"] if last else 0)), default=args.max_len + 1)
         if start > args.max_len:
-            with args.out.open("a") as f:
-                shape, setting, trainer = combo
-                f.write(
-                    json.dumps({"shape": shape, "setting": setting, "trainer": trainer, "status": "done"})
-                    + "\n"
-                )
+            append_row(args.out, combo, status="done")
             continue
         print(f"== {':'.join(combo)} from {start // K}k", flush=True)
         command = [sys.executable, __file__, "--one", ":".join(combo), "--max-len", str(args.max_len)]

@@ -34,7 +34,8 @@ class _Saved:
     __slots__ = ("block", "device", "stride", "host", "gpu", "ready", "__weakref__")
 
     def __init__(self, block: "_BlockCall", t: torch.Tensor, host: torch.Tensor) -> None:
-        self.block, self.device, self.host = block, t.device, host
+        self.block = block  # keeps its block call alive while autograd holds this tensor
+        self.device, self.host = t.device, host
         self.stride = None if 0 in t.stride() else t.stride()
         self.gpu: torch.Tensor | None = None
         self.ready: torch.cuda.Event | None = None
@@ -112,12 +113,11 @@ class ActivationOffloader:
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The hooks for one forward call of a block (the calls chain in forward order)."""
-        self._calls = [ref for ref in self._calls if ref() is not None][-THROTTLE:]
-        earlier = [call for call in (ref() for ref in self._calls) if call is not None]
+        earlier = [call for call in (ref() for ref in self._calls) if call is not None][-THROTTLE:]
         if len(earlier) == THROTTLE and earlier[0].copied is not None:
             torch.cuda.current_stream().wait_event(earlier[0].copied)
         call = _BlockCall(self, earlier[-1] if earlier else None)
-        self._calls.append(weakref.ref(call))
+        self._calls = [weakref.ref(c) for c in (*earlier, call)]
         return torch.autograd.graph.saved_tensors_hooks(call.pack, call.unpack)
 
 

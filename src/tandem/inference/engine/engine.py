@@ -2,8 +2,8 @@
 
 Calls from the event loop become commands that the engine thread runs between two steps
 (adding and aborting requests, pausing, loading weights), so the core is only ever changed by
-one thread, which also builds it (`_start`). A step's token updates travel back with one `loop.call_soon_threadsafe` into one
-asyncio queue per request. A consumer that fell behind takes every step queued for it at once,
+one thread, which also builds it (`_start`). A step's token updates travel back with one
+`loop.call_soon_threadsafe` into one asyncio queue per request. A consumer that fell behind takes every step queued for it at once,
 merged into one update per sample, so a busy event loop handles fewer, larger updates. A request
 generated with `stream=False` is held by the engine core until it has finished and is then
 delivered whole: the event loop does no per-token work for it. The core keeps one step queued on
