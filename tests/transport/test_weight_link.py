@@ -4,6 +4,7 @@ with the old weights live; each side's wait ends after transfer_timeout_s with a
 side and the step; a transfer that breaks off midway marks the server unusable instead of serving
 mixed weights. The trainer side is a WeightSender fed by iter_hf_weights of a transformers model."""
 
+import asyncio
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,10 +20,15 @@ from weight_link_helpers import hf, send_while, transfer_models
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine import AsyncEngine
 from tandem.inference.server import build_app
+from tandem.orchestrator.client import ServerPool
+from tandem.orchestrator.config import ClientConfig
+from tandem.orchestrator.weights import PolicySync
 from tandem.trainer.weight_stream import hf_weight_specs, iter_hf_weights
-from tandem.transport.weight_link import LinkSettings, TransferError, TransferRefused, TransferTimeout
+from tandem.transport.config import WeightsConfig
+from tandem.transport.weight_link import Link, LinkSettings, TransferError, TransferRefused, TransferTimeout
 from tandem.transport.weight_receiver import WeightReceiver
 from tandem.transport.weight_sender import WeightSender
+from tandem.transport.weights import write_offer
 
 TIMEOUT_S = 3.0
 PROMPT = {
@@ -183,3 +189,55 @@ def test_a_transfer_broken_midway_takes_the_server_out(models: dict[str, Path]) 
         assert "the weights now mix two versions: this server must be restarted" in message
         assert httpx.get(server.url + "/health").status_code == 503
         assert httpx.post(server.url + "/v1/completions", json=PROMPT).status_code == 503
+
+
+class GatedStream:
+    """The trainer's tensors, held back until `gate` opens (the transfer stays in flight)."""
+
+    def __init__(self, model: torch.nn.Module, gate: threading.Event) -> None:
+        self.tensors = iter_hf_weights(model, torch.float32)
+        self.gate = gate
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        assert self.gate.wait(60), "the test never opened the gate"
+        yield from self.tensors
+
+
+def test_an_orchestrator_cancelled_mid_transfer_asks_once(models: dict[str, Path], tmp_path: Path) -> None:
+    """The orchestrator's weight watcher is cancelled when its steps end, possibly while a server
+    receives; the final wait for the last version must then wait for that transfer, not ask the
+    server again for a version the trainer streams only once (the second ask would wait for an
+    offer that never comes)."""
+    with linked_server(models["a"], "colocated") as server:
+        model = hf(models["b"])
+        gate = threading.Event()
+        failure: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                specs = hf_weight_specs(model, torch.float32)
+                server.sender.send(1, specs, GatedStream(model, gate), lambda v: write_offer(tmp_path, v))
+            except BaseException as e:  # noqa: BLE001 — asserted below
+                failure.append(e)
+
+        async def orchestrator() -> int:
+            pool = ServerPool([server.url], ClientConfig(max_retries=0))
+            policy = PolicySync(tmp_path, pool, WeightsConfig(transport="colocated", poll_interval=0.01))
+            watcher = asyncio.ensure_future(policy.watch())
+            store = Link(server.sender.settings, "test", master=False).store  # a client of its own
+            while not store.check(["ready/1/0"]):  # the server accepted: its request is in flight
+                await asyncio.sleep(0.01)
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+            gate.set()
+            await policy.wait_for(1, step=1, max_async_level=0)
+            await pool.close()
+            return policy.version
+
+        thread = threading.Thread(target=send)
+        thread.start()
+        assert asyncio.run(orchestrator()) == 1
+        thread.join(timeout=60)
+        assert not failure, failure
+        assert httpx.get(server.url + "/health").json()["weight_version"] == 1
+        assert "tandem_weight_updates_total 1\n" in httpx.get(server.url + "/metrics").text

@@ -35,6 +35,7 @@ class PolicySync:
         self.cfg = cfg
         self.version = version
         self.lock = asyncio.Lock()
+        self.moving: asyncio.Future[None] | None = None  # the servers' move to a newer version
 
     def available(self) -> int | None:
         """The newest version the trainer has made available."""
@@ -47,29 +48,40 @@ class PolicySync:
         return offer_path(self.run_dir) if self.cfg.in_memory else weights_dir(self.run_dir, version) / STABLE
 
     async def sync(self) -> int:
-        """Move every server to the newest available version if it is newer; returns the version."""
+        """Move every server to the newest available version if it is newer; returns the version.
+
+        The move itself is shielded: a caller cancelled while the servers receive (the weight
+        watcher, stopped when the steps end) leaves it running, and the next `sync` waits for that
+        move instead of asking again. Asking twice would be wrong for an in-memory version: the
+        trainer streams it once, so a second request would wait for an offer that never comes. A
+        move that failed with nobody waiting raises its error at the next `sync`."""
         async with self.lock:
-            latest = self.available()
-            if latest is None or latest <= self.version:
-                return self.version
-            start = time.perf_counter()
-            try:
-                if self.cfg.in_memory:
-                    source = f"the {self.cfg.transport} transport"
-                    served = await self.pool.receive_weights(latest)
-                else:
-                    source = str(weights_dir(self.run_dir, latest))
-                    served = await self.pool.update_weights(weights_dir(self.run_dir, latest))
-            except RequestRejected as e:
-                raise UserError(f"the servers could not load policy version {latest}: {e}") from None
-            if any(v != latest for v in served):
-                raise UserError(
-                    f"servers report weight versions {served} after loading {source}; expected {latest} "
-                    "(the server must take the policy version from the weights directory)"
-                )
-            log.info("servers now serve policy version %d (%.2fs)", latest, time.perf_counter() - start)
-            self.version = latest
-            return latest
+            if self.moving is None or (self.moving.done() and self.moving.exception() is None):
+                latest = self.available()
+                if latest is None or latest <= self.version:
+                    return self.version
+                self.moving = asyncio.ensure_future(self.move(latest))
+            await asyncio.shield(self.moving)
+            return self.version
+
+    async def move(self, latest: int) -> None:
+        start = time.perf_counter()
+        try:
+            if self.cfg.in_memory:
+                source = f"the {self.cfg.transport} transport"
+                served = await self.pool.receive_weights(latest)
+            else:
+                source = str(weights_dir(self.run_dir, latest))
+                served = await self.pool.update_weights(weights_dir(self.run_dir, latest))
+        except RequestRejected as e:
+            raise UserError(f"the servers could not load policy version {latest}: {e}") from None
+        if any(v != latest for v in served):
+            raise UserError(
+                f"servers report weight versions {served} after loading {source}; expected {latest} "
+                "(the server must take the policy version from the weights directory)"
+            )
+        log.info("servers now serve policy version %d (%.2fs)", latest, time.perf_counter() - start)
+        self.version = latest
 
     async def wait_for(self, version: int, step: int, max_async_level: int) -> float:
         """Block until the servers serve `version` or newer; returns seconds waited."""
