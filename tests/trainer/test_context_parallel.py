@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from cp_worker import CASES, WIDTH
+from process_output import failure
 
 from tandem.cli import UserError
 from tandem.config.base import ModelConfig, cp_width_multiple
@@ -53,7 +54,7 @@ def results(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory)
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         timeout=600,
     )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert done.returncode == 0, failure(done)
     return torch.load(out)
 
 

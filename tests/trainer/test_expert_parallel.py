@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from process_output import failure
 
 from tandem.models.tiny import build_tiny_model
 
@@ -29,7 +30,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     )  # fmt: skip
     out = root / "ep1.pt"
     done = subprocess.run([sys.executable, WORKER, model, out, "1"], capture_output=True, text=True, env=ENV)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure(done)
     return model, torch.load(out)
 
 
@@ -41,7 +42,7 @@ def test_ep_matches_one_rank(reference: tuple[Path, dict], tmp_path: Path, ranks
     done = subprocess.run(
         [*command, WORKER, model, out, str(ep)], capture_output=True, text=True, env=ENV, timeout=600
     )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.returncode == 0, failure(done)
     got = torch.load(out)
     assert got["losses"] == pytest.approx(want["losses"], abs=1e-5)
     assert want["grads"].keys() == got["grads"].keys()

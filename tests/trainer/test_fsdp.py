@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import torch
+from process_output import failure
 from transformers import AutoModelForCausalLM
 
 from tandem.config import build_config
@@ -61,7 +62,7 @@ def test_resume_on_another_world_size(tmp_path: Path) -> None:
     done = subprocess.run(
         [*launch, "-m", "tandem.trainer.sft.cli", *args], capture_output=True, text=True, env=ENV, timeout=400
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, failure(done)
     shutil.rmtree(tmp_path / "moved" / "checkpoints" / "step_6")  # as if the 2-rank run had died after step 3
     _, overrides, _ = split_args([*args, "--resume"])
     train(build_config(SFTConfig, overrides=overrides))

@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 
 import torch
+from process_output import failure
 from rl_helpers import sample_reverse_text, small_model, write_rollouts
 from server_process import free_port
 from test_sft_helpers import ENV, sft_args, tiny_model
@@ -20,7 +21,7 @@ def one_node_two_ranks(module: str, args: list[str]) -> None:
     done = subprocess.run(
         [*torchrun_command(2), "-m", module, *args], capture_output=True, text=True, env=ENV, timeout=400
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, failure(done)
 
 
 def two_nodes_one_rank_each(module: str, args: list[str]) -> None:

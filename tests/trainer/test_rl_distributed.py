@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import torch
+from process_output import failure
 from rl_helpers import sample_reverse_text, small_model, write_rollouts
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -45,7 +46,7 @@ def test_two_ranks_match_one_rank(tmp_path: Path) -> None:
     command += ["-m", "tandem.trainer.rl.cli", *args(model_dir, two)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=400)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, failure(done)
 
     for step in range(STEPS):
         a, b = read_metrics(one / "metrics.jsonl")[step], read_metrics(two / "metrics.jsonl")[step]
