@@ -7,23 +7,27 @@ events, and aborts a request in the engine as soon as its client goes away.
 """
 
 import asyncio
-import hmac
-import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine.api import Engine, WeightLoadError
-from tandem.inference.errors import APIError, error_body, error_response, install_error_handlers
+from tandem.inference.errors import APIError, error_body, install_error_handlers
 from tandem.inference.generation import Choice, PromptJob, collect, merge, run_prompt, sampling_params
+from tandem.inference.http import (
+    Gatekeeper,
+    SSEResponse,
+    sse,
+    until_disconnect,
+    wait_for_resume,
+)
 from tandem.inference.metrics import RateMeter, ServerCounters, render_metrics
 from tandem.inference.protocol import (
     ChatCompletionRequest,
@@ -38,108 +42,16 @@ if TYPE_CHECKING:
     from tandem.transport.weight_receiver import WeightReceiver
 
 log = logging.getLogger("tandem.inference")
-T = TypeVar("T")
-OPEN_PATHS = ("/health", "/metrics")
-"""Paths answered without the API key (liveness probes and scrapers)."""
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-
-
-class SSEResponse(StreamingResponse):
-    """A server-sent-event stream that stops, and closes its generator (aborting the request in the
-    engine), the moment the client disconnects, even while no token is being sent.
-
-    Plain asyncio cancellation (delivered once) rather than a task-group scope, so the generator's
-    cleanup can still await the engine."""
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def until_disconnect() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        streaming = asyncio.ensure_future(self.stream_response(send))
-        watcher = asyncio.ensure_future(until_disconnect())
-        try:
-            await asyncio.wait({streaming, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            if not streaming.done():
-                streaming.cancel()
-            results = await asyncio.gather(streaming, watcher, return_exceptions=True)
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
-        if isinstance(results[0], Exception) and not isinstance(results[0], OSError):
-            raise results[0]
-
-
-class Gatekeeper:
-    """ASGI middleware: checks the API key and counts generation requests and their failures.
-
-    Written against raw ASGI, not `@app.middleware`, which would re-wrap streamed responses and
-    delay noticing a client's disconnect."""
-
-    def __init__(self, app: ASGIApp, counters: ServerCounters, api_key: str | None) -> None:
-        self.app = app
-        self.counters = counters
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path = scope["path"]
-        if self.expected is not None and path not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = error_response(
-                    401, "invalid or missing API key (send 'Authorization: Bearer KEY')"
-                )
-                await response(scope, receive, send)
-                return
-        if path not in GENERATION_PATHS:
-            await self.app(scope, receive, send)
-            return
-        self.counters.requests_total += 1
-
-        async def send_counting(message: Message) -> None:
-            if message["type"] == "http.response.start" and message["status"] >= 400:
-                self.counters.requests_failed_total += 1
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_counting)
-        except Exception:  # answered with a 500 by the outermost error middleware
-            self.counters.requests_failed_total += 1
-            raise
-
-
-def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
 
 
 def model_vocab_size(name: str) -> int | None:
     """Rows of the model's embedding (often more than the tokenizer's size): valid token ids."""
-    from transformers import AutoConfig  # here: the vLLM backend's front imports this module too
+    from transformers import AutoConfig  # imported here: it takes seconds
 
     try:
         return int(AutoConfig.from_pretrained(name).vocab_size)
     except (OSError, ValueError, AttributeError, TypeError):
         return None
-
-
-async def wait_for_resume(resumed: asyncio.Event, counters: ServerCounters, timeout_s: float) -> None:
-    """Hold a generation request while the server is paused; 503 after `timeout_s`."""
-    if resumed.is_set():
-        return
-    counters.waiting_for_resume += 1
-    try:
-        await asyncio.wait_for(resumed.wait(), timeout_s)
-    except TimeoutError:
-        raise APIError(
-            503, f"the server is paused (weights are being updated) and did not resume within {timeout_s:g} s"
-        ) from None
-    finally:
-        counters.waiting_for_resume -= 1
 
 
 class Server:
@@ -273,7 +185,7 @@ class Server:
         count = sum(job.n for job in jobs)
         if req.stream:
             return SSEResponse(self.stream_events(req, builder, jobs, count))
-        choices = await self.until_disconnect(request, collect(self.choices_stream(jobs), count))
+        choices = await until_disconnect(request, collect(self.choices_stream(jobs), count))
         if choices is None:
             self.counters.requests_aborted_total += 1
             return Response(status_code=499)
@@ -309,25 +221,6 @@ class Server:
             if not finished:
                 self.counters.requests_aborted_total += 1
         yield sse("[DONE]")
-
-    @staticmethod
-    async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
-        """Await `work`, or cancel it (aborting the engine request) if the client disconnects first."""
-        task = asyncio.ensure_future(work)
-
-        async def disconnected() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        watcher = asyncio.ensure_future(disconnected())
-        try:
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        return task.result() if not task.cancelled() else None
 
     # --- weights --------------------------------------------------------------------------------
 

@@ -33,9 +33,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from tandem.inference.config import InferenceConfig
 from tandem.inference.errors import APIError, install_error_handlers
+from tandem.inference.http import GENERATION_PATHS, Gatekeeper, SSEResponse, until_disconnect, wait_for_resume
 from tandem.inference.metrics import ServerCounters, metric
 from tandem.inference.protocol import UpdateWeightsRequest
-from tandem.inference.server import GENERATION_PATHS, Gatekeeper, Server, SSEResponse, wait_for_resume
 from tandem.transport.weights import weights_dir
 
 log = logging.getLogger("tandem.inference.vllm")
@@ -155,7 +155,7 @@ class VLLMFront:
             raise APIError(503, f"vLLM is not reachable ({type(e).__name__}: {e})") from None
         if stream and response.status_code == 200:
             return SSEResponse(self.relay_events(response, mark))
-        content = await Server.until_disconnect(request, self.read_all(response))
+        content = await until_disconnect(request, self.read_all(response))
         if content is None:
             self.counters.requests_aborted_total += 1
             return Response(status_code=499)

@@ -1,0 +1,131 @@
+"""HTTP pieces both fronts share: tandem's own server (server.py) and the vLLM backend's front
+(vllm/proxy.py). Each front answers the same paths with the same API-key check, request counters,
+pause behaviour and server-sent-event streaming, so these live here once.
+
+Invariant: a client that goes away stops its work. A streamed response stops (and closes its
+generator, which aborts the engine request) on the disconnect, even while no token is being
+sent; a whole response's work is cancelled the same way (`until_disconnect`).
+"""
+
+import asyncio
+import hmac
+import json
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tandem.inference.errors import APIError, error_response
+from tandem.inference.metrics import ServerCounters
+
+T = TypeVar("T")
+OPEN_PATHS = ("/health", "/metrics")
+"""Paths answered without the API key (liveness probes and scrapers)."""
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Return when the client has disconnected."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class SSEResponse(StreamingResponse):
+    """A server-sent-event stream that stops, and closes its generator (aborting the request in the
+    engine), the moment the client disconnects, even while no token is being sent.
+
+    Plain asyncio cancellation (delivered once) rather than a task-group scope, so the generator's
+    cleanup can still await the engine."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streaming = asyncio.ensure_future(self.stream_response(send))
+        watcher = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({streaming, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not streaming.done():
+                streaming.cancel()
+            results = await asyncio.gather(streaming, watcher, return_exceptions=True)
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+        if isinstance(results[0], Exception) and not isinstance(results[0], OSError):
+            raise results[0]
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Await `work`, or cancel it (aborting the engine request) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return task.result() if not task.cancelled() else None
+
+
+def sse(data: dict | str) -> str:
+    """One server-sent event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+class Gatekeeper:
+    """ASGI middleware: checks the API key and counts generation requests and their failures.
+
+    Written against raw ASGI, not `@app.middleware`, which would re-wrap streamed responses and
+    delay noticing a client's disconnect."""
+
+    def __init__(self, app: ASGIApp, counters: ServerCounters, api_key: str | None) -> None:
+        self.app = app
+        self.counters = counters
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        if self.expected is not None and path not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(
+                    401, "invalid or missing API key (send 'Authorization: Bearer KEY')"
+                )
+                await response(scope, receive, send)
+                return
+        if path not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        self.counters.requests_total += 1
+
+        async def send_counting(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                self.counters.requests_failed_total += 1
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counting)
+        except Exception:  # answered with a 500 by the outermost error middleware
+            self.counters.requests_failed_total += 1
+            raise
+
+
+async def wait_for_resume(resumed: asyncio.Event, counters: ServerCounters, timeout_s: float) -> None:
+    """Hold a generation request while the server is paused; 503 after `timeout_s`."""
+    if resumed.is_set():
+        return
+    counters.waiting_for_resume += 1
+    try:
+        await asyncio.wait_for(resumed.wait(), timeout_s)
+    except TimeoutError:
+        raise APIError(
+            503, f"the server is paused (weights are being updated) and did not resume within {timeout_s:g} s"
+        ) from None
+    finally:
+        counters.waiting_for_resume -= 1
