@@ -31,10 +31,11 @@ from rich.console import Console
 from rich.table import Table
 
 from tandem.cli import UserError, run_cli
+from tandem.client.config import ClientConfig, SamplingConfig
 from tandem.config import ModelConfig, Section, parse_config
 from tandem.config.loader import to_toml
+from tandem.envs.config import EnvConfig, chosen_environments
 from tandem.inference.config import InferenceConfig
-from tandem.orchestrator.config import ClientConfig, EnvConfig, SamplingConfig, chosen_environments
 
 SERVER_MODULE = "tandem.inference.cli"
 GENERIC_STATS = (
@@ -163,8 +164,8 @@ def evaluate(cfg: EvalConfig) -> dict:
     from tandem.envs.mixture import load_mixture
 
     members = load_mixture(chosen_environments(cfg.env, cfg.envs))  # a wrong name fails before torch loads
+    from tandem.client.inference import ServerPool
     from tandem.models.loading import check_model_source, load_tokenizer
-    from tandem.orchestrator.client import ServerPool
     from tandem.orchestrator.evaluation import eval_stats, run_eval
 
     check_model_source(cfg.model.name)

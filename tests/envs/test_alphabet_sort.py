@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 
+from tandem.client.config import ClientConfig, SamplingConfig
+from tandem.client.inference import InferenceClient
 from tandem.config.loader import ConfigError
 from tandem.envs.alphabet_sort import AlphabetSortEnv, SortTask, exact_turns, solved, sorted_score
 from tandem.envs.base import Message
 from tandem.envs.registry import load_environment
 from tandem.models.loading import load_tokenizer
-from tandem.orchestrator.client import InferenceClient
-from tandem.orchestrator.config import ClientConfig, SamplingConfig
 
 TASK = SortTask("t", (("Maya", "Ben"), ("Ada",), ("Zoe", "Carl")))
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tandem.client.config import ClientConfig, SamplingConfig
+from tandem.client.inference import InferenceClient
 from tandem.config.loader import ConfigError
 from tandem.envs.code_env import (
     PROBLEMS_FILE,
@@ -21,8 +23,6 @@ from tandem.envs.code_env import (
 from tandem.envs.registry import load_environment
 from tandem.envs.sandbox import Limits, Sandbox, SandboxError
 from tandem.models.loading import load_tokenizer
-from tandem.orchestrator.client import InferenceClient
-from tandem.orchestrator.config import ClientConfig, SamplingConfig
 
 
 @pytest.fixture(scope="module")

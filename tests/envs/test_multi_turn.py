@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
+from tandem.client.config import ClientConfig, SamplingConfig
+from tandem.client.inference import InferenceClient
 from tandem.envs.base import Message, RewardFunction, Trajectory, Turn, stitch
 from tandem.envs.multi_turn import MultiTurnEnv, TemplateError, environment_ids, render_ids
 from tandem.models.loading import load_tokenizer
 from tandem.models.tokenizer import train_tokenizer
-from tandem.orchestrator.client import InferenceClient
-from tandem.orchestrator.config import ClientConfig, SamplingConfig
 
 PROMPT: list[Message] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}]
 

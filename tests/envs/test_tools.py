@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 
+from tandem.client.config import ClientConfig, SamplingConfig
+from tandem.client.inference import InferenceClient
 from tandem.envs.base import Message
 from tandem.envs.calculator_env import CALCULATOR, CalculatorEnv, WordProblem, calculate
 from tandem.envs.registry import load_environment
 from tandem.envs.tools import Tool, ToolCall, check_value, execute, parse_tool_calls
 from tandem.models.loading import load_tokenizer
 from tandem.models.tokenizer import train_tokenizer
-from tandem.orchestrator.client import InferenceClient
-from tandem.orchestrator.config import ClientConfig, SamplingConfig
 
 
 def call_text(body: str) -> str:

@@ -13,14 +13,15 @@ import pytest
 
 pytest.importorskip("verifiers", reason="needs the optional extra: uv sync --extra verifiers")
 
+from tandem.client.config import ClientConfig, SamplingConfig  # noqa: E402
+from tandem.client.inference import ServerPool  # noqa: E402
 from tandem.config.loader import ConfigError  # noqa: E402
 from tandem.envs.mixture import Member  # noqa: E402
 from tandem.envs.multi_turn import render_ids  # noqa: E402
 from tandem.envs.registry import load_environment  # noqa: E402
 from tandem.envs.verifiers_adapter import VerifiersEnv, VerifiersRolloutError  # noqa: E402
 from tandem.models.loading import load_tokenizer  # noqa: E402
-from tandem.orchestrator.client import ServerPool  # noqa: E402
-from tandem.orchestrator.config import ClientConfig, OrchestratorConfig, SamplingConfig  # noqa: E402
+from tandem.orchestrator.config import OrchestratorConfig
 from tandem.orchestrator.evaluation import eval_stats, run_eval  # noqa: E402
 from tandem.orchestrator.rollouts import RolloutCollector  # noqa: E402
 from tandem.orchestrator.tasks import step_task_order  # noqa: E402

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from tandem.cli import UserError
+from tandem.client.config import ClientConfig, SamplingConfig
+from tandem.client.inference import InferenceClient
 from tandem.envs.base import Message
 from tandem.envs.multi_turn import environment_ids, render_ids
 from tandem.envs.registry import load_environment
@@ -27,8 +29,6 @@ from tandem.envs.wordle import (
 from tandem.models.loading import load_tokenizer
 from tandem.models.tiny import build_tiny_model
 from tandem.models.tokenizer import train_tokenizer
-from tandem.orchestrator.client import InferenceClient
-from tandem.orchestrator.config import ClientConfig, SamplingConfig
 from tandem.trainer.sft.data import read_chats, transcript_sample
 
 TASK = WordleTask("t", "cigar")

@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 from orchestrator_helpers import serve_base_model
 
+from tandem.client.config import SamplingConfig
+from tandem.client.inference import InferenceClient, ServerPool
 from tandem.envs.mixture import Member
 from tandem.envs.reverse_text_env import ReverseTextEnv
-from tandem.orchestrator.client import InferenceClient, ServerPool
-from tandem.orchestrator.config import OrchestratorConfig, SamplingConfig
+from tandem.orchestrator.config import OrchestratorConfig
 from tandem.orchestrator.evaluation import eval_stats, run_eval
 from tandem.orchestrator.rollouts import RolloutCollector
 from tandem.orchestrator.tasks import step_task_order

@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 
 from tandem.cli import UserError
+from tandem.client.config import ClientConfig
+from tandem.client.inference import InferenceClient, ServerPool, ServerUnavailable
 from tandem.config.loader import ConfigError, build_config
 from tandem.envs.base import Environment, StitchError, Trajectory, Turn, stitch
 from tandem.envs.registry import load_environment
 from tandem.models.loading import load_tokenizer
 from tandem.models.tiny import build_tiny_model
-from tandem.orchestrator.client import InferenceClient, ServerPool, ServerUnavailable
-from tandem.orchestrator.config import ClientConfig, OrchestratorConfig
+from tandem.orchestrator.config import OrchestratorConfig
 from tandem.orchestrator.loop import first_step, prompt_tokens
 from tandem.orchestrator.prompt_check import check_prompt_lengths, local_token_counters
 from tandem.orchestrator.rollouts import RolloutCollector, RolloutsFailing

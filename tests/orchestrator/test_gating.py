@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from orchestrator_helpers import publish_weights, serve_base_model, served_version, wait_for_file
 
-from tandem.orchestrator.client import ServerPool
-from tandem.orchestrator.config import ClientConfig, OrchestratorConfig, SamplingConfig, WeightsConfig
+from tandem.client.config import ClientConfig, SamplingConfig
+from tandem.client.inference import ServerPool
+from tandem.orchestrator.config import OrchestratorConfig, WeightsConfig
 from tandem.orchestrator.loop import Orchestrator
 from tandem.orchestrator.weights import PolicySync, WeightsTimeout
 from tandem.transport.rollouts import read_rank, step_dir

@@ -11,11 +11,12 @@ import pytest
 from orchestrator_helpers import run_with_trainer, serve_base_model
 
 from tandem.config.loader import ConfigError, parse_config
+from tandem.envs.config import EnvConfig
 from tandem.envs.mixture import allocate, load_mixture
 from tandem.launch.config import RLConfig
 from tandem.launch.plan import plan_run
 from tandem.monitor.metrics import read_metrics
-from tandem.orchestrator.config import EnvConfig, OrchestratorConfig
+from tandem.orchestrator.config import OrchestratorConfig
 from tandem.orchestrator.tasks import step_task_order
 from tandem.transport.rollouts import read_rank
 

@@ -5,12 +5,13 @@ from pathlib import Path
 
 import pytest
 
+from tandem.client.config import SamplingConfig
+from tandem.client.seeds import SEED_BITS, group_seed
 from tandem.config.loader import ConfigError, build_config
 from tandem.envs.mixture import Member
 from tandem.envs.reverse_text_env import ReverseTextEnv
-from tandem.orchestrator.config import OrchestratorConfig, SamplingConfig
+from tandem.orchestrator.config import OrchestratorConfig
 from tandem.orchestrator.rollouts import RolloutCollector
-from tandem.orchestrator.seeds import SEED_BITS, group_seed
 
 
 def collector(tmp_path: Path, **fields: object) -> RolloutCollector:

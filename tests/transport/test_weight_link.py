@@ -17,11 +17,11 @@ import torch
 from server_process import free_port, serve_in_thread
 from weight_link_helpers import hf, send_while, transfer_models
 
+from tandem.client.config import ClientConfig
+from tandem.client.inference import ServerPool
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine import AsyncEngine
 from tandem.inference.server import build_app
-from tandem.orchestrator.client import ServerPool
-from tandem.orchestrator.config import ClientConfig
 from tandem.orchestrator.weights import PolicySync
 from tandem.trainer.weight_stream import hf_weight_specs, iter_hf_weights
 from tandem.transport.config import WeightsConfig

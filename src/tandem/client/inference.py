@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import httpx
 
 from tandem.cli import UserError
-from tandem.orchestrator.config import ClientConfig, SamplingConfig
+from tandem.client.config import ClientConfig, SamplingConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

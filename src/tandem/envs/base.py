@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from tandem.client.config import SamplingConfig
+from tandem.client.inference import InferenceClient
 from tandem.config.base import Section
-from tandem.orchestrator.client import InferenceClient
-from tandem.orchestrator.config import SamplingConfig
 
 Split = Literal["train", "eval"]
 Message = dict[str, Any]

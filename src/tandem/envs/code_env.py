@@ -38,11 +38,11 @@ from typing import Any
 
 from pydantic import Field
 
+from tandem.client.config import SamplingConfig
+from tandem.client.inference import InferenceClient
 from tandem.config.base import Section
 from tandem.envs.base import Message, RewardFunction, SingleTurnEnv, Split, Trajectory, last_content
 from tandem.envs.sandbox import Isolation, Limits, Sandbox, SandboxError
-from tandem.orchestrator.client import InferenceClient
-from tandem.orchestrator.config import SamplingConfig
 
 PROBLEMS_FILE = Path(__file__).parent / "data" / "code_problems.jsonl"
 CODE_BLOCK = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from tandem.config.loader import ConfigError
 from tandem.envs.base import Environment
+from tandem.envs.config import EnvConfig
 from tandem.envs.registry import load_environment
-from tandem.orchestrator.config import EnvConfig
 
 
 @dataclass

@@ -45,10 +45,10 @@ from typing import Any
 
 from pydantic import Field
 
+from tandem.client.config import SamplingConfig
+from tandem.client.inference import Generation, InferenceClient
 from tandem.config.base import Section
 from tandem.envs.base import Environment, Message, Trajectory, Turn, stitch
-from tandem.orchestrator.client import Generation, InferenceClient
-from tandem.orchestrator.config import SamplingConfig
 
 PLACEHOLDER = "TandemPlaceholder7q"
 """Stands for the model's last answer when the chat template renders the glue around new messages."""

@@ -27,12 +27,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.client.config import SamplingConfig
+from tandem.client.inference import ChatResult, InferenceClient
 from tandem.config.base import Section
 from tandem.config.loader import ConfigError
 from tandem.envs.base import Environment, RewardFunction, Split, Trajectory, Turn, stitch
 from tandem.envs.multi_turn import environment_ids, render_ids
-from tandem.orchestrator.client import ChatResult, InferenceClient
-from tandem.orchestrator.config import SamplingConfig
 
 log = logging.getLogger(__name__)
 SUCCESS_METRIC = "passed"

@@ -1,65 +1,16 @@
 """Configuration of the orchestrator (`uv run orchestrator @ rl.toml`)."""
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from tandem.client.config import ClientConfig, SamplingConfig
 from tandem.config.base import CPStyle, ModelConfig, Section, cp_width_multiple
+from tandem.envs.config import EnvConfig, chosen_environments
 from tandem.monitor.config import MonitorConfig
-from tandem.orchestrator.seeds import derive_seed
 from tandem.transport.config import WeightsConfig
-
-
-class SamplingConfig(Section):
-    """How training rollouts are sampled (evaluation always decodes greedily)."""
-
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 = greedy.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    max_tokens: int = Field(128, gt=0, description="Most tokens one model turn may generate.")
-    request_seed: int | None = Field(
-        None,
-        ge=0,
-        description="Seed of the requests this sampling is for (choice i of an n-choice request draws "
-        "from its own stream); unset = the servers' own randomness. The orchestrator sets it per group "
-        "when seeded_sampling is on.",
-    )
-
-    def for_part(self, *part: int) -> "SamplingConfig":
-        """The sampling of one part of a seeded request's work that an environment sends as a
-        request of its own (a sample, a later turn): a seed derived from this one and `part`."""
-        if self.request_seed is None:
-            return self
-        return self.model_copy(update={"request_seed": derive_seed(self.request_seed, *part)})
-
-
-class EnvConfig(Section):
-    """Which environment produces tasks, rollouts and rewards."""
-
-    name: str = Field(
-        "reverse_text",
-        description="A registered name (see tandem.envs.registry), an import path 'module:Class', or "
-        "'verifiers:<env id>' for an environment written for verifiers.",
-    )
-    args: dict[str, Any] = Field({}, description="Keyword arguments of the environment (its Args section).")
-    weight: float = Field(
-        1.0,
-        gt=0,
-        description="With several [[envs]]: its share of each step's groups (weights are normalised).",
-    )
-    label: str | None = Field(
-        None,
-        description="Name in metrics and samples; default: the environment's own name "
-        "(needed when one environment is mixed in twice).",
-    )
-
-
-def chosen_environments(env: EnvConfig, envs: list[EnvConfig]) -> list[EnvConfig]:
-    """[[envs]] when given, else the single [env]; both given is an error (raised in validators)."""
-    if envs and env != EnvConfig():
-        raise PydanticCustomError("shape", "give either [env] or [[envs]], not both")
-    return list(envs) or [env]
 
 
 class AdvantageConfig(Section):
@@ -83,20 +34,6 @@ class EvalConfig(Section):
         ge=0,
         description="Warn when the held-out reward and the sampling entropy both fell at this many "
         "evaluations in a row (orchestrator/collapse.py); 0 = never.",
-    )
-
-
-class ClientConfig(Section):
-    """How the orchestrator talks to inference servers."""
-
-    request_timeout: float = Field(300.0, gt=0, description="Seconds one HTTP request may take.")
-    max_retries: int = Field(5, ge=0, description="Retries of a failed request (connection error, 5xx).")
-    retry_backoff: float = Field(
-        0.5, gt=0, description="First retry delay in seconds; doubles per retry (capped at 30 s)."
-    )
-    api_key: str | None = Field(None, description="Bearer key, when the servers were started with one.")
-    max_concurrent_groups: int = Field(
-        256, gt=0, description="Most group requests in flight at once, over all servers."
     )
 
 

@@ -16,10 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.client.config import SamplingConfig
+from tandem.client.inference import ServerPool, ServerUnavailable
 from tandem.envs.base import Environment, Trajectory
 from tandem.envs.mixture import Member
-from tandem.orchestrator.client import ServerPool, ServerUnavailable
-from tandem.orchestrator.config import OrchestratorConfig, SamplingConfig
+from tandem.orchestrator.config import OrchestratorConfig
 from tandem.orchestrator.rollouts import play_group
 from tandem.orchestrator.stats import per_env_stats, trajectory_stats
 

@@ -15,13 +15,13 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from tandem.client.inference import ServerPool
 from tandem.envs.base import Message
 from tandem.envs.mixture import load_mixture
 from tandem.models.loading import load_tokenizer
 from tandem.monitor.metrics import MetricsWriter
 from tandem.monitor.progress import TrainingProgress
 from tandem.monitor.wandb_run import WandbRun, require_wandb, run_config
-from tandem.orchestrator.client import ServerPool
 from tandem.orchestrator.collapse import CollapseWatch
 from tandem.orchestrator.config import OrchestratorConfig
 from tandem.orchestrator.evaluation import evaluate

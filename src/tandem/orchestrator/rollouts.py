@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.cli import UserError
+from tandem.client.config import SamplingConfig
+from tandem.client.inference import InferenceClient, ServerPool, ServerUnavailable
+from tandem.client.seeds import group_seed
 from tandem.envs.base import Environment, Trajectory
 from tandem.envs.mixture import Member, allocate
 from tandem.orchestrator.advantages import group_advantages, is_zero_advantage
-from tandem.orchestrator.client import InferenceClient, ServerPool, ServerUnavailable
-from tandem.orchestrator.config import OrchestratorConfig, SamplingConfig
-from tandem.orchestrator.seeds import group_seed
+from tandem.orchestrator.config import OrchestratorConfig
 from tandem.orchestrator.tasks import step_task_order
 from tandem.transport.rollouts import Sample
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from tandem.cli import UserError
-from tandem.orchestrator.client import RequestRejected, ServerPool
+from tandem.client.inference import RequestRejected, ServerPool
 from tandem.orchestrator.config import WeightsConfig
 from tandem.transport.weights import STABLE, latest_version, offer_path, offered_version, weights_dir
 
