@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tandem.trainer.parallel import World, barrier
-from tandem.transport.resume import checkpoint_steps
+from tandem.transport.layout import checkpoint_dir, checkpoint_steps
 
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
 TRAINER_STATE = "trainer_state.pt"
@@ -73,7 +73,7 @@ def save_checkpoint(
     keep: int = 0,
 ) -> Path:
     """Write `root/step_{step}` (collective); keep only the newest `keep` checkpoints if keep > 0."""
-    final = Path(root) / f"step_{step}"
+    final = checkpoint_dir(root, step)
     tmp = tmp_dir(final)
     if world.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -96,7 +96,7 @@ def save_checkpoint(
 
 def list_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under `root`, oldest first."""
-    return [Path(root) / f"step_{step}" for step in checkpoint_steps(root)]
+    return [checkpoint_dir(root, step) for step in checkpoint_steps(root)]
 
 
 def latest_checkpoint(root: Path) -> Path | None:

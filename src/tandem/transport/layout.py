@@ -42,6 +42,11 @@ def prune_steps(run_dir: Path, before: int) -> int:
     return len(old)
 
 
+def checkpoint_dir(root: Path, step: int) -> Path:
+    """The checkpoint of `step` under `root` (run_dir/checkpoints)."""
+    return Path(root) / f"step_{step}"
+
+
 def checkpoint_steps(root: Path) -> list[int]:
     """Steps of the complete checkpoints under `root` (run_dir/checkpoints), oldest first."""
     root = Path(root)
