@@ -8,6 +8,7 @@ import torch
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine.api import SamplingParams, TokenOutput
 from tandem.inference.engine.core import EngineCore
+from tandem.inference.engine.model_runner import rows_round_alike
 from tandem.inference.engine.sampler import SamplingBatch, sample, sample_key
 
 
@@ -111,6 +112,10 @@ def test_one_cpu_thread_gives_logprobs_independent_of_the_batch(tiny_model: Path
             "engine": {"kv_cache_memory_gb": 0.25, "prefix_caching": False},
         }
         core = EngineCore(InferenceConfig.model_validate(config))
+        if not rows_round_alike(core.runner.model):
+            pytest.skip(
+                "this CPU's matrix products round a row by batch size (rows_round_alike): see docs/async.md"
+            )
         ids = core.tokenizer.encode("the same bits")
         params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=7)
         other = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=3)

@@ -37,6 +37,7 @@ from tandem.trainer.rl.train import train
 pytest.importorskip("wandb", reason="the wandb extra (uv sync --extra wandb)")
 EXAMPLE = Path(__file__).parents[2] / "examples" / "reverse_text"
 STEPS = 2
+ROWS_DIFFER = "round a row differently by batch size"  # the engine's warning (model_runner.py)
 
 
 def example_plan(run_dir: Path, port: int, *overrides: str) -> RunPlan:
@@ -110,6 +111,8 @@ def final_weights(run_dir: Path) -> dict[str, Any]:
 def test_seeded_runs_repeat_exactly_and_wandb_holds_the_whole_run(
     server: RunningServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if ROWS_DIFFER in server.log_path.read_text():
+        pytest.skip("the server warned that this CPU's matrix products round a row by batch size")
     keep_wandb_home_in(tmp_path / "wandb-home", monkeypatch)
     seeded = ["--orchestrator.seeded_sampling", "true"]
     wandb = [

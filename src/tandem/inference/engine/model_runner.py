@@ -41,6 +41,26 @@ CHUNK_GATHER_TOKENS = 1 << 16  # most cached keys one chunk-attention call gathe
 ID, POSITION, SLOT, CONTEXT, FEED = range(5)  # rows of a decode step's packed inputs
 
 
+def rows_round_alike(model: torch.nn.Module, min_rows: int = MIN_CPU_ROWS) -> bool:
+    """Whether this machine's matrix products give a row the same bits whatever batch of at least
+    `min_rows` rows it sits in, and wherever in it: what MIN_CPU_ROWS relies on for batch-independent
+    logprobs on one CPU thread. No BLAS promises it; measured true with MKL on the 2-core AMD EPYC
+    machines here. Probed on the model's own 2-D weights (one per shape), with a few batch sizes
+    and positions."""
+    weights = {tuple(p.shape): p for p in model.parameters() if p.dim() == 2 and p.is_floating_point()}
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    for weight in weights.values():
+        rows = torch.randn(2 * min_rows + 2, weight.shape[1], generator=generator).to(weight)
+        alone = torch.nn.functional.linear(rows[:min_rows], weight)[0]
+        for batch in (min_rows + 1, 2 * min_rows, 2 * min_rows + 1):
+            for position in (0, batch - 1):
+                x = rows[1 : batch + 1].clone()
+                x[position] = rows[0]
+                if not torch.equal(torch.nn.functional.linear(x, weight)[position], alone):
+                    return False
+    return True
+
+
 def kv_bytes_per_block(config: object, block_size: int, dtype: torch.dtype) -> int:
     per_layer = sum(math.prod(shape) for shape in model_class(config).cache_shapes(config))
     return config.num_hidden_layers * per_layer * block_size * torch.finfo(dtype).bits // 8
@@ -139,6 +159,13 @@ class ModelRunner:
         self.graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.min_rows = MIN_CPU_ROWS if device.type == "cpu" else 1
+        if device.type == "cpu" and torch.get_num_threads() == 1 and not rows_round_alike(model):
+            log.warning(
+                "this CPU's matrix products round a row differently by batch size even at %d or more "
+                "rows: a sequence's logprobs depend on what shares its steps, so seeded runs repeat "
+                "their tokens but not their bits (docs/async.md, 'Reproducible runs')",
+                MIN_CPU_ROWS,
+            )
         self.replay_events: list | None = None  # set to a list to time every graph replay (benchmarks)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
