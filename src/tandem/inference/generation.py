@@ -5,7 +5,7 @@ The HTTP layer formats what this module produces (`Choice` objects that grow as 
 """
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -69,8 +69,11 @@ class PromptJob:
     stream_interval_s: float = 0.0  # a streamed response's least time between chunks (after the first)
 
 
-async def run_prompt(engine: Engine, tokenizer: Tokenizer, job: PromptJob) -> AsyncIterator[Choice]:
-    """Yield a choice each time it grows or finishes, until all n samples have finished."""
+async def run_prompt(
+    engine: Engine, tokenizer: Tokenizer, job: PromptJob, on_tokens: Callable[[int], None] = lambda _: None
+) -> AsyncIterator[Choice]:
+    """Yield a choice each time it grows or finishes, until all n samples have finished;
+    `on_tokens(k)` hears of every k tokens a choice gained (the server's tokens/s meter)."""
     choices = [
         Choice(
             index=job.prompt_index * job.n + i,
@@ -103,6 +106,7 @@ async def run_prompt(engine: Engine, tokenizer: Tokenizer, job: PromptJob) -> As
             if choice.finish_reason is not None:
                 continue  # already ended by a stop string; the engine may still have sent tokens
             used = choice.tracker.add([t.token_id for t in update.tokens])
+            on_tokens(used)
             kept = update.tokens[:used]
             choice.logprobs += [t.logprob for t in kept]
             choice.top_logprobs += [t.top_logprobs for t in kept]
@@ -128,14 +132,14 @@ async def run_prompt(engine: Engine, tokenizer: Tokenizer, job: PromptJob) -> As
             yield choice
 
 
-async def merge(streams: list[AsyncIterator[Choice]]) -> AsyncIterator[Choice]:
+def merge(streams: list[AsyncIterator[Choice]]) -> AsyncIterator[Choice]:
     """Interleave several prompts' choice streams as items arrive; closing the merged stream
-    closes (and so aborts) every prompt still running."""
-    if len(streams) == 1:
-        async with aclosing(streams[0]) as only:  # type: ignore[type-var]
-            async for item in only:
-                yield item
-        return
+    closes (and so aborts) every prompt still running. One stream is returned as it is: a
+    streamed token passes through as few generators as possible."""
+    return streams[0] if len(streams) == 1 else _interleave(streams)
+
+
+async def _interleave(streams: list[AsyncIterator[Choice]]) -> AsyncIterator[Choice]:
     queue: asyncio.Queue[Choice | BaseException | None] = asyncio.Queue()
 
     async def pump(stream: AsyncIterator[Choice]) -> None:

@@ -32,6 +32,20 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
+async def _unless_disconnected(work: Awaitable[T], receive: Receive) -> "asyncio.Future[T]":
+    """Run `work` until it ends or the client disconnects, which cancels it; returns its task, done."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    return task
+
+
 class SSEResponse(StreamingResponse):
     """A server-sent-event stream that stops, and closes its generator (aborting the request in the
     engine), the moment the client disconnects, even while no token is being sent.
@@ -42,32 +56,19 @@ class SSEResponse(StreamingResponse):
     media_type = "text/event-stream"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        streaming = asyncio.ensure_future(self.stream_response(send))
-        watcher = asyncio.ensure_future(_disconnected(receive))
         try:
-            await asyncio.wait({streaming, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            streaming = await _unless_disconnected(self.stream_response(send), receive)
         finally:
-            watcher.cancel()
-            if not streaming.done():
-                streaming.cancel()
-            results = await asyncio.gather(streaming, watcher, return_exceptions=True)
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
-        if isinstance(results[0], Exception) and not isinstance(results[0], OSError):
-            raise results[0]
+        error = None if streaming.cancelled() else streaming.exception()
+        if isinstance(error, Exception) and not isinstance(error, OSError):
+            raise error
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
     """Await `work`, or cancel it (aborting the engine request) if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request.receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    return task.result() if not task.cancelled() else None
+    task = await _unless_disconnected(work, request.receive)
+    return None if task.cancelled() else task.result()
 
 
 def sse(data: dict | str) -> str:

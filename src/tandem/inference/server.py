@@ -168,16 +168,7 @@ class Server:
         ]
 
     def choices_stream(self, jobs: list[PromptJob]) -> AsyncIterator[Choice]:
-        return merge([self.counted(run_prompt(self.engine, self.tokenizer, job)) for job in jobs])
-
-    async def counted(self, stream: AsyncIterator[Choice]) -> AsyncIterator[Choice]:
-        """Feed the tokens/s meter as choices grow."""
-        seen: dict[int, int] = {}
-        async with aclosing(stream):  # type: ignore[type-var]
-            async for choice in stream:
-                self.rate.add(len(choice.token_ids) - seen.get(choice.index, 0))
-                seen[choice.index] = len(choice.token_ids)
-                yield choice
+        return merge([run_prompt(self.engine, self.tokenizer, job, self.rate.add) for job in jobs])
 
     async def respond(
         self, request: Request, req: SamplingFields, builder: ResponseBuilder, jobs: list[PromptJob]
