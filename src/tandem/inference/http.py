@@ -10,14 +10,15 @@ sent; a whole response's work is cancelled the same way (`until_disconnect`).
 import asyncio
 import hmac
 import json
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import TypeVar
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tandem.inference.errors import APIError, error_response
+from tandem.inference.errors import APIError, error_response, install_error_handlers
 from tandem.inference.metrics import ServerCounters
 
 T = TypeVar("T")
@@ -69,6 +70,23 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
     """Await `work`, or cancel it (aborting the engine request) if the client disconnects first."""
     task = await _unless_disconnected(work, request.receive)
     return None if task.cancelled() else task.result()
+
+
+def new_app(
+    title: str, on_shutdown: Callable[[], Awaitable[None]], counters: ServerCounters, api_key: str | None
+) -> FastAPI:
+    """A front's app without its routes: tandem's error bodies, the API-key gate and request
+    counters, and `on_shutdown` awaited when the server stops."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await on_shutdown()
+
+    app = FastAPI(title=title, lifespan=lifespan)
+    install_error_handlers(app)
+    app.add_middleware(Gatekeeper, counters=counters, api_key=api_key)
+    return app
 
 
 def sse(data: dict | str) -> str:

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing, asynccontextmanager
+from contextlib import aclosing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,11 +19,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine.api import Engine, WeightLoadError
-from tandem.inference.errors import APIError, error_body, install_error_handlers
+from tandem.inference.errors import APIError, error_body
 from tandem.inference.generation import Choice, PromptJob, collect, merge, run_prompt, sampling_params
 from tandem.inference.http import (
-    Gatekeeper,
     SSEResponse,
+    new_app,
     sse,
     until_disconnect,
     wait_for_resume,
@@ -244,16 +244,8 @@ def build_app(
     """`receiver`: the in-memory weight transport; then `{"step": N}` updates receive version N by it."""
     server = Server(engine, tokenizer, config, receiver)
 
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
-        await engine.shutdown()
-
-    app = FastAPI(title="tandem inference", lifespan=lifespan)
+    app = new_app("tandem inference", engine.shutdown, server.counters, config.api_key)
     app.state.server = server
-    install_error_handlers(app)
-
-    app.add_middleware(Gatekeeper, counters=server.counters, api_key=config.api_key)
 
     @app.get("/health")
     async def health() -> dict:

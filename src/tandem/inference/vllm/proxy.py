@@ -24,7 +24,6 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
@@ -32,8 +31,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from tandem.inference.config import InferenceConfig
-from tandem.inference.errors import APIError, install_error_handlers
-from tandem.inference.http import GENERATION_PATHS, Gatekeeper, SSEResponse, until_disconnect, wait_for_resume
+from tandem.inference.errors import APIError
+from tandem.inference.http import GENERATION_PATHS, SSEResponse, new_app, until_disconnect, wait_for_resume
 from tandem.inference.metrics import ServerCounters, metric
 from tandem.inference.protocol import UpdateWeightsRequest
 from tandem.transport.weights import weights_dir
@@ -342,15 +341,8 @@ def build_front(config: InferenceConfig, upstream: str, upstream_key: str) -> Fa
     """The ASGI app of the front; `upstream` is vLLM's base URL, `upstream_key` its private API key."""
     front = VLLMFront(config, upstream, upstream_key)
 
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
-        await front.client.aclose()
-
-    app = FastAPI(title="tandem inference (vLLM backend)", lifespan=lifespan)
+    app = new_app("tandem inference (vLLM backend)", front.client.aclose, front.counters, config.api_key)
     app.state.front = front
-    install_error_handlers(app)
-    app.add_middleware(Gatekeeper, counters=front.counters, api_key=config.api_key)
 
     @app.get("/health")
     async def health() -> dict:
