@@ -104,6 +104,15 @@ def latest_checkpoint(root: Path) -> Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
+def checkpoint_to_resume(root: Path, resume: bool, world: World, who: str) -> Path | None:
+    """With `resume`, the newest complete checkpoint under `root`; None when not resuming, or when
+    the run stopped before its first checkpoint (rank 0 then says it trains again from step 0)."""
+    found = latest_checkpoint(root) if resume else None
+    if resume and found is None and world.is_main:
+        print(f"{who}: no checkpoint in {root} yet: training again from step 0", flush=True)
+    return found
+
+
 def load_checkpoint(
     path: Path,
     model: nn.Module,

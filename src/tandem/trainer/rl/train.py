@@ -25,7 +25,7 @@ from tandem.models.context_parallel import token_view
 from tandem.models.loading import load_tokenizer
 from tandem.monitor.metrics import MetricsWriter
 from tandem.monitor.progress import TrainingProgress
-from tandem.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from tandem.trainer.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from tandem.trainer.expert_load import expert_load
 from tandem.trainer.model import build_trainer_model, lora_enabled
 from tandem.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
@@ -33,6 +33,7 @@ from tandem.trainer.parallel import World, all_reduce_sum, data_shard, init_dist
 from tandem.trainer.rl.config import RLTrainerConfig
 from tandem.trainer.rl.loss import LossInputs, LossStats, build_objective, policy_loss
 from tandem.trainer.weight_publisher import PolicyPublisher
+from tandem.transport.layout import CHECKPOINTS
 from tandem.transport.rollouts import MicroBatch, RolloutError, prune_steps, read_rank, shares_prompts
 
 
@@ -159,10 +160,8 @@ def train(cfg: RLTrainerConfig) -> dict[str, Any]:
 
 def _train(cfg: RLTrainerConfig, world: World) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
-    ckpt_root = cfg.run_dir / "checkpoints"
-    resume_from = latest_checkpoint(ckpt_root) if cfg.resume else None
-    if cfg.resume and resume_from is None and world.is_main:  # stopped before its first checkpoint
-        print(f"trainer: no checkpoint in {ckpt_root} yet: training again from step 0", flush=True)
+    ckpt_root = cfg.run_dir / CHECKPOINTS
+    resume_from = checkpoint_to_resume(ckpt_root, cfg.resume, world, "trainer")
     objective = build_objective(cfg.loss)
     tokenizer = load_tokenizer(cfg.model.name)
     model = build_trainer_model(

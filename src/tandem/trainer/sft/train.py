@@ -19,7 +19,7 @@ from tandem.models.context_parallel import token_view
 from tandem.models.loading import load_tokenizer
 from tandem.monitor.metrics import MetricsWriter
 from tandem.monitor.progress import TrainingProgress
-from tandem.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from tandem.trainer.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from tandem.trainer.expert_load import expert_load
 from tandem.trainer.hf_export import write_hf_model
 from tandem.trainer.model import build_trainer_model, lora_enabled
@@ -29,6 +29,7 @@ from tandem.trainer.parallel import World, all_reduce_sum, barrier, data_shard, 
 from tandem.trainer.sft.config import SFTConfig
 from tandem.trainer.sft.data import SFTDataset, build_dataset
 from tandem.trainer.sft.evaluation import evaluate_held_out
+from tandem.transport.layout import CHECKPOINTS
 
 
 def token_loss_sum(model: nn.Module, batch: MicroBatch) -> torch.Tensor:
@@ -96,10 +97,8 @@ def train(cfg: SFTConfig) -> dict[str, Any]:
 
 def _train(cfg: SFTConfig, world: World) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
-    ckpt_root = cfg.run_dir / "checkpoints"
-    resume_from = latest_checkpoint(ckpt_root) if cfg.resume else None
-    if cfg.resume and resume_from is None and world.is_main:  # stopped before its first checkpoint
-        print(f"sft: no checkpoint in {ckpt_root} yet: training again from step 0", flush=True)
+    ckpt_root = cfg.run_dir / CHECKPOINTS
+    resume_from = checkpoint_to_resume(ckpt_root, cfg.resume, world, "sft")
     prepare_model_source(cfg, world)
     tokenizer = load_tokenizer(cfg.model.name)
     dataset = build_dataset(cfg.data, tokenizer, cfg.seed, cfg.seq_len)
