@@ -21,8 +21,8 @@ def test_environments_import_no_orchestrator_module() -> None:
         "    importlib.import_module(name)\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.startswith('tandem.'))))\n"
     )
-    loaded = json.loads(
-        subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
-    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = json.loads(done.stdout)
     assert "tandem.client.inference" in loaded
     assert [m for m in loaded if m.startswith("tandem.orchestrator")] == []
