@@ -17,7 +17,8 @@ not tried: the row says "time cap" and the answer is a lower bound. 4k and 8k ar
 compile (the second shape recompiles with dynamic shapes; later lengths reuse it).
 
 - settings: `none`, `full` and `selective` activation checkpointing, `offload` (activations in
-  pinned host memory, no checkpointing).
+  pinned host memory, no checkpointing), `full+offload` (full checkpointing, each block's input
+  in pinned host memory).
 - sft: trainer/sft/train.py's loss (`token_loss_sum`, loss on every token) and step.
 - rl: trainer/rl/train.py's `train_step` on the orchestrator's packing of one sample (a
   256-token prompt, the rest completion, sampler logprobs near the random model's).
@@ -60,6 +61,7 @@ SETTINGS = {
     "full": {"activation_checkpointing": "full"},
     "selective": {"activation_checkpointing": "selective"},
     "offload": {"activation_offload": True},
+    "full+offload": {"activation_checkpointing": "full", "activation_offload": True},
 }
 SHAPE_NAMES = ("0.6b", "1.7b", "4b")
 PROMPT = 256
@@ -192,7 +194,7 @@ def run_combo(
     optimizer = build_optimizer(model, OptimConfig(lr=1e-5))
     config = model.hf_config
     host_per_token = None
-    if setting == "offload" and lengths and lengths[0] > LENGTHS[0]:
+    if "offload" in setting and lengths and lengths[0] > LENGTHS[0]:
         lengths = [LENGTHS[0], *lengths]  # (a resumed run) calibrates the host memory per token
     for length in lengths:
         available = mem_available()

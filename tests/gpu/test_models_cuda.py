@@ -153,6 +153,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {"activation_checkpointing": "selective"},
         {"activation_checkpointing": "full"},
         {"activation_offload": True},
+        {"activation_checkpointing": "full", "activation_offload": True},
     ],
 )
 def test_memory_settings_keep_the_gradients_and_save_memory(tiny: Path, options: dict) -> None:

@@ -9,6 +9,10 @@ Invariants:
 - Bounded GPU memory: a block's forward starts only once the copies of the block two before it
   have reached the host, and backward fetches the block it needs and the one after it (the
   previous block in forward order), no further ahead.
+- Under full activation checkpointing (applied inside these hooks) a block saves only its input
+  through autograd, so only that goes to the host: the GPU then holds no block's activations
+  but the one being recomputed. Selective checkpointing keeps its tensors outside the hooks
+  (ParallelConfig refuses it with offload).
 - Parameters, non-float tensors (masks, indices) and host tensors stay where they are. The host
   copy is always contiguous: a copy between the GPU and a strided host tensor goes through a
   pageable staging buffer and a copy on the CPU, synchronously (the first version kept the

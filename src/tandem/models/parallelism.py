@@ -99,9 +99,10 @@ def apply_activation_checkpointing(model: CausalLM, mode: ActivationCheckpointin
 
 
 def apply_activation_offload(model: CausalLM, compile: bool) -> None:
-    """Offload each block's saved activations to host memory (models/activation_offload.py);
-    with `compile`, the block's forward is compiled inside the offload hooks (in place of
-    apply_compile, which would compile the hooks too)."""
+    """Offload each block's saved activations to host memory (models/activation_offload.py):
+    all of them, or after apply_activation_checkpointing("full") only each block's input (what
+    the checkpoint saves through autograd). With `compile`, the block's forward is compiled
+    inside the offload hooks (in place of apply_compile, which would compile the hooks too)."""
     offloader = ActivationOffloader()
     for layer in model.layers:
         forward = torch.compile(layer.forward) if compile else layer.forward

@@ -55,8 +55,9 @@ class ParallelConfig(Section):
     )
     activation_offload: bool = Field(
         False,
-        description="Keep what each block saves for backward in pinned host memory instead of on the GPU "
-        "(with activation_checkpointing = none).",
+        description="Keep what each block saves for backward in pinned host memory instead of on the GPU: "
+        "with activation_checkpointing = none all its activations, with full only its input (the "
+        "longest rows on one GPU). Not with selective.",
     )
     compile: Literal["auto", "on", "off"] = Field(
         "auto", description="torch.compile each decoder block; auto = on for CUDA, off on CPU."
@@ -64,11 +65,11 @@ class ParallelConfig(Section):
 
     @model_validator(mode="after")
     def check_offload(self) -> "ParallelConfig":
-        if self.activation_offload and self.activation_checkpointing != "none":
+        if self.activation_offload and self.activation_checkpointing == "selective":
             raise PydanticCustomError(
                 "offload",
-                "activation_offload needs activation_checkpointing = 'none' (a checkpointed block "
-                "saves nothing through autograd that could be offloaded)",
+                "activation_offload works with activation_checkpointing = 'none' or 'full', not "
+                "'selective' (what selective keeps bypasses the offload hooks)",
             )
         return self
 
