@@ -87,7 +87,7 @@ def test_bad_parallel_settings_fail_at_start_in_one_line(models: tuple[Path, Pat
         check_heads(6, 3, 2, "ulysses")
     check_heads(14, 2, 4, "ring")  # ring splits any head counts
     check_heads(16, 2, 8, "ulysses")  # fewer KV heads than cp: replicated
-    with pytest.raises(ValueError, match="activation_offload works with activation_checkpointing = 'none' or"):
+    with pytest.raises(ValueError, match="activation_offload works with activation_checkpointing = 'none'"):
         ParallelConfig(activation_offload=True, activation_checkpointing="selective")
     ParallelConfig(activation_offload=True, activation_checkpointing="full")  # offloads each block's input
     with pytest.raises(ValueError, match=r"cp \(2\) must divide num_ranks \(3\)"):
