@@ -155,6 +155,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {"activation_offload": True},
         {"activation_checkpointing": "full", "activation_offload": True},
     ],
+    ids=["selective", "full", "offload", "full-offload"],
 )
 def test_memory_settings_keep_the_gradients_and_save_memory(tiny: Path, options: dict) -> None:
     world = init_distributed("cuda")
