@@ -4,14 +4,16 @@ per memory setting, for the SFT and the RL trainer at Qwen3-0.6B, 1.7B and 4B sh
     python3 benchmarks/long_context.py                        # all of it; rerun until it says "all done"
     python3 benchmarks/long_context.py --shapes 0.6b --settings full,selective --trainers sft
 
-Each (shape, setting, trainer) runs in its own process: it builds the trainer's model
-(trainer/model.py: fp32 weights, bf16 compute under FSDP2, torch.compile per block, flex
-attention, the chunked output head; random init, vocabulary 151,936) with the setting's
-`[trainer.parallel]` keys, and trains one packed row holding one document of L tokens, for L in
-LENGTHS (4k … 512k) up to --max-len (default 128k), in turn, until one does not fit. A length
-trains when a whole optimizer step (forward, backward, clipping, AdamW) finishes; the longest is
-the last that did, below the first that ran out of memory (so the answer is bracketed by the
-grid). A length whose step would take longer than --max-step-s (default 30 s; predicted from the
+Each (shape, setting) runs in its own process: it builds the trainer's model (trainer/model.py:
+fp32 weights, bf16 compute under FSDP2, torch.compile per block, flex attention, the chunked
+output head; random init, vocabulary 151,936) with the setting's `[trainer.parallel]` keys, and
+trains one packed row holding one document of L tokens, for L in LENGTHS (4k … 512k) up to
+--max-len (default 128k), in turn, each trainer at each length (SFT, then RL: one model and one
+compilation serve both), until one does not fit. A length trains when a whole optimizer step
+(forward, backward, clipping, AdamW) finishes; the longest is the last that did, below the
+first that ran out of memory (so the answer is bracketed by the grid). A failed step ends its
+process (FSDP's state after an out-of-memory step is not trusted); a fresh one goes on with the
+other trainer from the length it had reached. A length whose step would take longer than --max-step-s (default 30 s; predicted from the
 last step as growing with the square of the length, which bounds attention-dominated steps) is
 not tried: the row says "time cap" and the answer is a lower bound. 4k and 8k are there to
 compile (the second shape recompiles with dynamic shapes; later lengths reuse it).
@@ -65,6 +67,7 @@ SETTINGS = {
 }
 SHAPE_NAMES = ("0.6b", "1.7b", "4b")
 PROMPT = 256
+TRAINERS = ("sft", "rl")  # the order in which a length runs them
 
 
 def mem_available() -> int:
@@ -99,18 +102,29 @@ class HostWatch:
         return self.start - self.low
 
 
-def build(shape: str, setting: str):  # noqa: ANN201 (model, world, parallel config)
+def model_config(shape: str):  # noqa: ANN201 (a transformers config)
+    if shape != "smoke":
+        return hf_config(shape)
+    from transformers import Qwen3Config
+
+    return Qwen3Config(  # a CPU check of this script's flow (--device cpu --shapes smoke)
+        vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, max_position_embeddings=512 * K,
+    )  # fmt: skip
+
+
+def build(shape: str, setting: str, device: str):  # noqa: ANN201 (model, world, parallel config)
     from tandem.config.base import ModelConfig
     from tandem.trainer.config import ParallelConfig
     from tandem.trainer.model import build_trainer_model
     from tandem.trainer.parallel import init_distributed
 
-    world = init_distributed("cuda")
+    world = init_distributed(device)
     parallel = ParallelConfig(**SETTINGS[setting])
     with tempfile.TemporaryDirectory() as tmp:
-        hf_config(shape).save_pretrained(Path(tmp) / "config")
+        model_config(shape).save_pretrained(Path(tmp) / "config")
         model = build_trainer_model(
-            ModelConfig(name=str(Path(tmp) / "config")), world, parallel, load_weights=False
+            ModelConfig(name=str(Path(tmp) / "config"), device=device), world, parallel, load_weights=False
         )
     model.init_weights()
     return model, world, parallel
@@ -171,72 +185,96 @@ def append_row(out: Path, combo: tuple[str, str, str], **row: object) -> None:
         f.write(json.dumps({"shape": shape, "setting": setting, "trainer": trainer, **row}) + "\n")
 
 
-def run_combo(
+def run_group(
     shape: str,
     setting: str,
-    trainer: str,
-    lengths: list[int],
+    plan: dict[str, dict],
     out: Path,
+    max_len: int,
     max_step_s: float,
-    last: tuple[int, float] | None,
+    device: str,
 ) -> None:
-    """The child: each of `lengths` in turn until one fails; one JSON row each, then "done".
+    """The child: each length in turn, each trainer of `plan` at it (from its "from" length on);
+    one JSON row each, and "done" for a trainer at its first length that fails or is not tried.
 
-    `last` is (length, step seconds) of the longest length an earlier run measured, for the time cap.
+    `plan[trainer]["last"]` is (length, step seconds) of the longest length an earlier run
+    measured, for the time cap. A failed step ends the child: the parent starts a fresh one.
     """
     from tandem.trainer.config import OptimConfig
     from tandem.trainer.optim import build_optimizer
 
-    def record(**row: object) -> None:
+    def record(trainer: str, **row: object) -> None:
         append_row(out, (shape, setting, trainer), **row)
 
-    model, world, parallel = build(shape, setting)
+    model, world, parallel = build(shape, setting, device)
+    cuda = world.device.type == "cuda"
     optimizer = build_optimizer(model, OptimConfig(lr=1e-5))
     config = model.hf_config
-    host_per_token = None
-    if "offload" in setting and lengths and lengths[0] > LENGTHS[0]:
-        lengths = [LENGTHS[0], *lengths]  # (a resumed run) calibrates the host memory per token
+    first = min(p["from"] for p in plan.values())
+    lengths = [n for n in LENGTHS if first <= n <= max_len]
+    calibrate = "offload" in setting and lengths and lengths[0] > LENGTHS[0]
+    if calibrate:
+        lengths = [LENGTHS[0], *lengths]  # (a resumed run) measures the host memory per token again
+    active = {t: {"last": p["last"], "from": p["from"], "host_per_token": None} for t, p in plan.items()}
     for length in lengths:
-        available = mem_available()
-        if host_per_token is not None and host_per_token * length > 0.8 * available:
-            record(length=length, status="host memory", host_gib=host_per_token * length / 2**30)
-            break
-        predicted = None if last is None else last[1] * (length / last[0]) ** 2
-        if predicted is not None and predicted > max_step_s:
-            record(length=length, status="time cap", predicted_step_s=predicted)
-            break
-        make = sft_step if trainer == "sft" else rl_step
-        step = make(model, optimizer, world, length, *([parallel] if trainer == "rl" else []))
-        steps = 2 if length in TIMED else 1
-        times = []
-        try:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            with HostWatch() as host:
-                for _ in range(steps):
-                    start = time.perf_counter()
-                    step()
-                    torch.cuda.synchronize()
-                    times.append(time.perf_counter() - start)
-        except Exception as e:  # out of GPU memory, or anything else: the row says which
-            status = "oom" if isinstance(e, torch.OutOfMemoryError) else "error"
-            record(length=length, status=status, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-            break
-        host_per_token = host.used / length
-        seconds = times[-1]
-        if length >= TIMED[0]:  # below it a step may still compile, so it predicts nothing
-            last = (length, seconds)
-        record(
-            length=length,
-            status="ok",
-            step_s=seconds,
-            tokens_per_s=length / seconds if steps > 1 else None,
-            mfu=step_flops(config, [length]) / seconds / PEAK_FLOPS if steps > 1 else None,
-            peak_gib=torch.cuda.max_memory_allocated() / 2**30,
-            host_gib=host.used / 2**30,
-            first_step_s=times[0],
-        )
-    record(status="done")
+        for trainer in [t for t in TRAINERS if t in active]:
+            state = active[trainer]
+            if length < state["from"] and not (calibrate and length == LENGTHS[0]):
+                continue
+            host_per_token, last = state["host_per_token"], state["last"]
+            if host_per_token is not None and host_per_token * length > 0.8 * mem_available():
+                record(trainer, length=length, status="host memory", host_gib=host_per_token * length / 2**30)
+            elif last is not None and last[1] * (length / last[0]) ** 2 > max_step_s:
+                record(
+                    trainer,
+                    length=length,
+                    status="time cap",
+                    predicted_step_s=last[1] * (length / last[0]) ** 2,
+                )
+            else:
+                make = sft_step if trainer == "sft" else rl_step
+                step = make(model, optimizer, world, length, *([parallel] if trainer == "rl" else []))
+                steps = 2 if length in TIMED else 1
+                times = []
+                try:
+                    if cuda:
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
+                    with HostWatch() as host:
+                        for _ in range(steps):
+                            start = time.perf_counter()
+                            step()
+                            if cuda:
+                                torch.cuda.synchronize()
+                            times.append(time.perf_counter() - start)
+                except Exception as e:  # out of GPU memory, or anything else: the row says which
+                    status = "oom" if isinstance(e, torch.OutOfMemoryError) else "error"
+                    error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    record(trainer, length=length, status=status, error=error)
+                    record(trainer, status="done")
+                    return
+                state["host_per_token"] = host.used / length
+                seconds = times[-1]
+                if length >= TIMED[0]:  # below it a step may still compile, so it predicts nothing
+                    state["last"] = (length, seconds)
+                record(
+                    trainer,
+                    length=length,
+                    status="ok",
+                    step_s=seconds,
+                    tokens_per_s=length / seconds if steps > 1 else None,
+                    mfu=step_flops(config, [length]) / seconds / PEAK_FLOPS if steps > 1 else None,
+                    peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                    host_gib=host.used / 2**30,
+                    first_step_s=times[0],
+                )
+                continue
+            record(trainer, status="done")  # (not tried: host memory or time cap)
+            del active[trainer]
+        if not active:
+            return
+    for trainer in active:
+        record(trainer, status="done")
 
 
 def load_rows(out: Path) -> list[dict]:
@@ -248,7 +286,8 @@ def print_table(rows: list[dict]) -> None:
     for r in rows:
         latest[(r["shape"], r["setting"], r["trainer"], r.get("length"))] = r
     combos = sorted(
-        {k[:3] for k in latest}, key=lambda k: (SHAPE_NAMES.index(k[0]), list(SETTINGS).index(k[1]), k[2])
+        {k[:3] for k in latest},
+        key=lambda k: ((SHAPE_NAMES + (k[0],)).index(k[0]), list(SETTINGS).index(k[1]), k[2]),
     )
     print("\n| shape | setting | trainer | longest that trains | first that does not | "
           "16k tok/s (MFU, GiB) | 32k tok/s (MFU, GiB) | 64k tok/s (MFU, GiB) |")  # fmt: skip
@@ -278,63 +317,77 @@ def print_table(rows: list[dict]) -> None:
         print(f"| {combo[0]} | {combo[1]} | {combo[2]} | {longest} | {beyond} | {' | '.join(cells)} |")
 
 
+def plan_of(rows: list[dict], shape: str, setting: str, trainers: list[str], max_len: int) -> dict[str, dict]:
+    """For each trainer of (shape, setting) not done yet: the length to go on from (after the
+    lengths an earlier run measured) and the longest timed step measured, for the time cap."""
+    plan = {}
+    for trainer in trainers:
+        mine = [r for r in rows if (r["shape"], r["setting"], r["trainer"]) == (shape, setting, trainer)]
+        if any(r["status"] == "done" for r in mine):
+            continue
+        measured = [r["length"] for r in mine if r["status"] == "ok"]
+        start = min((n for n in LENGTHS if n > max(measured, default=0)), default=max_len + 1)
+        timed = [r for r in mine if r["status"] == "ok" and r["length"] >= TIMED[0]]
+        last = max(timed, key=lambda r: r["length"], default=None)
+        plan[trainer] = {"from": start, "last": (last["length"], last["step_s"]) if last else None}
+    return plan
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default=",".join(SHAPE_NAMES))
     parser.add_argument("--settings", default=",".join(SETTINGS))
-    parser.add_argument("--trainers", default="sft,rl")
+    parser.add_argument("--trainers", default=",".join(TRAINERS))
     parser.add_argument("--max-len", type=int, default=128 * K, help="longest length tried (tokens)")
     parser.add_argument(
         "--max-step-s", type=float, default=30.0, help="longest step a length may take (seconds)"
     )
     parser.add_argument("--budget-s", type=float, default=540.0)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "long_context.jsonl")
-    parser.add_argument("--one", help=argparse.SUPPRESS)
-    parser.add_argument("--from-len", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--last", help=argparse.SUPPRESS)  # "length:step seconds" measured before
+    parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: with --shapes smoke
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # the child: "shape:setting"
+    parser.add_argument("--plan", help=argparse.SUPPRESS)  # the child: plan_of's answer, as JSON
     args = parser.parse_args()
     if args.one:
-        shape, setting, trainer = args.one.split(":")
-        lengths = [n for n in LENGTHS if args.from_len <= n <= args.max_len]
-        last = tuple(float(x) for x in args.last.split(":")) if args.last else None
-        run_combo(shape, setting, trainer, lengths, args.out, args.max_step_s, last)
+        shape, setting = args.one.split(":")
+        run_group(shape, setting, json.loads(args.plan), args.out, args.max_len, args.max_step_s, args.device)
         return
     args.out.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget_s
-    combos = [
-        (shape, setting, trainer)
-        for shape in args.shapes.split(",")
-        for setting in args.settings.split(",")
-        for trainer in args.trainers.split(",")
-    ]
-    rows = load_rows(args.out)
-    done = {(r["shape"], r["setting"], r["trainer"]) for r in rows if r["status"] == "done"}
-    left = [c for c in combos if c not in done]
-    for combo in left:
-        remaining = deadline - time.monotonic()
-        if remaining < 60:
-            break
-        # a combination stopped by an earlier run's budget goes on after the lengths it measured
-        measured = [
-            r for r in rows if (r["shape"], r["setting"], r["trainer"]) == combo and r["status"] == "ok"
-        ]
-        last = max(measured, key=lambda r: r["length"], default=None)
-        start = min((n for n in LENGTHS if n > (last["length"] if last else 0)), default=args.max_len + 1)
-        if start > args.max_len:
-            append_row(args.out, combo, status="done")
-            continue
-        print(f"== {':'.join(combo)} from {start // K}k", flush=True)
-        command = [sys.executable, __file__, "--one", ":".join(combo), "--max-len", str(args.max_len)]
-        command += ["--from-len", str(start), "--max-step-s", str(args.max_step_s)]
-        command += ["--last", f"{last['length']}:{last['step_s']}"] if last else []
-        try:
-            subprocess.run([*command, "--out", str(args.out)], check=False, timeout=remaining)
-        except subprocess.TimeoutExpired:
-            print(f"   stopped at the time budget; {':'.join(combo)} is redone on the next run", flush=True)
+    trainers = args.trainers.split(",")
+    groups = [(shape, setting) for shape in args.shapes.split(",") for setting in args.settings.split(",")]
+    stopped = False
+    for shape, setting in groups:
+        fruitless = 0
+        while not stopped:
+            rows = load_rows(args.out)
+            plan = plan_of(rows, shape, setting, trainers, args.max_len)
+            for trainer in [t for t, p in plan.items() if p["from"] > args.max_len]:
+                append_row(args.out, (shape, setting, trainer), status="done")  # (the grid's end)
+                del plan[trainer]
+            remaining = deadline - time.monotonic()
+            if not plan or remaining < 60 or fruitless == 2:
+                stopped = bool(plan) and remaining < 60
+                if plan and fruitless == 2:
+                    print(f"   {shape}:{setting} made no progress twice: see its rows", flush=True)
+                break
+            froms = ", ".join(f"{t} from {p['from'] // K}k" for t, p in plan.items())
+            print(f"== {shape}:{setting}: {froms}", flush=True)
+            command = [sys.executable, __file__, "--one", f"{shape}:{setting}", "--plan", json.dumps(plan)]
+            command += ["--max-len", str(args.max_len), "--max-step-s", str(args.max_step_s)]
+            command += ["--device", args.device, "--out", str(args.out)]
+            try:
+                subprocess.run(command, check=False, timeout=remaining)
+            except subprocess.TimeoutExpired:
+                print(f"   stopped at the time budget; {shape}:{setting} goes on in the next run", flush=True)
+                stopped = True
+            fruitless = fruitless + 1 if len(load_rows(args.out)) == len(rows) else 0
+        if stopped:
             break
     rows = load_rows(args.out)
     print_table(rows)
     finished = {(r["shape"], r["setting"], r["trainer"]) for r in rows if r["status"] == "done"}
+    combos = [(shape, setting, t) for shape, setting in groups for t in trainers]
     missing = [c for c in combos if c not in finished]
     print("all done" if not missing else f"{len(missing)} of {len(combos)} left: run the same command again")
 
