@@ -7,7 +7,7 @@ between the FP8 sampler and a bf16 trainer on the same tokens, all in one run.
 Matmuls: bf16 `F.linear` against `Fp8Weight` with each kernel ("triton", "blockwise",
 "rowwise", fp8.py) at M = 64 and 256 rows, GPU time in a CUDA graph over weight copies larger than
 L2 in all (as a decode step reads them: cold, no launch overhead); the fastest in total is the
-one the FP8 engine then runs with (`--kernel` to force one). Engines: random-init Qwen3-8B shape
+one the FP8 engine then runs with (`--kernel` names one or more instead). Engines: random-init Qwen3-8B shape
 (bf16; `bench_models.py`), P prompt + O output tokens, temperature 1. Mismatch: the tokens the
 FP8 engine sampled (and the bf16 engine, as the baseline) are scored by transformers in bf16 —
 the trainer's stand-in — and KL(sampler ‖ trainer) is estimated per token as mean(log μ − log π)
@@ -30,6 +30,7 @@ from tandem.inference.config import InferenceConfig
 from tandem.inference.engine.api import SamplingParams
 from tandem.inference.engine.core import EngineCore
 from tandem.inference.engine.fp8 import FP8_KERNELS, Fp8Weight
+from tandem.inference.engine.triton_fp8 import config_for
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_models import SHAPES, build_random, decode_throughput  # noqa: E402
@@ -98,6 +99,8 @@ def matmuls(shape: dict, rows: tuple[int, ...]) -> list[dict]:
                     ref = x.float() @ fp8s[0].dequantized(torch.float32).T
                     row[f"{kernel}_rel_err"] = ((fp8s[0](x).float() - ref).norm() / ref.norm()).item()
                     row[f"{kernel}_us"] = time_us([lambda f=f: f(x) for f in fp8s])  # noqa: B023
+                    if kernel == "triton":  # (BLOCK_M, BLOCK_N, SPLIT_K, warps, stages) its tuning chose
+                        row["triton_config"] = list(config_for(m, n, k, x.dtype, x.device))
                 except Exception as e:  # a kernel this torch / device lacks: say so, keep going
                     row[f"{kernel}_error"] = f"{type(e).__name__}: {e}"[:300]
             out.append(row)
@@ -170,7 +173,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--kv-cache-gb", type=float, default=30.0)
-    parser.add_argument("--kernel", choices=FP8_KERNELS, help="default: the fastest in the matmul table")
+    parser.add_argument(
+        "--kernel",
+        choices=FP8_KERNELS,
+        nargs="+",
+        help="the engines' kernels; default: the fastest in the matmul table",
+    )
     parser.add_argument("--kl-samples", type=int, default=32)
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/tandem-fp8-bench"))
     parser.add_argument("--out", type=Path)
@@ -185,11 +193,12 @@ def main() -> None:
 
     totals = {k: sum(r[f"{k}_us"] if usable(r, k) else float("inf") for r in table) for k in FP8_KERNELS}
     results["matmul_total_us"] = {"bf16": sum(r["bf16_us"] for r in table), **totals}
-    kernel = args.kernel or min(totals, key=totals.get)
-    results["kernel"] = kernel
+    kernels = args.kernel or [min(totals, key=totals.get)]
+    results["kernels"] = kernels
     path = build_random(args.shape, args.work_dir / args.shape, torch.device("cuda"))
     samples = {}
-    for name, settings in (("bf16", {}), ("fp8", {"quantization": "fp8", "fp8_kernel": kernel})):
+    engines = [("bf16", {})] + [(f"fp8-{k}", {"quantization": "fp8", "fp8_kernel": k}) for k in kernels]
+    for name, settings in engines:
         start = time.perf_counter()
         core = engine(path, args, **settings)
         results[f"{name}_engine_start_s"] = time.perf_counter() - start
@@ -212,14 +221,14 @@ def main() -> None:
             for k in FP8_KERNELS
         ]
         print(f"| {r['layer']:<8} | {r['M']:4d} | {r['bf16_us']:8.1f} | " + " | ".join(cells) + " |")
-    print(f"engine FP8 kernel: {kernel}")
-    print("| concurrency | bf16 tok/s (decode) | fp8 tok/s (decode) | fp8 / bf16 (decode) |")
+    print("| concurrency | kernel | bf16 tok/s (decode) | fp8 tok/s (decode) | fp8 / bf16 (decode) |")
     for c in args.concurrency:
-        b, f = results[f"bf16_decode_{c}"], results[f"fp8_decode_{c}"]
-        ratio = f["decode_tok_per_s"] / b["decode_tok_per_s"]
-        results[f"fp8_speedup_{c}"] = ratio
-        print(f"| {c:11d} | {b['tok_per_s']:8,.0f} ({b['decode_tok_per_s']:8,.0f}) | "
-              f"{f['tok_per_s']:8,.0f} ({f['decode_tok_per_s']:8,.0f}) | {ratio:19.2f} |")  # fmt: skip
+        for kernel in kernels:
+            b, f = results[f"bf16_decode_{c}"], results[f"fp8-{kernel}_decode_{c}"]
+            ratio = f["decode_tok_per_s"] / b["decode_tok_per_s"]
+            results[f"fp8-{kernel}_speedup_{c}"] = ratio
+            print(f"| {c:11d} | {kernel} | {b['tok_per_s']:8,.0f} ({b['decode_tok_per_s']:8,.0f}) | "
+                  f"{f['tok_per_s']:8,.0f} ({f['decode_tok_per_s']:8,.0f}) | {ratio:19.2f} |")  # fmt: skip
     for name, m in results["mismatch"].items():
         print(f"mismatch {name} sampler vs bf16 transformers: KL k1 {m['kl_k1']:.2e}, k3 {m['kl_k3']:.2e}, "
               f"max |Δ logprob| {m['max_abs_logprob_diff']:.3f} over {m['tokens']} tokens")  # fmt: skip
