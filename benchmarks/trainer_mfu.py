@@ -340,25 +340,49 @@ def run_rl(impl: str, steps: int, warmup: int) -> dict:
     }
 
 
+# flex's own kernel options against its defaults (block sizes must divide the mask's 128): Hopper's
+# tensor-memory loads, and larger backward and forward tiles
+_BWD128 = {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64}
+FLEX_OPTIONS = {
+    "flex+tma": {"USE_TMA": True},
+    "flex+bwd128": {**_BWD128, "bwd_num_warps": 8, "bwd_num_stages": 3},
+    "flex+fwd128": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_warps": 8, "fwd_num_stages": 3},
+    "flex+tma+bwd128": {"USE_TMA": True, **_BWD128, "bwd_num_warps": 8, "bwd_num_stages": 3},
+}
+
+
 def run_attention(steps: int) -> list[dict]:
     device = torch.device("cuda")
     _, positions, docs = packed_batch(16, device)
     results = []
-    for backend in ("flex", "varlen", "sdpa_docs", "sdpa"):
+    for backend in ("flex", "varlen", "sdpa_docs", "sdpa", *FLEX_OPTIONS):
         try:
             results.append(
                 {"variant": f"attention:{backend}", **time_attention(backend, positions, docs, steps)}
             )
-        except Exception as e:  # a backend this torch lacks
+        except Exception as e:  # a backend or option this torch lacks
             results.append({"variant": f"attention:{backend}", "error": f"{type(e).__name__}: {e}"[:200]})
     return results
 
 
 def time_attention(backend: str, positions: torch.Tensor, docs: list[int], steps: int) -> dict:
-    """Forward + backward of one 0.6B-shaped layer's attention (16 query, 8 KV heads of 128)."""
+    """Forward + backward of one 0.6B-shaped layer's attention (16 query, 8 KV heads of 128);
+    a FLEX_OPTIONS name runs flex_attention with those kernel options."""
     import triton.testing
 
     from tandem.models.layers.attention import PackedDocs, packed_attention
+
+    attend = packed_attention
+    options = FLEX_OPTIONS.get(backend)
+    if options is not None:  # flex_attention called with the options, otherwise as packed_attention calls it
+        from torch.nn.attention.flex_attention import flex_attention
+
+        flex, backend = torch.compile(flex_attention), "flex"
+
+        def attend(q, k, v, packed, scale):  # noqa: ANN001, ANN202
+            args = (t.transpose(1, 2) for t in (q, k, v))
+            kwargs = {"block_mask": packed.block_mask, "scale": scale, "enable_gqa": True}
+            return flex(*args, **kwargs, kernel_options=options).transpose(1, 2)
 
     heads, kv_heads, dim = 16, 8, 128
     q = torch.randn(
@@ -372,7 +396,7 @@ def time_attention(backend: str, positions: torch.Tensor, docs: list[int], steps
     packed = PackedDocs.from_positions(positions, backend)
 
     def step() -> None:
-        packed_attention(q, k, v, packed, dim**-0.5).backward(grad)
+        attend(q, k, v, packed, dim**-0.5).backward(grad)
 
     ms = triton.testing.do_bench(step, warmup=200, rep=max(200, steps * 50), return_mode="median")
     setup_ms = triton.testing.do_bench(
