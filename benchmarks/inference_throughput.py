@@ -247,13 +247,22 @@ def client_process(
     return asyncio.run(send_load(port, prompts, args, stream, start_at))
 
 
-def engine_steps(port: int) -> int | None:
-    """The server's engine step counter (from /metrics), None when it has none."""
+SCRAPED = (
+    "tandem_engine_steps_total",
+    "tandem_time_to_first_token_seconds_sum",
+    "tandem_time_to_first_token_seconds_count",
+)
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The server's engine step counter and time-to-first-token sum and count (from /metrics);
+    a server without them (vLLM) gives none."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    for line in text.splitlines():
-        if line.startswith("tandem_engine_steps_total "):
-            return int(float(line.split()[1]))
-    return None
+    return {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line.split()[:1] in ([n] for n in SCRAPED)
+    }
 
 
 def process_cpu_seconds(pid: int) -> tuple[float, float]:
@@ -286,7 +295,7 @@ def run_load(
     """The requests split over `--client-procs` processes, so that parsing 256 streams of SSE
     chunks in Python does not limit the measured throughput. With `server_pid`, also the
     server's CPU time per output token (its event loop and engine thread share one GIL)."""
-    steps_before = engine_steps(port)
+    scraped_before = scrape(port)
     cpu_before = process_cpu_seconds(server_pid) if server_pid else None
     procs = max(1, min(args.client_procs, len(prompts)))
     shares = [{i: prompts[i] for i in range(k, len(prompts), procs)} for k in range(procs)]
@@ -305,9 +314,17 @@ def run_load(
     if tokens != expected:
         raise RuntimeError(f"got {tokens} output tokens, expected {expected}")
     result = {"output_tokens": tokens, "seconds": elapsed, "output_tokens_per_s": tokens / elapsed}
-    steps_after = engine_steps(port)
-    if steps_before is not None and steps_after is not None:
-        result["engine_steps"] = steps_after - steps_before  # (the clients' warm-up requests included)
+    scraped = {k: v - scraped_before[k] for k, v in scrape(port).items() if k in scraped_before}
+    if "tandem_engine_steps_total" in scraped:
+        result["engine_steps"] = int(
+            scraped["tandem_engine_steps_total"]
+        )  # (the clients' warm-up requests included)
+    if scraped.get("tandem_time_to_first_token_seconds_count"):  # the server's own share of the clients' TTFT
+        ttft_sum, ttft_count = (
+            scraped["tandem_time_to_first_token_seconds_sum"],
+            scraped["tandem_time_to_first_token_seconds_count"],
+        )
+        result["server_ttft_mean_ms"] = 1000 * ttft_sum / ttft_count
     result["client_start_spread_s"] = last_sent - first_sent
     if cpu_before is not None:
         total, loop = (
@@ -321,6 +338,7 @@ def run_load(
         result.update(
             ttft_p50_ms=1000 * percentile(ttft, 50),
             ttft_p99_ms=1000 * percentile(ttft, 99),
+            ttft_mean_ms=1000 * sum(ttft) / len(ttft),
             itl_p50_ms=1000 * percentile(itl, 50),
             itl_p99_ms=1000 * percentile(itl, 99),
         )
@@ -484,6 +502,12 @@ def main() -> None:
             else ""
         )
         print(f"{name:52} {r['output_tokens_per_s']:8.0f} {shown}  {r.get('engine_steps', '-'):>5}  {cpu}")
+        if (
+            "server_ttft_mean_ms" in r
+        ):  # where a stream's first token waits: in the server, or before and after it
+            print(
+                f"{'':52} TTFT mean {r['ttft_mean_ms']:.1f} ms at the clients, {r['server_ttft_mean_ms']:.1f} in the server"
+            )
     off = phases.get("tandem server, whole, prefix cache off")
     if off:
         cost = 1 - phases["tandem server, whole"]["output_tokens_per_s"] / off["output_tokens_per_s"]

@@ -431,6 +431,23 @@ def wait_for_idle(server: Any, timeout_s: float = 10.0) -> dict[str, float]:
         time.sleep(0.05)
 
 
+def test_time_to_first_token_is_a_histogram_of_streaming_requests(server: Any) -> None:
+    name = "tandem_time_to_first_token_seconds"
+    before = metrics(server)
+    body = {"prompt": "go on", "max_tokens": 4, "stream": True}
+    sent = time.monotonic()
+    with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=30) as response:
+        events = [line for line in response.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    took = time.monotonic() - sent
+    httpx.post(server.base_url + "/completions", json={"prompt": "go on", "max_tokens": 4}, timeout=30)
+    after = metrics(server)
+    assert after[f"{name}_count"] == before[f"{name}_count"] + 1  # the whole response is not counted
+    assert 0 < after[f"{name}_sum"] - before[f"{name}_sum"] <= took
+    buckets = [v for k, v in after.items() if k.startswith(f"{name}_bucket")]
+    assert buckets == sorted(buckets) and after[f'{name}_bucket{{le="+Inf"}}'] == after[f"{name}_count"]
+
+
 def test_disconnect_mid_stream_frees_blocks(server: Any) -> None:
     before = wait_for_idle(server)
     body = {"prompt": "go on", "max_tokens": 1000, "ignore_eos": True, "stream": True, "n": 4}

@@ -1,12 +1,14 @@
 """Prometheus text exposition of the server's state (GET /metrics).
 
 The engine's counters come from `EngineStats`; the generation rate is measured by the server as
-tokens reach it, over a sliding window, so a scrape needs no background task.
+tokens reach it, over a sliding window, so a scrape needs no background task. Latencies are
+Prometheus histograms (cumulative buckets, sum and count), observed by the HTTP layer.
 """
 
+import bisect
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.inference.engine.api import EngineStats
 
@@ -40,6 +42,34 @@ class RateMeter:
         return sum(count for _, count in self.buckets) / span
 
 
+LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Histogram:
+    """Counts of observed values per upper bound (`le`), their sum and count."""
+
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS_S) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def render(self, lines: list[str], name: str, help_text: str) -> None:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+        cumulative = 0
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            cumulative += count
+            lines.append(
+                f'{name}_bucket{{le="{"+Inf" if bound == float("inf") else f"{bound:g}"}"}} {cumulative}'
+            )
+        lines += [f"{name}_sum {self.sum:g}", f"{name}_count {self.count}"]
+
+
 @dataclass
 class ServerCounters:
     """What the HTTP layer counts itself."""
@@ -49,6 +79,7 @@ class ServerCounters:
     requests_aborted_total: int = 0
     weight_updates_total: int = 0
     waiting_for_resume: int = 0
+    time_to_first_token: Histogram = field(default_factory=Histogram)  # streaming requests
 
 
 def metric(lines: list[str], name: str, kind: str, help_text: str, value: float) -> None:
@@ -133,5 +164,11 @@ def render_metrics(stats: EngineStats, counters: ServerCounters, tokens_per_s: f
         "counter",
         "Successful weight updates.",
         counters.weight_updates_total,
+    )
+    counters.time_to_first_token.render(
+        lines,
+        "tandem_time_to_first_token_seconds",
+        "Streaming requests: from the validated request to its first generated token reaching the HTTP "
+        "layer (the clients' time to first token adds connection, parsing and delivery).",
     )
     return "\n".join(lines) + "\n"

@@ -8,6 +8,7 @@ events, and aborts a request in the engine as soon as its client goes away.
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -175,7 +176,7 @@ class Server:
     ) -> Response:
         count = sum(job.n for job in jobs)
         if req.stream:
-            return SSEResponse(self.stream_events(req, builder, jobs, count))
+            return SSEResponse(self.stream_events(req, builder, jobs, count, time.monotonic()))
         choices = await until_disconnect(request, collect(self.choices_stream(jobs), count))
         if choices is None:
             self.counters.requests_aborted_total += 1
@@ -183,7 +184,7 @@ class Server:
         return JSONResponse(builder.full(choices))
 
     async def stream_events(
-        self, req: SamplingFields, builder: ResponseBuilder, jobs: list[PromptJob], count: int
+        self, req: SamplingFields, builder: ResponseBuilder, jobs: list[PromptJob], count: int, started: float
     ) -> AsyncIterator[str]:
         latest: dict[int, Choice] = {}
         finished = False
@@ -192,6 +193,8 @@ class Server:
                 yield sse(chunk)
             async with aclosing(self.choices_stream(jobs)) as stream:
                 async for choice in stream:
+                    if not latest:
+                        self.counters.time_to_first_token.observe(time.monotonic() - started)
                     latest[choice.index] = choice
                     chunk = builder.chunk(choice)
                     if chunk is not None:
