@@ -39,15 +39,14 @@ def main() -> None:
         if "ttft_mean_ms" in stream and "server_ttft_mean_ms" in stream
         else None
     )
-    kernel = (fp8.get("kernels") or ["?"])[
-        0
-    ]  # the engines' first FP8 kernel (the fastest in the matmul table)
+    # the engines' first FP8 kernel (the fastest in the matmul table)
+    kernel = (fp8.get("kernels") or ["?"])[0]
     whole = get(phases, "tandem server, whole", "output_tokens_per_s")
     rows = [
         ("HTTP whole responses, tok/s", whole, ">=", 60_000, "{:,.0f}"),
         ("HTTP streaming, tok/s", get(phases, "tandem server, streaming", "output_tokens_per_s"), ">=", 40_000, "{:,.0f}"),
         ("HTTP streaming, TTFT p50 (ms)", get(phases, "tandem server, streaming", "ttft_p50_ms"), "<=", 300, "{:,.0f}"),
-        ("HTTP streaming, TTFT mean at clients / in server (ms)", ttft_means, "", None, "{}"),
+        ("HTTP streaming, TTFT mean client / server ms", ttft_means, "", None, "{}"),
         ("EngineCore, share of its graph-replay bound", get(runs, "tandem EngineCore", "share_of_graph_replay_bound"), ">=", 0.70, "{:.0%}"),
         ("EngineCore, tok/s", get(runs, "tandem EngineCore", "tok_per_s"), "", None, "{:,.0f}"),
         ("EngineCore, graph-replay bound tok/s", get(runs, "tandem EngineCore", "graph_replay_bound_tok_per_s"), "", None, "{:,.0f}"),
