@@ -90,6 +90,10 @@ def test_bad_parallel_settings_fail_at_start_in_one_line(models: tuple[Path, Pat
     with pytest.raises(ValueError, match="activation_offload works with activation_checkpointing = 'none'"):
         ParallelConfig(activation_offload=True, activation_checkpointing="selective")
     ParallelConfig(activation_offload=True, activation_checkpointing="full")  # offloads each block's input
+    with pytest.raises(UserError, match=r"^trainer.parallel.activation_offload needs a CUDA device: on cpu"):
+        build_trainer_model(
+            ModelConfig(name=str(models[0]), device="cpu"), world, ParallelConfig(activation_offload=True)
+        )
     with pytest.raises(ValueError, match=r"cp \(2\) must divide num_ranks \(3\)"):
         OrchestratorConfig(num_ranks=3, cp=2)
 

@@ -57,7 +57,7 @@ class ParallelConfig(Section):
         False,
         description="Keep what each block saves for backward in pinned host memory instead of on the GPU: "
         "with activation_checkpointing = none all its activations, with full only its input (the "
-        "longest rows on one GPU). Not with selective.",
+        "longest rows on one GPU). CUDA only; not with selective.",
     )
     compile: Literal["auto", "on", "off"] = Field(
         "auto", description="torch.compile each decoder block; auto = on for CUDA, off on CPU."

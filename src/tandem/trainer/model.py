@@ -74,6 +74,11 @@ def build_trainer_model(
     """The model of `cfg.name`, sharded over the world; weights loaded unless `load_weights` is off
     (a resume then fills them from its checkpoint). With `lora` (enabled) only its adapters train;
     `seed` draws their initial values."""
+    if parallel.activation_offload and world.device.type != "cuda":
+        raise UserError(
+            f"trainer.parallel.activation_offload needs a CUDA device: on {world.device.type} the activations "
+            "are in host memory already"
+        )
     config = load_hf_config(cfg.name)
     weights = torch.float32 if cfg.dtype == "auto" else DTYPES[cfg.dtype]
     lora = lora if lora_enabled(lora) else None
