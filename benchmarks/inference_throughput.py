@@ -258,11 +258,8 @@ def scrape(port: int) -> dict[str, float]:
     """The server's engine step counter and time-to-first-token sum and count (from /metrics);
     a server without them (vLLM) gives none."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return {
-        line.split()[0]: float(line.split()[1])
-        for line in text.splitlines()
-        if line.split()[:1] in ([n] for n in SCRAPED)
-    }
+    values = (line.split(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return {name: float(value) for name, value in values if name in SCRAPED}
 
 
 def process_cpu_seconds(pid: int) -> tuple[float, float]:

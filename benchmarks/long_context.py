@@ -13,9 +13,10 @@ compilation serve both), until one does not fit. A length trains when a whole op
 (forward, backward, clipping, AdamW) finishes; the longest is the last that did, below the
 first that ran out of memory (so the answer is bracketed by the grid). A failed step ends its
 process (FSDP's state after an out-of-memory step is not trusted); a fresh one goes on with the
-other trainer from the length it had reached. A length whose step would take longer than --max-step-s (default 30 s; predicted from the
-last step as growing with the square of the length, which bounds attention-dominated steps) is
-not tried: the row says "time cap" and the answer is a lower bound. 4k and 8k are there to
+other trainer from the length it had reached. A length whose step would take longer than
+--max-step-s (default 30 s; predicted from the last step as growing with the square of the
+length, which bounds attention-dominated steps) is not tried: the row says "time cap" and the
+answer is a lower bound. 4k and 8k are there to
 compile (the second shape recompiles with dynamic shapes; later lengths reuse it).
 
 - settings: `none`, `full` and `selective` activation checkpointing, `offload` (activations in
@@ -46,6 +47,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -179,6 +181,23 @@ def rl_step(model, optimizer, world, length: int, parallel):  # noqa: ANN001, AN
     return step
 
 
+def time_steps(step: Callable[[], None], steps: int, cuda: bool) -> tuple[list[float], int]:
+    """Seconds of each of `steps` calls of `step`, and the host memory they took (bytes); peak GPU
+    memory counts from here."""
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    with HostWatch() as host:
+        for _ in range(steps):
+            start = time.perf_counter()
+            step()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    return times, host.used
+
+
 def append_row(out: Path, combo: tuple[str, str, str], **row: object) -> None:
     shape, setting, trainer = combo
     with out.open("a") as f:
@@ -222,38 +241,24 @@ def run_group(
             if length < state["from"] and not (calibrate and length == LENGTHS[0]):
                 continue
             host_per_token, last = state["host_per_token"], state["last"]
+            predicted = None if last is None else last[1] * (length / last[0]) ** 2
             if host_per_token is not None and host_per_token * length > 0.8 * mem_available():
                 record(trainer, length=length, status="host memory", host_gib=host_per_token * length / 2**30)
-            elif last is not None and last[1] * (length / last[0]) ** 2 > max_step_s:
-                record(
-                    trainer,
-                    length=length,
-                    status="time cap",
-                    predicted_step_s=last[1] * (length / last[0]) ** 2,
-                )
+            elif predicted is not None and predicted > max_step_s:
+                record(trainer, length=length, status="time cap", predicted_step_s=predicted)
             else:
                 make = sft_step if trainer == "sft" else rl_step
                 step = make(model, optimizer, world, length, *([parallel] if trainer == "rl" else []))
                 steps = 2 if length in TIMED else 1
-                times = []
                 try:
-                    if cuda:
-                        torch.cuda.synchronize()
-                        torch.cuda.reset_peak_memory_stats()
-                    with HostWatch() as host:
-                        for _ in range(steps):
-                            start = time.perf_counter()
-                            step()
-                            if cuda:
-                                torch.cuda.synchronize()
-                            times.append(time.perf_counter() - start)
+                    times, host_used = time_steps(step, steps, cuda)
                 except Exception as e:  # out of GPU memory, or anything else: the row says which
                     status = "oom" if isinstance(e, torch.OutOfMemoryError) else "error"
                     error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                     record(trainer, length=length, status=status, error=error)
                     record(trainer, status="done")
                     return
-                state["host_per_token"] = host.used / length
+                state["host_per_token"] = host_used / length
                 seconds = times[-1]
                 if length >= TIMED[0]:  # below it a step may still compile, so it predicts nothing
                     state["last"] = (length, seconds)
@@ -265,7 +270,7 @@ def run_group(
                     tokens_per_s=length / seconds if steps > 1 else None,
                     mfu=step_flops(config, [length]) / seconds / PEAK_FLOPS if steps > 1 else None,
                     peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-                    host_gib=host.used / 2**30,
+                    host_gib=host_used / 2**30,
                     first_step_s=times[0],
                 )
                 continue

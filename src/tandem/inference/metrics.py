@@ -62,11 +62,9 @@ class Histogram:
     def render(self, lines: list[str], name: str, help_text: str) -> None:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
         cumulative = 0
-        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+        for bound, count in zip([*(f"{b:g}" for b in self.bounds), "+Inf"], self.counts, strict=True):
             cumulative += count
-            lines.append(
-                f'{name}_bucket{{le="{"+Inf" if bound == float("inf") else f"{bound:g}"}"}} {cumulative}'
-            )
+            lines.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
         lines += [f"{name}_sum {self.sum:g}", f"{name}_count {self.count}"]
 
 
