@@ -316,19 +316,30 @@ def print_table(rows: list[dict]) -> None:
         cells = []
         for n in TIMED:
             r = next((r for r in trained if r["length"] == n and r.get("tokens_per_s")), None)
-            cells.append(
-                f"{r['tokens_per_s']:,.0f} ({100 * r['mfu']:.1f}%, {r['peak_gib']:.0f})" if r else "—"
-            )
+            peak = "—" if r is None or r["peak_gib"] is None else f"{r['peak_gib']:.0f}"  # (None on a CPU)
+            cells.append(f"{r['tokens_per_s']:,.0f} ({100 * r['mfu']:.1f}%, {peak})" if r else "—")
         print(f"| {combo[0]} | {combo[1]} | {combo[2]} | {longest} | {beyond} | {' | '.join(cells)} |")
 
 
-def plan_of(rows: list[dict], shape: str, setting: str, trainers: list[str], max_len: int) -> dict[str, dict]:
+def plan_of(
+    rows: list[dict], shape: str, setting: str, trainers: list[str], max_len: int, max_step_s: float
+) -> dict[str, dict]:
     """For each trainer of (shape, setting) not done yet: the length to go on from (after the
-    lengths an earlier run measured) and the longest timed step measured, for the time cap."""
+    lengths an earlier run measured) and the longest timed step measured, for the time cap.
+    A trainer that stopped at a time cap that this run's --max-step-s lifts goes on from there."""
     plan = {}
     for trainer in trainers:
         mine = [r for r in rows if (r["shape"], r["setting"], r["trainer"]) == (shape, setting, trainer)]
-        if any(r["status"] == "done" for r in mine):
+        cap = max((r for r in mine if r["status"] == "time cap"), key=lambda r: r["length"], default=None)
+        failed = any(r["status"] in ("oom", "error", "host memory") for r in mine)
+        trained = max((r["length"] for r in mine if r["status"] == "ok"), default=0)
+        lifted = (
+            cap is not None
+            and not failed
+            and cap["length"] > trained
+            and cap["predicted_step_s"] <= max_step_s
+        )
+        if any(r["status"] == "done" for r in mine) and not lifted:
             continue
         measured = [r["length"] for r in mine if r["status"] == "ok"]
         start = min((n for n in LENGTHS if n > max(measured, default=0)), default=max_len + 1)
@@ -366,7 +377,7 @@ def main() -> None:
         fruitless = 0
         while not stopped:
             rows = load_rows(args.out)
-            plan = plan_of(rows, shape, setting, trainers, args.max_len)
+            plan = plan_of(rows, shape, setting, trainers, args.max_len, args.max_step_s)
             for trainer in [t for t, p in plan.items() if p["from"] > args.max_len]:
                 append_row(args.out, (shape, setting, trainer), status="done")  # (the grid's end)
                 del plan[trainer]
@@ -391,10 +402,9 @@ def main() -> None:
             break
     rows = load_rows(args.out)
     print_table(rows)
-    finished = {(r["shape"], r["setting"], r["trainer"]) for r in rows if r["status"] == "done"}
-    combos = [(shape, setting, t) for shape, setting in groups for t in trainers]
-    missing = [c for c in combos if c not in finished]
-    print("all done" if not missing else f"{len(missing)} of {len(combos)} left: run the same command again")
+    left = sum(len(plan_of(rows, *group, trainers, args.max_len, args.max_step_s)) for group in groups)
+    combos = len(groups) * len(trainers)
+    print("all done" if not left else f"{left} of {combos} left: run the same command again")
 
 
 if __name__ == "__main__":
