@@ -295,6 +295,32 @@ def profile_decode(core: EngineCore, prompts: list[list[int]], steps: int = 30) 
     return f"decode step (profiled): {per_step:.2f} ms\n" + text.getvalue()
 
 
+def profile_prefill(core: EngineCore, prompts: list[list[int]]) -> str:
+    """torch.profiler over the steps that still prefill (all requests added at once, as in a
+    timed run): each step's wall time, then the ops by host time and by device time. The
+    prefill steps are where a run on another thread loses most against the core's own."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        core.add_request(f"prefill-{i}", ids, params, 1)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if core.device.type == "cuda" else [])
+    times = []
+    with profile(activities=activities) as prof:
+        while any(s.num_uncached > 1 for s in core.scheduler.running) or core.scheduler.waiting:
+            start = time.perf_counter()
+            core.step()
+            sync(core.device)
+            times.append(1e3 * (time.perf_counter() - start))
+    while core.has_work():
+        core.step()
+    table = prof.key_averages()
+    steps = ", ".join(f"{t:.1f}" for t in times)
+    by_host = table.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=50)
+    by_device = table.table(sort_by="self_device_time_total", row_limit=10, max_name_column_width=50)
+    return f"prefill steps (ms, each synced): {steps}\n{by_host}\n{by_device}"
+
+
 def check_device(args: argparse.Namespace, device: torch.device, work: Path, bench_model: Path) -> dict:
     """Correctness on the benchmark device; returns the measurements (and asserts exact greedy match)."""
     from tandem.inference.engine.attention import decode_attention
@@ -446,6 +472,9 @@ def main() -> None:
             results["profile"] = profile_decode(core, prompts())
             results["profile_in_thread"] = in_thread(profile_decode, core, prompts())
             print(results["profile"], "\non another thread:", results["profile_in_thread"], flush=True)
+            results["prefill_profile"] = profile_prefill(core, prompts())
+            results["prefill_profile_in_thread"] = in_thread(profile_prefill, core, prompts())
+            print(results["prefill_profile"], "\non another thread:", results["prefill_profile_in_thread"])
         del core
         if device.type == "cuda":
             torch.cuda.empty_cache()
