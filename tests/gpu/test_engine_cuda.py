@@ -81,18 +81,17 @@ def test_fp8_matmuls_against_the_dequantized_weight(kernel: str) -> None:
     if kernel == "blockwise" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the blockwise recipe runs on SM90 only")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    w = torch.randn(768, 1024, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.05
-    fp8 = Fp8Weight(768, 1024, kernel, torch.device("cuda"))
-    fp8.load(0, w)
-    for rows in (1, 3, 64, 256, 700):
-        x = torch.randn(rows, 1024, device="cuda", generator=gen, dtype=torch.bfloat16)
-        ref = x.float() @ fp8.dequantized(torch.float32).T
-        out = fp8(x).float()
-        assert out.shape == ref.shape
-        assert ((out - ref).norm() / ref.norm()).item() < (0.02 if kernel == "triton" else 0.06), (
-            kernel,
-            rows,
-        )
+    for n, k in ((768, 1024), (512, 512), (2048, 512)):  # (and the blockwise engine test's K = 512)
+        w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.05
+        fp8 = Fp8Weight(n, k, kernel, torch.device("cuda"))
+        fp8.load(0, w)
+        for rows in (1, 3, 64, 256, 700):
+            x = torch.randn(rows, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+            ref = x.float() @ fp8.dequantized(torch.float32).T
+            out = fp8(x).float()
+            assert out.shape == ref.shape
+            error = ((out - ref).norm() / ref.norm()).item()
+            assert error < (0.02 if kernel == "triton" else 0.06), (kernel, n, k, rows, error)
 
 
 @pytest.mark.skipif(not FP8, reason="needs FP8 (compute capability 8.9+)")
@@ -117,20 +116,23 @@ def test_fp8_engine_follows_bf16_and_refuses_a_mismatched_update(
     if kernel == "blockwise":  # every K a multiple of 512
         widths = {"hidden_size": 512, "head_dim": 128, "intermediate_size": 1024}
         tiny = build_tiny_model(out=tmp_path / "step_0", num_layers=2, **widths)
-    bf16 = run(EngineCore(engine_config(tiny)), PROMPTS, GREEDY)
+    first = SamplingParams(temperature=0.0, max_tokens=1, top_logprobs=10)
+    bf16 = run(EngineCore(engine_config(tiny)), PROMPTS, first)
     params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=5)
 
     async def main() -> None:
         engine = AsyncEngine(engine_config(tiny, quantization="fp8", fp8_kernel=kernel))
         try:
-            fp8 = {}
+            # the first token's distribution follows bf16's. A random tiny model's is nearly flat
+            # (its top logprobs ~0.01 apart), so quantization noise may reorder the top tokens:
+            # fp8's greedy token is among bf16's top 5 and most of the two top-10 lists agree
+            # (unrelated distributions over this vocabulary would share less than one token)
             for i, ids in enumerate(PROMPTS):
-                fp8[str(i)] = [t async for u in engine.generate(f"g{i}", ids, GREEDY) for t in u.tokens]
-            # the first tokens agree with bf16's greedy (a random tiny model: later ones may part)
-            assert (
-                sum(a[0].token_id == b[0].token_id for a, b in zip(fp8.values(), bf16.values(), strict=True))
-                >= 3
-            )
+                [got] = [t async for u in engine.generate(f"g{i}", ids, first) for t in u.tokens]
+                want = dict(bf16[str(i)][0].top_logprobs)
+                shared = [t for t, _ in got.top_logprobs if t in want]
+                assert got.token_id in sorted(want, key=want.get)[-5:], (kernel, i, got, want)
+                assert len(shared) >= 6, (kernel, i, got.top_logprobs, want)
             before = [t.token_id async for u in engine.generate("s", PROMPTS[1], params) for t in u.tokens]
             wide = build_tiny_model(
                 out=tmp_path / "wide", num_layers=2, **{**widths, "intermediate_size": 2048}
