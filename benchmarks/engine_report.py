@@ -28,7 +28,9 @@ def get(data: dict, *keys: str) -> float | None:
 
 def main() -> None:
     folder = Path(sys.argv[1])
-    engine, http, fp8, moe = (load(folder, f) for f in ("engine.json", "http.json", "fp8.json", "moe.json"))
+    engine, http, fp8, moe, prefix = (
+        load(folder, f) for f in ("engine.json", "http.json", "fp8.json", "moe.json", "prefix.json")
+    )
     phases = http.get("phases", {})
     runs = engine.get("runs", {})
     moe = (moe.get("runs") or [{}])[0]  # moe_decode.py writes one entry per shape; the script runs one
@@ -42,6 +44,11 @@ def main() -> None:
     # the engines' first FP8 kernel (the fastest in the matmul table)
     kernel = (fp8.get("kernels") or ["?"])[0]
     whole = get(phases, "tandem server, whole", "output_tokens_per_s")
+
+    def prefill_saved(workload: str) -> float | None:  # prefill tokens computed, cache off / on
+        off, on = (get(prefix, f"{workload}, cache {c}", "prefill_tokens_computed") for c in ("off", "on"))
+        return off / on if off is not None and on else None
+
     rows = [
         ("HTTP whole responses, tok/s", whole, ">=", 60_000, "{:,.0f}"),
         ("HTTP streaming, tok/s", get(phases, "tandem server, streaming", "output_tokens_per_s"), ">=", 40_000, "{:,.0f}"),
@@ -52,6 +59,8 @@ def main() -> None:
         ("EngineCore, graph-replay bound tok/s", get(runs, "tandem EngineCore", "graph_replay_bound_tok_per_s"), "", None, "{:,.0f}"),
         ("prefix cache cost, HTTP whole, nothing shared", get(phases, "prefix_cache_cost"), "<=", 0.03, "{:+.1%}"),
         ("prefix cache cost, EngineCore, nothing shared", get(engine, "prefix_cache_cost"), "<=", 0.03, "{:+.1%}"),
+        ("prefix cache saves prefill: 8 same prompts", prefill_saved("8 requests of one prompt"), ">=", 2.0, "{:.2f}x"),
+        ("prefix cache saves prefill: Wordle rollouts", prefill_saved("wordle rollouts"), ">=", 2.0, "{:.2f}x"),
         ("transformers generate (same run), tok/s", hf, "", None, "{:,.0f}"),
         ("HTTP whole / transformers", whole / hf if whole and hf else None, "", None, "{:.1f}x"),
         ("FP8 / bf16 decode, 64 concurrent", get(fp8, f"fp8-{kernel}_speedup_64"), ">=", 1.5, "{:.2f}x"),

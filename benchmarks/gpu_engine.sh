@@ -3,7 +3,8 @@
 # graph-replay bound and the prefix cache on/off (engine_throughput.py, with transformers
 # `generate` in the same run), HTTP whole responses and streaming with the prefix cache on/off
 # (inference_throughput.py), FP8 vs bf16 at a Qwen3-8B shape (fp8_decode.py), Qwen3-MoE decode at
-# a Qwen3-30B-A3B shape cut to 12 layers (moe_decode.py), then the new CUDA tests. Logs and JSON
+# a Qwen3-30B-A3B shape cut to 12 layers (moe_decode.py), the new CUDA tests, then what the prefix
+# cache saves where prompts share prefixes (prefix_cache.py: n = 8, Wordle). Logs and JSON
 # go to $OUT (default ./gpu-out); the last thing printed is one table of the targets.
 # Without uv: PYTHONPATH=src plus the carried wheels (fastapi, uvicorn, httptools, uvloop, ...).
 set -uo pipefail
@@ -24,6 +25,7 @@ part http 170 python3 benchmarks/inference_throughput.py --num-requests 256 --pr
 part fp8 190 python3 benchmarks/fp8_decode.py --out "$OUT/fp8.json"
 part moe 110 python3 benchmarks/moe_decode.py --num-layers 12 --out "$OUT/moe.json"
 part gpu_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_engine_cuda.py
+part prefix 120 python3 benchmarks/prefix_cache.py --out "$OUT/prefix.json"
 tail -n 3 "$OUT/gpu_tests.log" 2>/dev/null
-for f in engine http fp8 moe; do grep -E "^\|" "$OUT/$f.log" 2>/dev/null > "$OUT/$f.table"; done
+for f in engine http fp8 moe prefix; do grep -E "^\|" "$OUT/$f.log" 2>/dev/null > "$OUT/$f.table"; done
 python3 benchmarks/engine_report.py "$OUT"
