@@ -181,55 +181,60 @@ class ModelRunner:
         token that is still a placeholder is taken from `sampled` at its row in `feed`."""
         if batch.all_decodes:
             return self._decode(batch, blocks, feed)
+        seqs, counts = batch.seqs, batch.num_new_tokens
+        n = len(seqs)
+        cached = np.fromiter((s.num_cached for s in seqs), np.int64, n)
+        lens = np.asarray(counts, dtype=np.int64)
+        starts = np.zeros(n, dtype=np.int64)  # each sequence's first row in the step's tokens
+        np.cumsum(lens[:-1], out=starts[1:])
         ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        last_rows: list[int] = []
+        fed: list[tuple[int, Sequence]] = []  # (row, sequence) of placeholder input tokens
         decodes: list[int] = []  # batch positions of each kind of sequence
         prompts: list[int] = []
         chunks: list[int] = []
-        starts: list[int] = []
-        fed: list[tuple[int, Sequence]] = []  # (row, sequence) of placeholder input tokens
-        for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
-            start, end = seq.num_cached, seq.num_cached + count
-            starts.append(len(ids))
+        for i, (seq, count) in enumerate(zip(seqs, counts, strict=True)):
+            start = seq.num_cached
             if count == 1 and seq.token_ids[start] == PLACEHOLDER:
                 fed.append((len(ids), seq))
                 ids.append(0)
             else:
-                ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            slots += [blocks.slot(seq, p) for p in range(start, end)]
-            if end == seq.num_tokens:
-                last_rows.append(len(ids) - 1)
+                ids += seq.token_ids[start : start + count]
             whole = start == 0 and not self.prompts_from_cache  # (else attended as a chunk over the cache)
             (decodes if count == 1 else prompts if whole else chunks).append(i)
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots))
+        # every row's position and cache slot, from the block manager's table array
+        of_row = np.repeat(np.arange(n), lens)
+        positions = np.arange(len(ids)) - np.repeat(starts - cached, lens)
+        table_rows = np.fromiter((s.table_row for s in seqs), np.int64, n)
+        size = self.block_size
+        slots = blocks.tables[table_rows[of_row], positions // size] * size + positions % size
+        done = cached + lens == np.fromiter((s.num_tokens for s in seqs), np.int64, n)
+        last_rows = (starts + lens - 1)[done]  # sequences whose uncached tokens all run now
+        meta = AttentionMetadata(slot_mapping=self._array(slots))
         if decodes:
-            seqs = [batch.seqs[i] for i in decodes]
-            width = max(len(s.block_table) for s in seqs)
+            rows = np.asarray(decodes)
+            width = max(len(seqs[i].block_table) for i in decodes)
             meta.decodes = Decodes(
-                rows=self._tensor([starts[i] for i in decodes]),
-                block_tables=self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]),
-                context_lens=self._tensor([s.num_cached + 1 for s in seqs]),
+                rows=self._array(starts[rows]),
+                block_tables=self._array(blocks.tables[table_rows[rows], :width]),
+                context_lens=self._array(cached[rows] + 1),
             )
         if prompts:
-            lens = [batch.num_new_tokens[i] for i in prompts]
-            index, rows, picks = self._padded([starts[i] for i in prompts], lens)
+            rows = np.asarray(prompts)
+            index, token_rows, picks = self._padded(starts[rows], lens[rows])
             longest = index.shape[1]
-            valid = torch.arange(longest, device=self.device)[None, :] < self._tensor(lens)[:, None]
+            valid = torch.arange(longest, device=self.device)[None, :] < self._array(lens[rows])[:, None]
             causal = torch.ones(longest, longest, dtype=torch.bool, device=self.device).tril()
-            mask = None if min(lens) == longest else (causal[None] & valid[:, None, :])[:, None]
-            meta.prompts = Prompts(index, mask, rows, picks)
+            mask = None if lens[rows].min() == longest else (causal[None] & valid[:, None, :])[:, None]
+            meta.prompts = Prompts(index, mask, token_rows, picks)
         meta.chunks = self._chunks(batch, blocks, chunks, starts)
         input_ids = self._tensor(ids)
         if fed:
-            src = [-1] * len(ids)
+            src = np.full(len(ids), -1, dtype=np.int64)
             for row, seq in fed:
                 src[row] = _feed_row(feed, seq)
-            input_ids = self._feed(input_ids, self._tensor(src))
-        hidden = self.model(input_ids, self._tensor(positions), self.kv_caches, meta)
-        return RunOutput(self._logits(hidden[self._tensor(last_rows)]))
+            input_ids = self._feed(input_ids, self._array(src))
+        hidden = self.model(input_ids, self._array(positions), self.kv_caches, meta)
+        return RunOutput(self._logits(hidden[self._array(last_rows)]))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head over `hidden`'s rows, run over at least `min_rows` rows (when any)."""
@@ -242,19 +247,23 @@ class ModelRunner:
     def _tensor(self, values: list) -> torch.Tensor:
         return to_device(values, torch.int64, self.device)
 
-    def _padded(self, starts: list[int], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _array(self, values: np.ndarray) -> torch.Tensor:
+        """An int64 numpy array on the device (no stream sync)."""
+        return host_to_device(torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)), self.device)
+
+    def _padded(
+        self, starts: np.ndarray, lens: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Runs of the step's token rows (`lens[i]` rows from `starts[i]`) as a padded [B, L]
         index (padding repeats a valid row), the valid rows in order, and their positions in
         the flattened [B * L] batch."""
-        longest = max(lens)
-        flat = [start + min(j, n - 1) for start, n in zip(starts, lens, strict=True) for j in range(longest)]
-        index = self._tensor(flat).view(len(lens), longest)
-        rows = self._tensor([start + j for start, n in zip(starts, lens, strict=True) for j in range(n)])
-        picks = self._tensor([b * longest + j for b, n in enumerate(lens) for j in range(n)])
-        return index, rows, picks
+        j = np.arange(lens.max())[None, :]
+        index = starts[:, None] + np.minimum(j, lens[:, None] - 1)
+        valid = j < lens[:, None]
+        return self._array(index), self._array(index[valid]), self._array(np.flatnonzero(valid))
 
     def _chunks(
-        self, batch: ScheduledBatch, blocks: BlockManager, chunks: list[int], starts: list[int]
+        self, batch: ScheduledBatch, blocks: BlockManager, chunks: list[int], starts: np.ndarray
     ) -> list[Chunks]:
         """Chunks continuing a cached prefix, in groups whose gathered keys stay under CHUNK_GATHER_TOKENS."""
         groups: list[list[int]] = []
@@ -277,7 +286,7 @@ class ModelRunner:
             tables = np.zeros((len(group), width), dtype=np.int64)
             rows = np.fromiter((s.table_row for s in seqs), np.int64, len(seqs))
             tables[:, :width] = blocks.tables[rows, :width]
-            index, token_rows, picks = self._padded([starts[i] for i in group], query_lens)
+            index, token_rows, picks = self._padded(starts[group], np.asarray(query_lens))
             firsts = [c - q for c, q in zip(context_lens, query_lens, strict=True)]
             context, first = self._tensor([context_lens, firsts])
             query_pos = first[:, None] + torch.arange(index.shape[1], device=self.device)[None, :]
