@@ -10,6 +10,8 @@ drawn once with a fixed seed), random-init weights, one optimizer step per itera
 - `tandem`: the trainers' real path (trainer/model.py): fp32 master weights, bf16 compute
   through FSDP2 mixed precision, torch.compile per block, packed attention by document
   (model.attention = auto unless `tandem-<backend>`), the chunked output head, fused AdamW.
+  `tandem_bf16`: weights and AdamW state in bf16; `tandem_keep`: FSDP keeps each block's
+  gathered bf16 weights from forward to backward (`reshard_after_forward = false`).
 - `hf`, `hf_compiled`: transformers' model in bf16 (weights, grads and AdamW state), SDPA with
   the mask transformers derives from the restarting position ids, its own loss over full
   logits, fused AdamW; `hf_compiled` is the same under torch.compile.
@@ -198,7 +200,7 @@ def write_config_dir(config, root: Path) -> Path:  # noqa: ANN001
     return out
 
 
-def run_tandem(shape: str, attention: str, steps: int, warmup: int, weights: str) -> dict:
+def run_tandem(shape: str, attention: str, steps: int, warmup: int, weights: str, keep: bool = False) -> dict:
     from tandem.config.base import ModelConfig
     from tandem.trainer.config import OptimConfig, ParallelConfig
     from tandem.trainer.model import build_trainer_model
@@ -210,7 +212,8 @@ def run_tandem(shape: str, attention: str, steps: int, warmup: int, weights: str
     with tempfile.TemporaryDirectory() as tmp:
         name = str(write_config_dir(config, Path(tmp)))
         model_cfg = ModelConfig(name=name, attention=attention, dtype=weights)
-        model = build_trainer_model(model_cfg, world, ParallelConfig(), load_weights=False)
+        parallel = ParallelConfig(reshard_after_forward=not keep)
+        model = build_trainer_model(model_cfg, world, parallel, load_weights=False)
     model.init_weights()
     optimizer = build_optimizer(model, OptimConfig(lr=1e-5))
     ids, positions, docs = packed_batch(config.vocab_size, world.device)
@@ -415,7 +418,8 @@ def run_one(variant: str, steps: int, warmup: int) -> list[dict]:
     if impl.startswith("tandem"):
         backend = impl.split("-", 1)[1] if "-" in impl else "auto"
         weights = "bfloat16" if impl.startswith("tandem_bf16") else FAMILY_WEIGHTS.get(shape, "auto")
-        return [{"variant": variant, **run_tandem(shape, backend, steps, warmup, weights)}]
+        keep = impl.startswith("tandem_keep")
+        return [{"variant": variant, **run_tandem(shape, backend, steps, warmup, weights, keep)}]
     return [{"variant": variant, **run_hf(shape, impl == "hf_compiled", steps, warmup)}]
 
 

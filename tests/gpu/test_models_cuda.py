@@ -86,10 +86,17 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(out=tmp_path_factory.mktemp("moe") / "m", num_experts=8, moe_intermediate_size=64)
 
 
+@pytest.mark.parametrize("keep", [False, True], ids=["reshard", "keep-gathered"])
 @pytest.mark.parametrize("attention", ["flex", "varlen"])
-def test_bf16_trainer_model_follows_transformers_and_trains(tiny_moe: Path, attention: str) -> None:
+def test_bf16_trainer_model_follows_transformers_and_trains(
+    tiny_moe: Path, attention: str, keep: bool
+) -> None:
+    """keep-gathered (reshard_after_forward = false): the check's forward below has no backward
+    and leaves the gathered weights in place; on the H200 (torch 2.11) they then outlived the
+    optimizer steps and the loss stood still, before build_optimizer dropped them after each step."""
     world = init_distributed("cuda")
-    model = build_trainer_model(ModelConfig(name=str(tiny_moe), attention=attention), world, ParallelConfig())
+    parallel = ParallelConfig(reshard_after_forward=not keep)
+    model = build_trainer_model(ModelConfig(name=str(tiny_moe), attention=attention), world, parallel)
     reference = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32).to(CUDA)
     positions = packed_positions([[40, 60, 28], [128]])
     ids = torch.randint(0, reference.config.vocab_size, positions.shape, device=CUDA)

@@ -294,6 +294,42 @@ def test_bad_config_and_parallel_settings_fail_with_one_line(checkpoint: Path, t
         build_trainer_model(ModelConfig(name=str(checkpoint), device="cpu"), world, ParallelConfig(ep=2))
 
 
+def test_keeping_gathered_weights_trains_as_resharding(checkpoint: Path) -> None:
+    """reshard_after_forward = false gives the same steps as FSDP's default, also after forwards
+    that no backward follows (with grad and under no_grad), which leave the weights gathered."""
+    from tandem.trainer.config import OptimConfig
+    from tandem.trainer.optim import build_optimizer
+
+    world = init_distributed("cpu")
+    ids = (
+        documents(512, [48], seed=3)[0][None]
+        % json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+    )
+    positions = torch.arange(48)[None]
+    runs = []
+    for reshard in (True, False):
+        model = build_trainer_model(
+            ModelConfig(name=str(checkpoint), device="cpu"),
+            world,
+            ParallelConfig(reshard_after_forward=reshard),
+        )
+        optimizer = build_optimizer(model, OptimConfig(lr=1e-2))
+        model.sequence_logprobs(ids, positions)  # a graph dropped without backward
+        losses = []
+        for _ in range(3):
+            with torch.no_grad():
+                model.sequence_logprobs(ids, positions)
+            loss = -model.sequence_logprobs(ids, positions)[0].mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        with torch.no_grad():
+            losses.append(-model.sequence_logprobs(ids, positions)[0].mean().item())
+        runs.append(losses)
+    assert runs[0] == runs[1] and len(set(runs[0])) == len(runs[0]), runs
+
+
 def test_glm5_accepts_the_published_layer_type_name(checkpoint: Path, tmp_path: Path) -> None:
     """Published GLM-5 config.json files name the layers `deepseek_sparse_attention`."""
     config = json.loads((checkpoint / "config.json").read_text())

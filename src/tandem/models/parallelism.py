@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -47,7 +47,9 @@ class ParallelPlan:
     mp_policy: MixedPrecisionPolicy
     activation_checkpointing: ActivationCheckpointing = "none"
     compile: bool = False
-    reshard_after_forward: bool = True  # FSDP's default, on one GPU too (docs/trainer.md, known problems)
+    # FSDP's default; False keeps each block's gathered weights from forward to backward, and
+    # then they must be dropped whenever the shards change (drop_gathered_weights)
+    reshard_after_forward: bool = True
     cp_mesh: DeviceMesh | None = None  # ("dp", "cp") over the same ranks; None: no context parallelism
     cp_style: CPStyle = "ulysses"
     activation_offload: bool = False
@@ -140,6 +142,17 @@ def apply_fsdp(model: CausalLM, plan: ParallelPlan) -> None:
     fully_shard(
         model, mesh=plan.dp_mesh, mp_policy=plan.mp_policy, reshard_after_forward=plan.reshard_after_forward
     )
+    model.keeps_gathered_weights = not plan.reshard_after_forward
+
+
+def drop_gathered_weights(model: nn.Module) -> None:
+    """Free every FSDP unit's gathered weights, so the next forward gathers the current shards.
+    With reshard_after_forward off, a forward that no backward follows (under no_grad, or one
+    whose graph is dropped) leaves them gathered, and they would outlive an optimizer step:
+    build_optimizer calls this after every step of such a model."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def parallelize_decoder(model: CausalLM, plan: ParallelPlan) -> None:

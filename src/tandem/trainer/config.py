@@ -62,6 +62,13 @@ class ParallelConfig(Section):
     compile: Literal["auto", "on", "off"] = Field(
         "auto", description="torch.compile each decoder block; auto = on for CUDA, off on CPU."
     )
+    reshard_after_forward: bool = Field(
+        True,
+        description="FSDP frees each block's gathered compute-dtype weights after its forward and gathers "
+        "them again for backward (FSDP's default). false keeps them from forward to backward: one "
+        "gather (on one GPU: one fp32-to-bf16 cast) per step instead of two, for 2 bytes a parameter "
+        "held through the step. tandem's models only.",
+    )
 
     @model_validator(mode="after")
     def check_offload(self) -> "ParallelConfig":

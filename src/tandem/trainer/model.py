@@ -94,6 +94,11 @@ def build_trainer_model(
                 "trainer.parallel.activation_checkpointing and activation_offload need tandem's model "
                 "implementation (model.impl = 'tandem')"
             )
+        if not parallel.reshard_after_forward:
+            raise UserError(
+                "trainer.parallel.reshard_after_forward = false needs tandem's model implementation "
+                "(model.impl = 'tandem')"
+            )
         model = load_model(
             cfg.model_copy(update={"dtype": str(weights).removeprefix("torch.")}), world.device
         )
@@ -128,6 +133,7 @@ def build_trainer_model(
         cp_mesh=build_cp_mesh(world, parallel.cp),
         cp_style=parallel.cp_style,
         activation_offload=parallel.activation_offload,
+        reshard_after_forward=parallel.reshard_after_forward,
     )
     try:
         fam.parallelize(model, plan)

@@ -8,6 +8,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
+from tandem.models.parallelism import drop_gathered_weights
 from tandem.trainer.config import OptimConfig
 
 
@@ -24,7 +25,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     ]
     meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}
     fused = all(p.is_cuda for p in params) and len(meshes) <= 1
-    return torch.optim.AdamW(
+    optimizer = torch.optim.AdamW(
         [g for g in groups if g["params"]],
         lr=cfg.lr,
         betas=cfg.betas,
@@ -32,6 +33,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
         fused=fused,
         foreach=not fused,
     )
+    if getattr(model, "keeps_gathered_weights", False):  # (reshard_after_forward = false)
+        optimizer.register_step_post_hook(lambda *_: drop_gathered_weights(model))
+    return optimizer
 
 
 def lr_factor(step: int, cfg: OptimConfig, max_steps: int) -> float:
