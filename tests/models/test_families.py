@@ -375,3 +375,8 @@ def test_impl_tandem_needs_a_family_and_auto_falls_back(tmp_path: Path) -> None:
         ModelConfig(name=str(tmp_path / "llama"), device="cpu"), world, ParallelConfig()
     )
     assert model.hf_config.model_type == "llama" and hasattr(model, "sequence_logprobs")
+    for key, value in (("activation_checkpointing", "full"), ("reshard_after_forward", False)):
+        with pytest.raises(UserError, match=f"trainer.parallel.{key}.* needs? tandem's model implementation"):
+            build_trainer_model(
+                ModelConfig(name=str(tmp_path / "llama"), device="cpu"), world, ParallelConfig(**{key: value})
+            )
