@@ -190,9 +190,6 @@ class BlockManager:
         seq.num_cached = seq.num_hashed = 0
         seq.prefix_hash = None
 
-    def slot(self, seq: Sequence, position: int) -> int:
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
-
     def _write(self, seq: Sequence, start: int) -> None:
         """Copy `seq.block_table[start:]` into its row of `tables` (a row is assigned on first use)."""
         if seq.table_row < 0:
