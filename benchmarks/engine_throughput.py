@@ -305,20 +305,21 @@ def profile_prefill(core: EngineCore, prompts: list[list[int]]) -> str:
     for i, ids in enumerate(prompts):
         core.add_request(f"prefill-{i}", ids, params, 1)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if core.device.type == "cuda" else [])
-    times = []
+    steps = []  # (ms, sequences waiting before the step, running before it)
     with profile(activities=activities) as prof:
         while any(s.num_uncached > 1 for s in core.scheduler.running) or core.scheduler.waiting:
+            waiting, running = len(core.scheduler.waiting), len(core.scheduler.running)
             start = time.perf_counter()
             core.step()
             sync(core.device)
-            times.append(1e3 * (time.perf_counter() - start))
+            steps.append((1e3 * (time.perf_counter() - start), waiting, running))
     while core.has_work():
         core.step()
     table = prof.key_averages()
-    steps = ", ".join(f"{t:.1f}" for t in times)
+    shown = ", ".join(f"{ms:.1f} (waiting {w}, running {r})" for ms, w, r in steps)
     by_host = table.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=50)
     by_device = table.table(sort_by="self_device_time_total", row_limit=10, max_name_column_width=50)
-    return f"prefill steps (ms, each synced): {steps}\n{by_host}\n{by_device}"
+    return f"prefill steps (ms, each synced): {shown}\n{by_host}\n{by_device}"
 
 
 def check_device(args: argparse.Namespace, device: torch.device, work: Path, bench_model: Path) -> dict:
