@@ -72,7 +72,6 @@ def run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> d
 
 
 PROMPTS = [[5, 6, 7, 8], list(range(20, 60)), [9], list(range(100, 117))]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
 @pytest.mark.skipif(not FP8, reason="needs FP8 (compute capability 8.9+)")

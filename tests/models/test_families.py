@@ -301,10 +301,8 @@ def test_keeping_gathered_weights_trains_as_resharding(checkpoint: Path) -> None
     from tandem.trainer.optim import build_optimizer
 
     world = init_distributed("cpu")
-    ids = (
-        documents(512, [48], seed=3)[0][None]
-        % json.loads((checkpoint / "config.json").read_text())["vocab_size"]
-    )
+    vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+    ids = documents(vocab, [48], seed=3)[0][None]
     positions = torch.arange(48)[None]
     runs = []
     for reshard in (True, False):

@@ -226,7 +226,7 @@ class ModelRunner:
             causal = torch.ones(longest, longest, dtype=torch.bool, device=self.device).tril()
             mask = None if lens[rows].min() == longest else (causal[None] & valid[:, None, :])[:, None]
             meta.prompts = Prompts(index, mask, token_rows, picks)
-        meta.chunks = self._chunks(batch, blocks, chunks, starts)
+        meta.chunks = self._chunks(batch, blocks, chunks, starts, table_rows)
         input_ids = self._tensor(ids)
         if fed:
             src = np.full(len(ids), -1, dtype=np.int64)
@@ -263,7 +263,12 @@ class ModelRunner:
         return self._array(index), self._array(index[valid]), self._array(np.flatnonzero(valid))
 
     def _chunks(
-        self, batch: ScheduledBatch, blocks: BlockManager, chunks: list[int], starts: np.ndarray
+        self,
+        batch: ScheduledBatch,
+        blocks: BlockManager,
+        chunks: list[int],
+        starts: np.ndarray,
+        table_rows: np.ndarray,
     ) -> list[Chunks]:
         """Chunks continuing a cached prefix, in groups whose gathered keys stay under CHUNK_GATHER_TOKENS."""
         groups: list[list[int]] = []
@@ -283,9 +288,7 @@ class ModelRunner:
             query_lens = [batch.num_new_tokens[i] for i in group]
             context_lens = [s.num_cached + n for s, n in zip(seqs, query_lens, strict=True)]
             width = -(-max(context_lens) // self.block_size)
-            tables = np.zeros((len(group), width), dtype=np.int64)
-            rows = np.fromiter((s.table_row for s in seqs), np.int64, len(seqs))
-            tables[:, :width] = blocks.tables[rows, :width]
+            tables = blocks.tables[table_rows[group], :width]  # (fancy indexing: a copy)
             index, token_rows, picks = self._padded(starts[group], np.asarray(query_lens))
             firsts = [c - q for c, q in zip(context_lens, query_lens, strict=True)]
             context, first = self._tensor([context_lens, firsts])
