@@ -6,7 +6,8 @@ the same batch in one `generate` call. Output tokens per second are compared. Ev
 sends prompts no earlier run sent, so the prefix cache finds nothing to reuse (it is measured
 on and off, back to back). The graph-replay bound: every decode graph replay is timed with CUDA
 events; the bound is the output tokens over the replays' GPU time, and the engine's share of it
-is (replay time) / (wall time).
+is (replay time) / (wall time). On CUDA the core (on its own thread and on another) and the
+AsyncEngine also run with `engine.prompt_attention = flash` ("flash prompts" rows).
 
     uv run python benchmarks/engine_throughput.py                       # CPU, tiny model
     uv run python benchmarks/engine_throughput.py --shape host --num-requests 256 --prompt-len 8 \\
@@ -479,24 +480,41 @@ def main() -> None:
         del core
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if device.type == "cuda":  # prompt attention without cuDNN's per-shape graphs (engine.prompt_attention)
+        core = EngineCore(engine_config(path, dtype, args, prompt_attention="flash"))
+        run_core(core, prompts(), args.output_len, "c")  # (its graphs)
+        runs["tandem EngineCore, flash prompts"] = run_core(core, prompts(), args.output_len, "w")
+        runs["tandem EngineCore, another thread, flash prompts"] = in_thread(
+            run_core, core, prompts(), args.output_len, "t"
+        )
+        if args.profile:
+            results["prefill_profile_flash_in_thread"] = in_thread(profile_prefill, core, prompts())
+            print("flash prompts, on another thread:", results["prefill_profile_flash_in_thread"])
+        del core
+        torch.cuda.empty_cache()
     if args.compare_unfused and not args.no_triton_kernels and device.type == "cuda":
         core = EngineCore(engine_config(path, dtype, args, triton_kernels=False))
         run_core(core, prompts(), args.output_len, "c")
         runs["tandem EngineCore, torch ops"] = run_core(core, prompts(), args.output_len, "w")
         del core
-    engine = AsyncEngine(engine_config(path, dtype, args))
-    freeze_heap()
-    run_async(engine, prompts()[: min(8, args.num_requests)], 4)  # warm-up
-    for name, stream in (("streams", True), ("whole", False)):
-        runs[f"tandem AsyncEngine, {name}"] = run_async(engine, prompts(), args.output_len, stream)
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(0.005)  # Python's default, for comparison with the engine's own
-    runs["tandem AsyncEngine, whole, GIL switch 5 ms"] = run_async(engine, prompts(), args.output_len, False)
-    sys.setswitchinterval(switch)
-    asyncio.run(engine.shutdown())
-    del engine
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    for attention in ("auto", "flash") if device.type == "cuda" else ("auto",):
+        engine = AsyncEngine(engine_config(path, dtype, args, prompt_attention=attention))
+        freeze_heap()
+        run_async(engine, prompts()[: min(8, args.num_requests)], 4)  # warm-up
+        label = "" if attention == "auto" else ", flash prompts"
+        for name, stream in (("streams", True), ("whole", False)):
+            runs[f"tandem AsyncEngine, {name}{label}"] = run_async(engine, prompts(), args.output_len, stream)
+        if attention == "auto":
+            switch = sys.getswitchinterval()
+            sys.setswitchinterval(0.005)  # Python's default, for comparison with the engine's own
+            runs["tandem AsyncEngine, whole, GIL switch 5 ms"] = run_async(
+                engine, prompts(), args.output_len, False
+            )
+            sys.setswitchinterval(switch)
+        asyncio.run(engine.shutdown())
+        del engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     if not args.skip_hf:
         seconds, tokens = run_hf(path, prompts(), args.output_len, device, getattr(torch, dtype))
         runs["transformers generate"] = {

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Issue 11 on one GPU (H200), unattended, in about 6 minutes: the engine core against its
+# Issue 11 on one GPU (H200), unattended, in about 8 minutes: the engine core against its
 # graph-replay bound and the prefix cache on/off (engine_throughput.py, with transformers
 # `generate` in the same run), HTTP whole responses and streaming with the prefix cache on/off
-# (inference_throughput.py), FP8 vs bf16 at a Qwen3-8B shape (fp8_decode.py), Qwen3-MoE decode at
+# and with engine.prompt_attention = flash (inference_throughput.py), FP8 vs bf16 at a Qwen3-8B shape (fp8_decode.py), Qwen3-MoE decode at
 # a Qwen3-30B-A3B shape cut to 12 layers (moe_decode.py), the new CUDA tests, then what the prefix
 # cache saves where prompts share prefixes (prefix_cache.py: n = 8, Wordle). Logs and JSON
-# go to $OUT (default ./gpu-out); the last thing printed is one table of the targets.
+# go to $OUT (default ./gpu-out); the last thing printed is one table of the targets. On the
+# device, whose calls return at most 8 files: R=$OUT; OUT=/tmp/engine BUNDLE=$R/engine.tgz bash ...
 # Without uv: PYTHONPATH=src plus the carried wheels (fastapi, uvicorn, httptools, uvloop, ...).
 set -uo pipefail
 OUT=${OUT:-gpu-out}
@@ -18,14 +19,13 @@ source "$(dirname "$0")/gpu_part.sh"
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/device.txt" 2>&1
 python3 -c "import torch, triton, transformers; print(torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__)" >> "$OUT/device.txt" 2>&1
-part engine 150 python3 benchmarks/engine_throughput.py --num-requests 256 --prompt-len 128 --output-len 256 \
+part engine 200 python3 benchmarks/engine_throughput.py --num-requests 256 --prompt-len 128 --output-len 256 \
   --profile --out "$OUT/engine.json"
-part http 170 python3 benchmarks/inference_throughput.py --num-requests 256 --prompt-len 128 --output-len 256 \
-  --skip-transformers --compare-prefix-cache --out "$OUT/http.json"
+part http 230 python3 benchmarks/inference_throughput.py --num-requests 256 --prompt-len 128 --output-len 256 \
+  --skip-transformers --compare-prefix-cache --compare-prompt-attention --out "$OUT/http.json"
 part fp8 190 python3 benchmarks/fp8_decode.py --out "$OUT/fp8.json"
 part moe 110 python3 benchmarks/moe_decode.py --num-layers 12 --out "$OUT/moe.json"
 part gpu_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_engine_cuda.py
 part prefix 120 python3 benchmarks/prefix_cache.py --out "$OUT/prefix.json"
 tail -n 3 "$OUT/gpu_tests.log" 2>/dev/null
-for f in engine http fp8 moe prefix; do grep -E "^\|" "$OUT/$f.log" 2>/dev/null > "$OUT/$f.table"; done
 python3 benchmarks/engine_report.py "$OUT"

@@ -8,7 +8,9 @@ CUDA graph), timed phases: whole responses, streaming (output tokens/s, time to 
 inter-token latency p50/p99), then whole responses again (does a server slow down once it has
 served streams?). With `--compare-prefix-cache`, a second server with the prefix cache off
 times whole responses as the first timed phase after its warm-up, as the first server's first
-whole phase was: the two are compared at the same point of a server's life. Every phase sends
+whole phase was: the two are compared at the same point of a server's life.
+`--compare-prompt-attention` adds a server with `engine.prompt_attention = flash` (whole and
+streamed responses: prompt attention without cuDNN's per-shape graphs). Every phase sends
 new prompts, so no prefix is ever shared. Each phase reports the engine steps it took and the server's CPU time per output token
 (all threads, and its event loop alone). Then transformers generates the same batch in one call.
 
@@ -415,6 +417,11 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="also time whole responses on a server with the prefix cache off (no prompt shares a prefix)",
     )
+    parser.add_argument(
+        "--compare-prompt-attention",
+        action="store_true",
+        help="also time whole and streamed responses on a server with engine.prompt_attention = flash",
+    )
     parser.add_argument("--startup-timeout", type=float, default=900)
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("server_args", nargs="*", help="extra `inference` arguments, after --")
@@ -461,11 +468,13 @@ def main() -> None:
     }
     print(json.dumps(setup, indent=1), flush=True)
     phases: dict[str, dict] = {}
-    servers = [("prefix cache on", [])]
+    servers = [("prefix cache on", [], ("whole", "streaming", "whole after streams"))]
     if args.compare_prefix_cache:
-        servers.append(("prefix cache off", ["--engine.prefix-caching", "false"]))
+        servers.append(("prefix cache off", ["--engine.prefix-caching", "false"], ("whole",)))
+    if args.compare_prompt_attention:
+        servers.append(("flash prompts", ["--engine.prompt-attention", "flash"], ("whole", "streaming")))
     with client_pool(args) as pool:
-        for label, extra in servers:
+        for label, extra, timed in servers:
             port = free_port()
             server = start_server(
                 args, model, port, args.work_dir / f"server-{label.replace(' ', '-')}.log", extra
@@ -475,9 +484,8 @@ def main() -> None:
                     pool, port, prompts(), args, stream=False
                 )  # warm-up: graphs for every batch and width
                 first = not phases
-                names = [("whole", False), ("streaming", True), ("whole after streams", False)]
-                names = names if first else names[:1]
-                for name, stream in names:
+                for name in timed:
+                    stream = name == "streaming"
                     key = f"tandem server, {name}" + ("" if first else f", {label}")
                     phases[key] = run_load(pool, port, prompts(), args, stream=stream, server_pid=server.pid)
                     print(f"{key}: {json.dumps(phases[key])}", flush=True)

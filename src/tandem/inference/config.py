@@ -40,6 +40,13 @@ class EngineConfig(Section):
     )
     cuda_graphs: bool = Field(True, description="Capture decode steps in CUDA graphs (CUDA only).")
     triton_kernels: bool = Field(True, description="Fused Triton kernels for the forward pass (CUDA only).")
+    prompt_attention: Literal["auto", "flash"] = Field(
+        "auto",
+        description="Kernels of prompt and prompt-chunk attention (CUDA): auto = PyTorch's SDPA choice "
+        "(cuDNN first on Hopper, which builds an execution graph for each new batch shape on each "
+        "thread); flash = the flash and memory-efficient kernels only, which need no per-shape setup "
+        "(docs/inference-engine.md, 'Prompt attention').",
+    )
     quantization: Literal["none", "fp8"] = Field(
         "none",
         description="fp8: the decoder layers' linear weights in e4m3 with 128×128 block scales (the layout of "

@@ -67,6 +67,7 @@ class EngineCore:
             cfg.cuda_graphs,
             cfg.max_num_seqs,
             max_rows=cfg.max_num_seqs + cfg.max_n,  # a step draws at most this many rows (scheduler.py)
+            prompt_attention=cfg.prompt_attention,
         )
         self.blocks = BlockManager(
             num_blocks, cfg.block_size, -(-self.max_model_len // cfg.block_size), cfg.prefix_caching

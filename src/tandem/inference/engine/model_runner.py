@@ -11,15 +11,21 @@ width bucket) pairs; padded rows write into block 0 (never handed out) and atten
 of it. On CPU a decode step and the output head run at least MIN_CPU_ROWS rows (padded the
 same way): CPU matrix products of 1–3 rows round differently from larger ones (measured with
 MKL), which would make a sequence's logits depend on how many others share its step.
+
+Prompt steps can run their SDPA calls under a chosen set of kernels (`prompt_attention`):
+PyTorch's cuDNN attention keeps the execution graph it builds for each input shape in a
+thread-local cache, and prompt batches take a new shape at most steps.
 """
 
 import logging
 import math
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tandem.cli import UserError
 from tandem.inference.engine.attention import AttentionMetadata, Chunks, Decodes, Prompts
@@ -39,6 +45,10 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 32
 MIN_CPU_ROWS = 4  # on CPU: matrix products of at least this many rows give each row the same bits
 CHUNK_GATHER_TOKENS = 1 << 16  # most cached keys one chunk-attention call gathers (batch × context)
 ID, POSITION, SLOT, CONTEXT, FEED = range(5)  # rows of a decode step's packed inputs
+PROMPT_KERNELS = {  # engine.prompt_attention → the SDPA backends prompt steps may use (None: torch's)
+    "auto": None,
+    "flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+}
 
 
 def rows_round_alike(model: torch.nn.Module, min_rows: int = MIN_CPU_ROWS) -> bool:
@@ -140,8 +150,10 @@ class ModelRunner:
         cuda_graphs: bool,
         max_num_seqs: int,
         max_rows: int,
+        prompt_attention: str = "auto",
     ) -> None:
         self.model = model
+        self.prompt_kernels = PROMPT_KERNELS[prompt_attention] if device.type == "cuda" else None
         self.device = device
         self.block_size = block_size
         config = model.config
@@ -233,8 +245,13 @@ class ModelRunner:
             for row, seq in fed:
                 src[row] = _feed_row(feed, seq)
             input_ids = self._feed(input_ids, self._array(src))
-        hidden = self.model(input_ids, self._array(positions), self.kv_caches, meta)
+        with self._prompt_kernels():
+            hidden = self.model(input_ids, self._array(positions), self.kv_caches, meta)
         return RunOutput(self._logits(hidden[self._array(last_rows)]))
+
+    def _prompt_kernels(self) -> AbstractContextManager:
+        # sdpa_kernel sets process-wide flags: only the engine's own thread runs SDPA in a server
+        return nullcontext() if self.prompt_kernels is None else sdpa_kernel(self.prompt_kernels)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head over `hidden`'s rows, run over at least `min_rows` rows (when any)."""
