@@ -26,10 +26,14 @@ def get(data: dict, *keys: str) -> float | None:
     return data if isinstance(data, int | float) else None
 
 
-def both(runs: dict, auto: str, flash: str | None = None) -> str | None:
-    """tok/s of an engine run with engine.prompt_attention auto, then flash (engine_throughput.py)."""
-    a, f = get(runs, auto, "tok_per_s"), get(runs, f"{flash or auto}, flash prompts", "tok_per_s")
-    return f"{a:,.0f} / {f:,.0f}" if a is not None and f is not None else None
+def prompt_kernels(runs: dict, auto: str, other: str | None = None) -> str | None:
+    """tok/s of an engine run with engine.prompt_attention auto, flash and varlen (engine_throughput.py)."""
+    found = [get(runs, auto, "tok_per_s")] + [
+        get(runs, f"{other or auto}, {a} prompts", "tok_per_s") for a in ("flash", "varlen")
+    ]
+    return (
+        " / ".join("-" if v is None else f"{v / 1e3:.1f}k" for v in found) if found[0] is not None else None
+    )
 
 
 def main() -> None:
@@ -60,11 +64,13 @@ def main() -> None:
         ("HTTP streaming, tok/s", get(phases, "tandem server, streaming", "output_tokens_per_s"), ">=", 40_000, "{:,.0f}"),
         ("HTTP streaming, TTFT p50 (ms)", get(phases, "tandem server, streaming", "ttft_p50_ms"), "<=", 300, "{:,.0f}"),
         ("HTTP streaming, TTFT mean client / server ms", ttft_means, "", None, "{}"),
-        ("HTTP whole, flash prompts, tok/s", get(phases, "tandem server, whole, flash prompts", "output_tokens_per_s"), ">=", 60_000, "{:,.0f}"),
-        ("HTTP streaming, flash prompts, tok/s", get(phases, "tandem server, streaming, flash prompts", "output_tokens_per_s"), ">=", 40_000, "{:,.0f}"),
-        ("HTTP streaming, flash prompts, TTFT p50 (ms)", get(phases, "tandem server, streaming, flash prompts", "ttft_p50_ms"), "<=", 300, "{:,.0f}"),
-        ("AsyncEngine whole, tok/s: auto / flash prompts", both(runs, "tandem AsyncEngine, whole"), "", None, "{}"),
-        ("EngineCore, other thread: auto / flash prompts", both(runs, "tandem EngineCore, stepped by another thread", "tandem EngineCore, another thread"), "", None, "{}"),
+        *(row for a in ("flash", "varlen") for row in (
+            (f"HTTP whole, {a} prompts, tok/s", get(phases, f"tandem server, whole, {a} prompts", "output_tokens_per_s"), ">=", 60_000, "{:,.0f}"),
+            (f"HTTP streaming, {a} prompts, tok/s", get(phases, f"tandem server, streaming, {a} prompts", "output_tokens_per_s"), ">=", 40_000, "{:,.0f}"),
+            (f"HTTP streaming, {a} prompts, TTFT p50 (ms)", get(phases, f"tandem server, streaming, {a} prompts", "ttft_p50_ms"), "<=", 300, "{:,.0f}"),
+        )),
+        ("AsyncEngine whole: auto / flash / varlen", prompt_kernels(runs, "tandem AsyncEngine, whole"), "", None, "{}"),
+        ("EngineCore, other thread: auto / flash / varlen", prompt_kernels(runs, "tandem EngineCore, stepped by another thread", "tandem EngineCore, another thread"), "", None, "{}"),
         ("EngineCore, share of its graph-replay bound", get(runs, "tandem EngineCore", "share_of_graph_replay_bound"), ">=", 0.70, "{:.0%}"),
         ("EngineCore, tok/s", get(runs, "tandem EngineCore", "tok_per_s"), "", None, "{:,.0f}"),
         ("EngineCore, graph-replay bound tok/s", get(runs, "tandem EngineCore", "graph_replay_bound_tok_per_s"), "", None, "{:,.0f}"),

@@ -7,7 +7,8 @@ sends prompts no earlier run sent, so the prefix cache finds nothing to reuse (i
 on and off, back to back). The graph-replay bound: every decode graph replay is timed with CUDA
 events; the bound is the output tokens over the replays' GPU time, and the engine's share of it
 is (replay time) / (wall time). On CUDA the core (on its own thread and on another) and the
-AsyncEngine also run with `engine.prompt_attention = flash` ("flash prompts" rows).
+AsyncEngine also run with `engine.prompt_attention` flash and varlen ("flash prompts" and
+"varlen prompts" rows).
 
     uv run python benchmarks/engine_throughput.py                       # CPU, tiny model
     uv run python benchmarks/engine_throughput.py --shape host --num-requests 256 --prompt-len 8 \\
@@ -480,16 +481,20 @@ def main() -> None:
         del core
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if device.type == "cuda":  # prompt attention without cuDNN's per-shape graphs (engine.prompt_attention)
-        core = EngineCore(engine_config(path, dtype, args, prompt_attention="flash"))
+    # prompt attention without cuDNN's per-shape graphs (engine.prompt_attention), on CUDA
+    others = ("flash", "varlen") if device.type == "cuda" else ()
+    for attention in others:
+        core = EngineCore(engine_config(path, dtype, args, prompt_attention=attention))
         run_core(core, prompts(), args.output_len, "c")  # (its graphs)
-        runs["tandem EngineCore, flash prompts"] = run_core(core, prompts(), args.output_len, "w")
-        runs["tandem EngineCore, another thread, flash prompts"] = in_thread(
+        runs[f"tandem EngineCore, {attention} prompts"] = run_core(core, prompts(), args.output_len, "w")
+        runs[f"tandem EngineCore, another thread, {attention} prompts"] = in_thread(
             run_core, core, prompts(), args.output_len, "t"
         )
         if args.profile:
-            results["prefill_profile_flash_in_thread"] = in_thread(profile_prefill, core, prompts())
-            print("flash prompts, on another thread:", results["prefill_profile_flash_in_thread"])
+            results[f"prefill_profile_{attention}_in_thread"] = profiled = in_thread(
+                profile_prefill, core, prompts()
+            )
+            print(f"{attention} prompts, on another thread:", profiled)
         del core
         torch.cuda.empty_cache()
     if args.compare_unfused and not args.no_triton_kernels and device.type == "cuda":
@@ -497,11 +502,11 @@ def main() -> None:
         run_core(core, prompts(), args.output_len, "c")
         runs["tandem EngineCore, torch ops"] = run_core(core, prompts(), args.output_len, "w")
         del core
-    for attention in ("auto", "flash") if device.type == "cuda" else ("auto",):
+    for attention in ("auto", *others):
         engine = AsyncEngine(engine_config(path, dtype, args, prompt_attention=attention))
         freeze_heap()
         run_async(engine, prompts()[: min(8, args.num_requests)], 4)  # warm-up
-        label = "" if attention == "auto" else ", flash prompts"
+        label = "" if attention == "auto" else f", {attention} prompts"
         for name, stream in (("streams", True), ("whole", False)):
             runs[f"tandem AsyncEngine, {name}{label}"] = run_async(engine, prompts(), args.output_len, stream)
         if attention == "auto":

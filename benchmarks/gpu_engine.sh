@@ -15,17 +15,19 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 BUDGET=${BUDGET:-530}  # seconds for everything; each part gets at most what is left
 start=$(date +%s)
 
+PARTS=${PARTS:-engine,http,fp8,moe,gpu_tests,prefix}  # which parts run (two device calls: split them)
 source "$(dirname "$0")/gpu_part.sh"
+want() { [[ ",$PARTS," == *",$1,"* ]]; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/device.txt" 2>&1
 python3 -c "import torch, triton, transformers; print(torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__)" >> "$OUT/device.txt" 2>&1
-part engine 200 python3 benchmarks/engine_throughput.py --num-requests 256 --prompt-len 128 --output-len 256 \
+want engine && part engine 240 python3 benchmarks/engine_throughput.py --num-requests 256 --prompt-len 128 --output-len 256 \
   --profile --out "$OUT/engine.json"
-part http 230 python3 benchmarks/inference_throughput.py --num-requests 256 --prompt-len 128 --output-len 256 \
-  --skip-transformers --compare-prefix-cache --compare-prompt-attention --out "$OUT/http.json"
-part fp8 190 python3 benchmarks/fp8_decode.py --out "$OUT/fp8.json"
-part moe 110 python3 benchmarks/moe_decode.py --num-layers 12 --out "$OUT/moe.json"
-part gpu_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_engine_cuda.py
-part prefix 120 python3 benchmarks/prefix_cache.py --out "$OUT/prefix.json"
+want http && part http 300 python3 benchmarks/inference_throughput.py --num-requests 256 --prompt-len 128 --output-len 256 \
+  --skip-transformers --compare-prefix-cache --compare-prompt-attention flash,varlen --out "$OUT/http.json"
+want fp8 && part fp8 190 python3 benchmarks/fp8_decode.py --out "$OUT/fp8.json"
+want moe && part moe 110 python3 benchmarks/moe_decode.py --num-layers 12 --out "$OUT/moe.json"
+want gpu_tests && part gpu_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_engine_cuda.py
+want prefix && part prefix 120 python3 benchmarks/prefix_cache.py --out "$OUT/prefix.json"
 tail -n 3 "$OUT/gpu_tests.log" 2>/dev/null
 python3 benchmarks/engine_report.py "$OUT"

@@ -9,8 +9,8 @@ inter-token latency p50/p99), then whole responses again (does a server slow dow
 served streams?). With `--compare-prefix-cache`, a second server with the prefix cache off
 times whole responses as the first timed phase after its warm-up, as the first server's first
 whole phase was: the two are compared at the same point of a server's life.
-`--compare-prompt-attention` adds a server with `engine.prompt_attention = flash` (whole and
-streamed responses: prompt attention without cuDNN's per-shape graphs). Every phase sends
+`--compare-prompt-attention flash,varlen` adds a server for each of those `engine.prompt_attention`
+values (whole and streamed responses: prompt attention without cuDNN's per-shape graphs). Every phase sends
 new prompts, so no prefix is ever shared. Each phase reports the engine steps it took and the server's CPU time per output token
 (all threads, and its event loop alone). Then transformers generates the same batch in one call.
 
@@ -419,8 +419,10 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--compare-prompt-attention",
-        action="store_true",
-        help="also time whole and streamed responses on a server with engine.prompt_attention = flash",
+        type=lambda text: [a for a in text.split(",") if a],
+        default=[],
+        metavar="flash,varlen",
+        help="also time whole and streamed responses on a server with each of these engine.prompt_attention",
     )
     parser.add_argument("--startup-timeout", type=float, default=900)
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -471,8 +473,10 @@ def main() -> None:
     servers = [("prefix cache on", [], ("whole", "streaming", "whole after streams"))]
     if args.compare_prefix_cache:
         servers.append(("prefix cache off", ["--engine.prefix-caching", "false"], ("whole",)))
-    if args.compare_prompt_attention:
-        servers.append(("flash prompts", ["--engine.prompt-attention", "flash"], ("whole", "streaming")))
+    for attention in args.compare_prompt_attention:
+        servers.append(
+            (f"{attention} prompts", ["--engine.prompt-attention", attention], ("whole", "streaming"))
+        )
     with client_pool(args) as pool:
         for label, extra, timed in servers:
             port = free_port()

@@ -189,3 +189,26 @@ def test_a_one_token_prompt_chunk_next_to_decodes(family_model, hf_model) -> Non
         step()
     for rid, (ids, _, _) in {**early, "late": (late, params, 1)}.items():
         assert got[rid] == hf_greedy(hf_model, ids, 16), rid
+
+
+def test_varlen_prompts_match_the_padded_batch(family_model: Path) -> None:
+    """engine.prompt_attention = varlen lays whole prompts out as segments of the step's rows (one
+    SDPA call per prompt on CPU) instead of a padded batch: the same greedy tokens and logprobs in a
+    step of prompts alone, in steps where prompts join running decodes, and beside prefix-cache hits
+    (chunks) in a second round that extends the first round's prompts."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [list(range(3, 3 + n)) for n in (37, 5, 20, 50, 1, 33)]
+    rounds = [
+        {f"a{i}": (ids, params, 1) for i, ids in enumerate(prompts)},
+        {f"b{i}": (ids + [7, 8, 9] if i % 2 else ids[::-1], params, 1) for i, ids in enumerate(prompts)},
+    ]
+    runs = {}
+    for attention in ("auto", "varlen"):
+        core = EngineCore(engine_config(family_model, max_num_batched_tokens=64, prompt_attention=attention))
+        runs[attention] = [run_sync(core, requests)["tokens"] for requests in rounds]
+        assert core.blocks.hit_tokens_total >= 48  # round 2's extended prompts: 3 full blocks of 16
+    for padded, varlen in zip(runs["auto"], runs["varlen"], strict=True):
+        for rid, samples in padded.items():
+            want, got = samples[0], varlen[rid][0]
+            assert [t.token_id for t in got] == [t.token_id for t in want], rid
+            assert max(abs(a.logprob - b.logprob) for a, b in zip(got, want, strict=True)) < 1e-4, rid

@@ -9,7 +9,8 @@ attends by the cheapest path that fits it:
   straight from the blocks; elsewhere the blocks are gathered and one masked SDPA call serves
   the batch. Shapes are fixed per batch bucket, so a CUDA graph captures a pure decode step.
 - whole prompts (nothing cached yet): one SDPA call over a padded batch of the new keys and
-  values, without reading the cache.
+  values, without reading the cache; or (`engine.prompt_attention = varlen`, CUDA) one
+  variable-length flash call over their rows as they lie in the step, with no padding.
 - continued prompt chunks (prefix-cache hits, chunked prefill, recompute after preemption): one
   SDPA call over a padded batch of their gathered blocks, with causal masks offset by what is
   cached (split into groups when the gathered keys would be large).
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from tandem.models.layers.attention import varlen_causal
 
 try:  # the CUDA decode kernel; without Triton, decode uses the gather + SDPA path below
     from tandem.inference.engine.triton_decode import paged_decode_attention
@@ -46,6 +49,15 @@ class Prompts:
 
 
 @dataclass
+class VarlenPrompts:
+    """Whole prompts as segments of their rows: no padding, one variable-length kernel call."""
+
+    rows: torch.Tensor | None  # the step's token rows of the prompts, in order; None when all rows are
+    cu_seqlens: torch.Tensor  # int32 [B + 1]: where each prompt's rows start in `rows`
+    max_len: int
+
+
+@dataclass
 class Chunks:
     """Prompt chunks that continue a cached prefix (a prefix-cache hit, chunked prefill,
     recomputation), as one padded batch over their gathered blocks: one SDPA call."""
@@ -62,7 +74,7 @@ class Chunks:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot each new token's key/value is written to
     decodes: Decodes | None = None
-    prompts: Prompts | None = None
+    prompts: Prompts | VarlenPrompts | None = None
     chunks: list[Chunks] = field(default_factory=list)  # groups small enough to gather at once
     index_choice: list[torch.Tensor] | None = None  # GLM-5: the last indexer's chosen keys, per group
 
@@ -88,6 +100,9 @@ def paged_attention(
     d = meta.decodes
     if d is not None and d.rows is None:
         return decode_attention(q, k_cache, v_cache, d.block_tables, d.context_lens, scale)
+    p = meta.prompts
+    if isinstance(p, VarlenPrompts) and p.rows is None:  # every row is a whole prompt's
+        return _segments(q, k, v, p, scale)
     out = torch.empty_like(q)
     if d is not None:
         out[d.rows] = decode_attention(q[d.rows], k_cache, v_cache, d.block_tables, d.context_lens, scale)
@@ -124,8 +139,16 @@ def decode_attention(
 
 
 def _prompt_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Prompts, scale: float, out: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    p: Prompts | VarlenPrompts,
+    scale: float,
+    out: torch.Tensor,
 ) -> None:
+    if isinstance(p, VarlenPrompts):  # (rows is None only in a step of prompts alone: paged_attention)
+        out[p.rows] = _segments(q[p.rows], k[p.rows], v[p.rows], p, scale)
+        return
     qp, kp, vp = (t[p.index].transpose(1, 2) for t in (q, k, v))  # [B, heads, L, d]
     if p.mask is None:  # equal lengths: plain causal attention (flash kernels)
         o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
@@ -134,6 +157,22 @@ def _prompt_attention(
         kp, vp = kp.repeat_interleave(group, dim=1), vp.repeat_interleave(group, dim=1)
         o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale)
     out[p.rows] = o.transpose(1, 2).flatten(0, 1)[p.picks]  # (indices from the host: no sync)
+
+
+def _segments(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: VarlenPrompts, scale: float
+) -> torch.Tensor:
+    """Causal attention within each prompt's run of rows. torch's variable-length kernel is
+    CUDA-only; elsewhere one SDPA call per prompt (exact, slow: for checking the layout on CPU)."""
+    if q.is_cuda:
+        return varlen_causal(q, k, v, p.cu_seqlens, p.max_len, scale)
+    bounds = p.cu_seqlens.tolist()
+    return torch.cat([
+        F.scaled_dot_product_attention(
+            *(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=True, scale=scale, enable_gqa=True
+        ).transpose(0, 1)
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+    ])  # fmt: skip
 
 
 def _chunk_attention(

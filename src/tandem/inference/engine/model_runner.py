@@ -14,7 +14,8 @@ MKL), which would make a sequence's logits depend on how many others share its s
 
 Prompt steps can run their SDPA calls under a chosen set of kernels (`prompt_attention`):
 PyTorch's cuDNN attention keeps the execution graph it builds for each input shape in a
-thread-local cache, and prompt batches take a new shape at most steps.
+thread-local cache, and prompt batches take a new shape at most steps. With `varlen` whole
+prompts skip the padded batch: one variable-length flash call over their rows.
 """
 
 import logging
@@ -28,7 +29,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tandem.cli import UserError
-from tandem.inference.engine.attention import AttentionMetadata, Chunks, Decodes, Prompts
+from tandem.inference.engine.attention import AttentionMetadata, Chunks, Decodes, Prompts, VarlenPrompts
 from tandem.inference.engine.block_manager import BlockManager
 from tandem.inference.engine.models import model_class
 from tandem.inference.engine.scheduler import ScheduledBatch
@@ -45,10 +46,12 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 32
 MIN_CPU_ROWS = 4  # on CPU: matrix products of at least this many rows give each row the same bits
 CHUNK_GATHER_TOKENS = 1 << 16  # most cached keys one chunk-attention call gathers (batch × context)
 ID, POSITION, SLOT, CONTEXT, FEED = range(5)  # rows of a decode step's packed inputs
-PROMPT_KERNELS = {  # engine.prompt_attention → the SDPA backends prompt steps may use (None: torch's)
+NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+PROMPT_KERNELS = {
     "auto": None,
-    "flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
-}
+    "flash": NO_CUDNN,
+    "varlen": NO_CUDNN,
+}  # engine.prompt_attention → SDPA backends
 
 
 def rows_round_alike(model: torch.nn.Module, min_rows: int = MIN_CPU_ROWS) -> bool:
@@ -154,6 +157,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.prompt_kernels = PROMPT_KERNELS[prompt_attention] if device.type == "cuda" else None
+        self.varlen_prompts = prompt_attention == "varlen"
         self.device = device
         self.block_size = block_size
         config = model.config
@@ -230,7 +234,9 @@ class ModelRunner:
                 block_tables=self._array(blocks.tables[table_rows[rows], :width]),
                 context_lens=self._array(cached[rows] + 1),
             )
-        if prompts:
+        if prompts and self.varlen_prompts:
+            meta.prompts = self._varlen_prompts(starts[prompts], lens[prompts], every_row=len(prompts) == n)
+        elif prompts:
             rows = np.asarray(prompts)
             index, token_rows, picks = self._padded(starts[rows], lens[rows])
             longest = index.shape[1]
@@ -278,6 +284,18 @@ class ModelRunner:
         index = starts[:, None] + np.minimum(j, lens[:, None] - 1)
         valid = j < lens[:, None]
         return self._array(index), self._array(index[valid]), self._array(np.flatnonzero(valid))
+
+    def _varlen_prompts(self, starts: np.ndarray, lens: np.ndarray, every_row: bool) -> VarlenPrompts:
+        """Prompts of `lens[i]` rows from `starts[i]` as segments of one flattened run of rows."""
+        offsets = np.zeros(len(lens) + 1, dtype=np.int32)
+        np.cumsum(lens, out=offsets[1:])
+        rows = (
+            None
+            if every_row
+            else self._array(np.repeat(starts - offsets[:-1], lens) + np.arange(offsets[-1]))
+        )
+        cu_seqlens = host_to_device(torch.from_numpy(offsets), self.device)
+        return VarlenPrompts(rows, cu_seqlens, int(lens.max()))
 
     def _chunks(
         self,
