@@ -54,19 +54,24 @@ def rms_norm(
 def _qk_norm_rope_kernel(
     qkv_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, positions_ptr,
     cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, eps,
-    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_P2: tl.constexpr,
 ):  # fmt: skip
+    """One program per token: its q and k heads (padded to HEADS_P2) as [HEADS_P2, HEAD_DIM / 2]
+    tiles, one per half of the head dim, sharing the position's cos/sin; v is copied beside k."""
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
     half: tl.constexpr = HEAD_DIM // 2
     row_width: tl.constexpr = (HEADS + 2 * KV_HEADS) * HEAD_DIM
     dtype = q_ptr.dtype.element_ty
-    d = tl.arange(0, half)
-    src = qkv_ptr + token * row_width + head * HEAD_DIM
-    x1 = tl.load(src + d).to(tl.float32)
-    x2 = tl.load(src + half + d).to(tl.float32)
-    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)
-    is_q = head < HEADS
+    h = tl.arange(0, HEADS_P2)[:, None]  # q heads, then k heads, then padding
+    d = tl.arange(0, half)[None, :]
+    is_q = h < HEADS
+    is_k = (h >= HEADS) & (h < HEADS + KV_HEADS)
+    valid = is_q | is_k
+    src = qkv_ptr + token * row_width + h * HEAD_DIM + d
+    x1 = tl.load(src, mask=valid, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half, mask=valid, other=0.0).to(tl.float32)
+    squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)  # per head, in fp32
+    rstd = (1.0 / tl.sqrt(squares / HEAD_DIM + eps))[:, None]
     w1 = tl.where(is_q, tl.load(q_weight_ptr + d), tl.load(k_weight_ptr + d)).to(tl.float32)
     w2 = tl.where(is_q, tl.load(q_weight_ptr + half + d), tl.load(k_weight_ptr + half + d)).to(tl.float32)
     n1 = _round(_round(x1 * rstd, dtype) * w1, dtype)
@@ -78,23 +83,23 @@ def _qk_norm_rope_kernel(
     s2 = _round(tl.load(sin_ptr + pos * HEAD_DIM + half + d), dtype)
     o1 = (_round(n1 * c1, dtype) - _round(n2 * s1, dtype)).to(dtype)
     o2 = (_round(n2 * c2, dtype) + _round(n1 * s2, dtype)).to(dtype)
-    if is_q:
-        dst = q_ptr + (token * HEADS + head) * HEAD_DIM
-        tl.store(dst + d, o1)
-        tl.store(dst + half + d, o2)
-    else:
-        kv_head = head - HEADS
-        slot = tl.load(slots_ptr + token).to(tl.int64)
-        out = (token * KV_HEADS + kv_head) * HEAD_DIM
-        cache = (slot * KV_HEADS + kv_head) * HEAD_DIM
-        tl.store(k_ptr + out + d, o1)
-        tl.store(k_ptr + out + half + d, o2)
-        tl.store(k_cache_ptr + cache + d, o1)
-        tl.store(k_cache_ptr + cache + half + d, o2)
-        full = tl.arange(0, HEAD_DIM)
-        v = tl.load(qkv_ptr + token * row_width + (HEADS + KV_HEADS + kv_head) * HEAD_DIM + full)
-        tl.store(v_ptr + out + full, v)
-        tl.store(v_cache_ptr + cache + full, v)
+    q_dst = q_ptr + (token * HEADS + h) * HEAD_DIM + d
+    tl.store(q_dst, o1, mask=is_q)
+    tl.store(q_dst + half, o2, mask=is_q)
+    # k rows: head h is kv head h - HEADS; its v sits KV_HEADS heads further along the qkv row
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    out = (token * KV_HEADS + h - HEADS) * HEAD_DIM + d
+    cache = (slot * KV_HEADS + h - HEADS) * HEAD_DIM + d
+    tl.store(k_ptr + out, o1, mask=is_k)
+    tl.store(k_ptr + out + half, o2, mask=is_k)
+    tl.store(k_cache_ptr + cache, o1, mask=is_k)
+    tl.store(k_cache_ptr + cache + half, o2, mask=is_k)
+    v1 = tl.load(src + KV_HEADS * HEAD_DIM, mask=is_k)
+    v2 = tl.load(src + KV_HEADS * HEAD_DIM + half, mask=is_k)
+    tl.store(v_ptr + out, v1, mask=is_k)
+    tl.store(v_ptr + out + half, v2, mask=is_k)
+    tl.store(v_cache_ptr + cache, v1, mask=is_k)
+    tl.store(v_cache_ptr + cache + half, v2, mask=is_k)
 
 
 def qk_norm_rope_store(
@@ -118,9 +123,11 @@ def qk_norm_rope_store(
     q = qkv.new_empty(tokens, heads, head_dim)
     k = qkv.new_empty(tokens, kv_heads, head_dim)
     v = qkv.new_empty(tokens, kv_heads, head_dim)
-    _qk_norm_rope_kernel[(tokens, heads + kv_heads)](
+    heads_p2 = triton.next_power_of_2(heads + kv_heads)
+    _qk_norm_rope_kernel[(tokens,)](
         qkv, q, k, v, k_cache, v_cache, slots, positions, cos_table, sin_table, q_weight, k_weight, eps,
-        HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+        HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, HEADS_P2=heads_p2,
+        num_warps=min(16, max(4, heads_p2 * head_dim // 1024)),
     )  # fmt: skip
     return q, k, v
 
