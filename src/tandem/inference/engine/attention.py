@@ -9,8 +9,9 @@ attends by the cheapest path that fits it:
   straight from the blocks; elsewhere the blocks are gathered and one masked SDPA call serves
   the batch. Shapes are fixed per batch bucket, so a CUDA graph captures a pure decode step.
 - whole prompts (nothing cached yet): one SDPA call over a padded batch of the new keys and
-  values, without reading the cache; or (`engine.prompt_attention = varlen`, CUDA) one
-  variable-length flash call over their rows as they lie in the step, with no padding.
+  values, without reading the cache; or (`engine.prompt_attention = varlen`) one
+  variable-length flash call over their rows as they lie in the step, with no padding (on CPU
+  one SDPA call per prompt).
 - continued prompt chunks (prefix-cache hits, chunked prefill, recompute after preemption): one
   SDPA call over a padded batch of their gathered blocks, with causal masks offset by what is
   cached (split into groups when the gathered keys would be large).
@@ -52,7 +53,7 @@ class Prompts:
 class VarlenPrompts:
     """Whole prompts as segments of their rows: no padding, one variable-length kernel call."""
 
-    rows: torch.Tensor | None  # the step's token rows of the prompts, in order; None when all rows are
+    rows: torch.Tensor | None  # the step's token rows of the prompts, in order; None: every row's a prompt's
     cu_seqlens: torch.Tensor  # int32 [B + 1]: where each prompt's rows start in `rows`
     max_len: int
 

@@ -47,11 +47,8 @@ MIN_CPU_ROWS = 4  # on CPU: matrix products of at least this many rows give each
 CHUNK_GATHER_TOKENS = 1 << 16  # most cached keys one chunk-attention call gathers (batch × context)
 ID, POSITION, SLOT, CONTEXT, FEED = range(5)  # rows of a decode step's packed inputs
 NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-PROMPT_KERNELS = {
-    "auto": None,
-    "flash": NO_CUDNN,
-    "varlen": NO_CUDNN,
-}  # engine.prompt_attention → SDPA backends
+# engine.prompt_attention → the SDPA backends of prompt steps on CUDA (None: torch's own choice)
+PROMPT_KERNELS = {"auto": None, "flash": NO_CUDNN, "varlen": NO_CUDNN}
 
 
 def rows_round_alike(model: torch.nn.Module, min_rows: int = MIN_CPU_ROWS) -> bool:
