@@ -471,12 +471,12 @@ def main() -> None:
     print(json.dumps(setup, indent=1), flush=True)
     phases: dict[str, dict] = {}
     servers = [("prefix cache on", [], ("whole", "streaming", "whole after streams"))]
-    if args.compare_prefix_cache:
-        servers.append(("prefix cache off", ["--engine.prefix-caching", "false"], ("whole",)))
     for attention in args.compare_prompt_attention:
         servers.append(
             (f"{attention} prompts", ["--engine.prompt-attention", attention], ("whole", "streaming"))
         )
+    if args.compare_prefix_cache:  # (last: already measured within its target)
+        servers.append(("prefix cache off", ["--engine.prefix-caching", "false"], ("whole",)))
     with client_pool(args) as pool:
         for label, extra, timed in servers:
             port = free_port()
