@@ -9,6 +9,9 @@ import json
 import sys
 from pathlib import Path
 
+# the engine.prompt_attention values gpu_engine.sh compares with the default (flash)
+OTHER_PROMPT_ATTENTION = ("auto", "varlen")
+
 
 def load(folder: Path, name: str) -> dict:
     path = folder / name
@@ -26,10 +29,11 @@ def get(data: dict, *keys: str) -> float | None:
     return data if isinstance(data, int | float) else None
 
 
-def prompt_kernels(runs: dict, auto: str, other: str | None = None) -> str | None:
-    """tok/s of an engine run with engine.prompt_attention auto, flash and varlen (engine_throughput.py)."""
-    found = [get(runs, auto, "tok_per_s")] + [
-        get(runs, f"{other or auto}, {a} prompts", "tok_per_s") for a in ("flash", "varlen")
+def prompt_kernels(runs: dict, default: str, other: str | None = None) -> str | None:
+    """tok/s of an engine run with engine.prompt_attention flash (the default), auto and varlen
+    (engine_throughput.py)."""
+    found = [get(runs, default, "tok_per_s")] + [
+        get(runs, f"{other or default}, {a} prompts", "tok_per_s") for a in OTHER_PROMPT_ATTENTION
     ]
     return (
         " / ".join("-" if v is None else f"{v / 1e3:.1f}k" for v in found) if found[0] is not None else None
@@ -64,13 +68,13 @@ def main() -> None:
         ("HTTP streaming, tok/s", get(phases, "tandem server, streaming", "output_tokens_per_s"), ">=", 40_000, "{:,.0f}"),
         ("HTTP streaming, TTFT p50 (ms)", get(phases, "tandem server, streaming", "ttft_p50_ms"), "<=", 300, "{:,.0f}"),
         ("HTTP streaming, TTFT mean client / server ms", ttft_means, "", None, "{}"),
-        *(row for a in ("flash", "varlen") for row in (
+        *(row for a in OTHER_PROMPT_ATTENTION for row in (
             (f"HTTP whole, {a} prompts, tok/s", get(phases, f"tandem server, whole, {a} prompts", "output_tokens_per_s"), ">=", 60_000, "{:,.0f}"),
             (f"HTTP streaming, {a} prompts, tok/s", get(phases, f"tandem server, streaming, {a} prompts", "output_tokens_per_s"), ">=", 40_000, "{:,.0f}"),
             (f"HTTP streaming, {a} prompts, TTFT p50 (ms)", get(phases, f"tandem server, streaming, {a} prompts", "ttft_p50_ms"), "<=", 300, "{:,.0f}"),
         )),
-        ("AsyncEngine whole: auto / flash / varlen", prompt_kernels(runs, "tandem AsyncEngine, whole"), "", None, "{}"),
-        ("EngineCore, other thread: auto / flash / varlen", prompt_kernels(runs, "tandem EngineCore, stepped by another thread", "tandem EngineCore, another thread"), "", None, "{}"),
+        ("AsyncEngine whole: flash / auto / varlen", prompt_kernels(runs, "tandem AsyncEngine, whole"), "", None, "{}"),
+        ("EngineCore, other thread: flash / auto / varlen", prompt_kernels(runs, "tandem EngineCore, stepped by another thread", "tandem EngineCore, another thread"), "", None, "{}"),
         ("EngineCore, share of its graph-replay bound", get(runs, "tandem EngineCore", "share_of_graph_replay_bound"), ">=", 0.70, "{:.0%}"),
         ("EngineCore, tok/s", get(runs, "tandem EngineCore", "tok_per_s"), "", None, "{:,.0f}"),
         ("EngineCore, graph-replay bound tok/s", get(runs, "tandem EngineCore", "graph_replay_bound_tok_per_s"), "", None, "{:,.0f}"),

@@ -7,8 +7,8 @@ sends prompts no earlier run sent, so the prefix cache finds nothing to reuse (i
 on and off, back to back). The graph-replay bound: every decode graph replay is timed with CUDA
 events; the bound is the output tokens over the replays' GPU time, and the engine's share of it
 is (replay time) / (wall time). On CUDA the core (on its own thread and on another) and the
-AsyncEngine also run with `engine.prompt_attention` flash and varlen ("flash prompts" and
-"varlen prompts" rows).
+AsyncEngine also run with the `engine.prompt_attention` values other than the default (flash):
+"auto prompts" and "varlen prompts" rows.
 
     uv run python benchmarks/engine_throughput.py                       # CPU, tiny model
     uv run python benchmarks/engine_throughput.py --shape host --num-requests 256 --prompt-len 8 \\
@@ -37,15 +37,18 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tandem.inference.cli import freeze_heap
-from tandem.inference.config import InferenceConfig
+from tandem.inference.config import EngineConfig, InferenceConfig
 from tandem.inference.engine.api import SamplingParams
 from tandem.inference.engine.core import EngineCore
 from tandem.inference.engine.engine import AsyncEngine
+from tandem.inference.engine.model_runner import PROMPT_KERNELS
 from tandem.models.tiny import build_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_models import SHAPES, build_random  # noqa: E402
 from engine_step_host import build_model as build_host_model  # noqa: E402
+
+DEFAULT_PROMPT_ATTENTION = EngineConfig().prompt_attention
 
 
 def build_model(shape: str, out: Path, device: torch.device) -> Path:
@@ -481,8 +484,8 @@ def main() -> None:
         del core
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    # prompt attention without cuDNN's per-shape graphs (engine.prompt_attention), on CUDA
-    others = ("flash", "varlen") if device.type == "cuda" else ()
+    # the other engine.prompt_attention kernels (cuDNN's per-shape graphs under auto), on CUDA
+    others = tuple(a for a in PROMPT_KERNELS if a != DEFAULT_PROMPT_ATTENTION) if device.type == "cuda" else ()
     for attention in others:
         core = EngineCore(engine_config(path, dtype, args, prompt_attention=attention))
         run_core(core, prompts(), args.output_len, "c")  # (its graphs)
@@ -502,14 +505,14 @@ def main() -> None:
         run_core(core, prompts(), args.output_len, "c")
         runs["tandem EngineCore, torch ops"] = run_core(core, prompts(), args.output_len, "w")
         del core
-    for attention in ("auto", *others):
+    for attention in (DEFAULT_PROMPT_ATTENTION, *others):
         engine = AsyncEngine(engine_config(path, dtype, args, prompt_attention=attention))
         freeze_heap()
         run_async(engine, prompts()[: min(8, args.num_requests)], 4)  # warm-up
-        label = "" if attention == "auto" else f", {attention} prompts"
+        label = "" if attention == DEFAULT_PROMPT_ATTENTION else f", {attention} prompts"
         for name, stream in (("streams", True), ("whole", False)):
             runs[f"tandem AsyncEngine, {name}{label}"] = run_async(engine, prompts(), args.output_len, stream)
-        if attention == "auto":
+        if attention == DEFAULT_PROMPT_ATTENTION:
             switch = sys.getswitchinterval()
             sys.setswitchinterval(0.005)  # Python's default, for comparison with the engine's own
             runs["tandem AsyncEngine, whole, GIL switch 5 ms"] = run_async(

@@ -2,7 +2,7 @@
 # Issue 11 on one GPU (H200), unattended, in about 8 minutes: the engine core against its
 # graph-replay bound and the prefix cache on/off (engine_throughput.py, with transformers
 # `generate` in the same run), HTTP whole responses and streaming with the prefix cache on/off
-# and with engine.prompt_attention = flash (inference_throughput.py), FP8 vs bf16 at a Qwen3-8B shape (fp8_decode.py), Qwen3-MoE decode at
+# and with engine.prompt_attention auto and varlen (inference_throughput.py), FP8 vs bf16 at a Qwen3-8B shape (fp8_decode.py), Qwen3-MoE decode at
 # a Qwen3-30B-A3B shape cut to 12 layers (moe_decode.py), the new CUDA tests, then what the prefix
 # cache saves where prompts share prefixes (prefix_cache.py: n = 8, Wordle). Logs and JSON
 # go to $OUT (default ./gpu-out); the last thing printed is one table of the targets. On the
@@ -24,7 +24,7 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, torch.v
 want engine && part engine 240 python3 benchmarks/engine_throughput.py --num-requests 256 --prompt-len 128 --output-len 256 \
   --profile --out "$OUT/engine.json"
 want http && part http 300 python3 benchmarks/inference_throughput.py --num-requests 256 --prompt-len 128 --output-len 256 \
-  --skip-transformers --compare-prefix-cache --compare-prompt-attention flash,varlen --out "$OUT/http.json"
+  --skip-transformers --compare-prefix-cache --compare-prompt-attention auto,varlen --out "$OUT/http.json"
 want fp8 && part fp8 190 python3 benchmarks/fp8_decode.py --out "$OUT/fp8.json"
 want moe && part moe 110 python3 benchmarks/moe_decode.py --num-layers 12 --out "$OUT/moe.json"
 want gpu_tests && part gpu_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_engine_cuda.py

@@ -9,8 +9,8 @@ inter-token latency p50/p99), then whole responses again (does a server slow dow
 served streams?). With `--compare-prefix-cache`, a second server with the prefix cache off
 times whole responses as the first timed phase after its warm-up, as the first server's first
 whole phase was: the two are compared at the same point of a server's life.
-`--compare-prompt-attention flash,varlen` adds a server for each of those `engine.prompt_attention`
-values (whole and streamed responses: prompt attention without cuDNN's per-shape graphs). Every phase sends
+`--compare-prompt-attention auto,varlen` adds a server for each of those `engine.prompt_attention`
+values (whole and streamed responses; auto is PyTorch's own choice, cuDNN first on Hopper). Every phase sends
 new prompts, so no prefix is ever shared. Each phase reports the engine steps it took and the server's CPU time per output token
 (all threads, and its event loop alone). Then transformers generates the same batch in one call.
 
@@ -421,7 +421,7 @@ def parse_args() -> argparse.Namespace:
         "--compare-prompt-attention",
         type=lambda text: [a for a in text.split(",") if a],
         default=[],
-        metavar="flash,varlen",
+        metavar="auto,varlen",
         help="also time whole and streamed responses on a server with each of these engine.prompt_attention",
     )
     parser.add_argument("--startup-timeout", type=float, default=900)

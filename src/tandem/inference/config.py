@@ -41,13 +41,14 @@ class EngineConfig(Section):
     cuda_graphs: bool = Field(True, description="Capture decode steps in CUDA graphs (CUDA only).")
     triton_kernels: bool = Field(True, description="Fused Triton kernels for the forward pass (CUDA only).")
     prompt_attention: Literal["auto", "flash", "varlen"] = Field(
-        "auto",
-        description="Kernels of prompt and prompt-chunk attention: auto = PyTorch's "
-        "SDPA choice over a padded batch (cuDNN first on Hopper, which builds an execution graph for each "
-        "new batch shape on each thread); flash = the flash and memory-efficient kernels only, which need "
-        "no per-shape setup; varlen = whole prompts through torch's variable-length flash kernel over "
-        "their rows, unpadded, chunks as flash; on CPU flash is auto and varlen one SDPA call per prompt "
-        "(docs/inference-engine.md, 'Prompt attention').",
+        "flash",
+        description="Kernels of prompt and prompt-chunk attention: flash = SDPA's flash and "
+        "memory-efficient kernels only, which need no per-shape setup (the default: on an H200 it "
+        "served 1.1x auto's whole responses and 1.37x its streams, TTFT p50 284 ms against 512); auto = "
+        "PyTorch's SDPA choice over a padded batch (cuDNN first on Hopper, which builds an execution graph "
+        "for each new batch shape on each thread); varlen = whole prompts through torch's variable-length "
+        "flash kernel over their rows, unpadded, chunks as flash; on CPU flash is auto and varlen one SDPA "
+        "call per prompt (docs/inference-engine.md, 'Prompt attention').",
     )
     quantization: Literal["none", "fp8"] = Field(
         "none",
