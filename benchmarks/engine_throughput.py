@@ -485,7 +485,9 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     # the other engine.prompt_attention kernels (cuDNN's per-shape graphs under auto), on CUDA
-    others = tuple(a for a in PROMPT_KERNELS if a != DEFAULT_PROMPT_ATTENTION) if device.type == "cuda" else ()
+    others = (
+        tuple(a for a in PROMPT_KERNELS if a != DEFAULT_PROMPT_ATTENTION) if device.type == "cuda" else ()
+    )
     for attention in others:
         core = EngineCore(engine_config(path, dtype, args, prompt_attention=attention))
         run_core(core, prompts(), args.output_len, "c")  # (its graphs)
