@@ -103,7 +103,8 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _prompt_not_empty(cls, prompt: Any) -> Any:
-        if prompt == [] or prompt == "" or (isinstance(prompt, list) and any(p in ("", []) for p in prompt)):
+        # (a list of token ids is not looked into: it is long, and no id is empty)
+        if not prompt or (isinstance(prompt[0], str | list) and not all(prompt)):
             raise ValueError("prompt must not be empty")
         return prompt
 

@@ -7,6 +7,7 @@ events, and aborts a request in the engine as soon as its client goes away.
 """
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
@@ -25,6 +26,7 @@ from tandem.inference.generation import Choice, PromptJob, collect, merge, run_p
 from tandem.inference.http import (
     SSEResponse,
     new_app,
+    read_body,
     sse,
     until_disconnect,
     wait_for_resume,
@@ -76,6 +78,8 @@ class Server:
         self.resumed = asyncio.Event()
         self.resumed.set()
         self.update_lock = asyncio.Lock()
+        self.id_prefix = uuid.uuid4().hex[:16]
+        self.request_counter = itertools.count()
 
     # --- validation ---------------------------------------------------------------------------
 
@@ -143,15 +147,22 @@ class Server:
 
     # --- generation -------------------------------------------------------------------------------
 
+    def new_request_id(self, kind: str) -> str:
+        """`kind`-<this server's random prefix><a counter, hex>: unique among this server's
+        requests and across servers, without a system call per request (uuid4 reads the OS's
+        random source)."""
+        return f"{kind}-{self.id_prefix}{next(self.request_counter):x}"
+
     def jobs(
         self,
+        request_id: str,
         req: SamplingFields,
         prompts: list[list[int]],
         max_tokens: list[int],
         top_logprobs: int | None,
         stream: bool,
     ) -> list[PromptJob]:
-        request_id = uuid.uuid4().hex
+        """The engine requests of a response with id `request_id`: one per prompt."""
         return [
             PromptJob(
                 request_id=f"{request_id}-{i}",
@@ -277,7 +288,8 @@ def build_app(
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request) -> Response:
+    async def completions(request: Request) -> Response:
+        req = await read_body(request, CompletionRequest)
         server.check_common(req)
         prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
         for ids in prompts:
@@ -286,7 +298,7 @@ def build_app(
         await server.wait_until_resumed()
         builder = ResponseBuilder(
             chat=False,
-            request_id=f"cmpl-{uuid.uuid4().hex}",
+            request_id=server.new_request_id("cmpl"),
             model=server.model_name,
             token_texts=server.token_texts,
             prompts=prompts,
@@ -294,18 +306,19 @@ def build_app(
             return_token_ids=req.return_token_ids,
             tokens_as_ids=req.return_tokens_as_token_ids,
         )
-        jobs = server.jobs(req, prompts, max_tokens, req.logprobs, req.stream)
+        jobs = server.jobs(builder.request_id, req, prompts, max_tokens, req.logprobs, req.stream)
         return await server.respond(request, req, builder, jobs)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(request: Request) -> Response:
+        req = await read_body(request, ChatCompletionRequest)
         server.check_common(req)
         prompt = server.chat_prompt(req)
         max_tokens = server.resolve_max_tokens(len(prompt), req.completion_limit, None)
         await server.wait_until_resumed()
         builder = ResponseBuilder(
             chat=True,
-            request_id=f"chatcmpl-{uuid.uuid4().hex}",
+            request_id=server.new_request_id("chatcmpl"),
             model=server.model_name,
             token_texts=server.token_texts,
             prompts=[prompt],
@@ -313,7 +326,7 @@ def build_app(
             return_token_ids=req.return_token_ids,
             tokens_as_ids=req.return_tokens_as_token_ids,
         )
-        jobs = server.jobs(req, [prompt], [max_tokens], req.num_top_logprobs, req.stream)
+        jobs = server.jobs(builder.request_id, req, [prompt], [max_tokens], req.num_top_logprobs, req.stream)
         return await server.respond(request, req, builder, jobs)
 
     @app.post("/update_weights")
