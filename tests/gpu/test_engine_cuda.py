@@ -19,7 +19,7 @@ from tandem.inference.engine.api import SamplingParams, WeightLoadError
 from tandem.inference.engine.core import EngineCore
 from tandem.inference.engine.fp8 import FP8_KERNELS, Fp8Weight
 from tandem.inference.engine.sampler import SamplingBatch, sample, sample_key, sampling_rows
-from tandem.inference.engine.triton_fp8 import quantize_groups, quantize_rows
+from tandem.inference.engine.triton_fp8 import fp8_matmul, quantize_groups, quantize_rows
 from tandem.inference.engine.triton_sample import fused_sample
 from tandem.models.tiny import build_tiny_model
 
@@ -91,6 +91,19 @@ def test_fp8_matmuls_against_the_dequantized_weight(kernel: str) -> None:
             assert out.shape == ref.shape
             error = ((out - ref).norm() / ref.norm()).item()
             assert error < (0.02 if kernel == "triton" else 0.06), (kernel, n, k, rows, error)
+
+
+@pytest.mark.skipif(not FP8, reason="needs FP8 (compute capability 8.9+)")
+def test_fp8_matmul_widens_every_e4m3_value_exactly() -> None:
+    """The triton kernel widens e4m3 to bf16 with integer instructions: every value (subnormals
+    too; not the NaNs) comes back exactly through an identity with scale 1."""
+    codes = torch.arange(256, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn).float()
+    codes = torch.where(codes.isnan(), 0.0, codes)
+    w = torch.stack([codes.roll(i) for i in range(128)]).to(torch.float8_e4m3fn)  # [128, 256]
+    for rows in (256, 5):  # full row blocks, and one block of 16 rows, partly masked
+        x = torch.eye(256, device="cuda", dtype=torch.bfloat16)[:rows]
+        out = fp8_matmul(x, w, torch.ones(1, 4, device="cuda"))
+        assert torch.equal(out.float(), w.float().T[:rows])
 
 
 @pytest.mark.skipif(not FP8, reason="needs FP8 (compute capability 8.9+)")

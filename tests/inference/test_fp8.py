@@ -2,6 +2,7 @@
 quantize-at-load and quantize-at-update through the weight-loading path, refused shapes and
 devices. The CUDA kernels are checked in tests/gpu/test_fp8_cuda.py and, interpreted, below."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -187,18 +188,25 @@ def test_fp8_on_a_cpu_fails_at_start_in_one_line(model_dirs) -> None:
 KERNEL_SCRIPT = """
 import torch
 from tandem.inference.engine.fp8 import dequantize_blocks, quantize_blocks
-from tandem.inference.engine.triton_fp8 import fp8_matmul, quantize_groups, quantize_rows
+from tandem.inference.engine.triton_fp8 import _run, fp8_matmul, quantize_groups, quantize_rows
 
 torch.manual_seed(0)
 w = torch.randn(256, 384)
 q, scale_inv = quantize_blocks(w)
-scale = torch.ones(2, 4)
+scale = torch.ones(2, 4)  # K/128 = 3 padded to 4, as Fp8Weight holds it
 scale[:, :3] = scale_inv
-for rows in (5, 70):  # one block of rows, and two (the K steps split in 2: the interpreter's config)
+ref_w = dequantize_blocks(q, scale_inv).T
+# float32 activations: the interpreter's bf16 dot is wrong (Triton 3.8), a float32 one is not
+for rows in (1, 5, 64, 100, 256):  # the interpreter's config: 64-row blocks, 3 K steps split in 2
     x = torch.randn(rows, 384)
     out = fp8_matmul(x, q, scale)
-    ref = x @ dequantize_blocks(q, scale_inv).T
+    ref = x @ ref_w
     assert out.shape == (rows, 256) and torch.allclose(out, ref, atol=1e-3, rtol=1e-4), (out - ref).abs().max()
+# (BLOCK_M, BLOCK_N, SPLIT_K, warps, stages): unsplit (stored, not added), 128 weight rows, and a
+# split of 4 over 3 K steps (one program adds nothing)
+for config in ((16, 128, 1, 4, 1), (128, 64, 4, 8, 1)):
+    out = _run(x[:100], q, scale, config)
+    assert torch.allclose(out, x[:100] @ ref_w, atol=1e-3, rtol=1e-4), (config, (out - x[:100] @ ref_w).abs().max())
 x = x[:5]
 # the activation quantizers: scales exactly amax / 448 in the layout _scaled_mm wants; values
 # only roughly (the interpreter rounds to e4m3 less exactly than the GPU, which the GPU test checks)
@@ -226,16 +234,24 @@ from triton.backends.compiler import GPUTarget
 from tandem.inference.engine import triton_fp8 as t
 
 POINTERS = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16", "q_ptr": "*fp8e4nv"}
-for fn, consts, pointers in (
-    (t._fp8_matmul_kernel, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1}, {}),
-    (t._fp8_matmul_kernel, {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 4}, {"out_ptr": "*fp32"}),
-    (t._quantize_groups_kernel, {"GROUP": 128}, {}),
-    (t._quantize_rows_kernel, {"BLOCK_K": 1024}, {}),
+MATMUL = {"BLOCK_K": 128, "WIDEN_ASM": True}
+for fn, consts, pointers, options in (
+    (t._fp8_matmul_kernel, {"BLOCK_M": 64, "BLOCK_N": 64, "SPLIT_K": 1} | MATMUL, {}, (4, 3)),
+    (t._fp8_matmul_kernel, {"BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": 4} | MATMUL, {"out_ptr": "*fp32"}, (4, 3)),
+    (t._fp8_matmul_kernel, {"BLOCK_M": 128, "BLOCK_N": 128, "SPLIT_K": 2} | MATMUL, {"out_ptr": "*fp32"}, (8, 3)),
+    (t._quantize_groups_kernel, {"GROUP": 128}, {}, (4, 3)),
+    (t._quantize_rows_kernel, {"BLOCK_K": 1024}, {}, (4, 3)),
 ):
     types = POINTERS | pointers
     signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
-    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts)
-    assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"], fn.__name__
+    # pointers, strides, N and K 16-divisible, as the launches specialize them (the pipelined loads)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+               if a.endswith("_ptr") or a.startswith("stride") or a in ("N", "K")}  # fmt: skip
+    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=aligned)
+    asm = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(zip(("num_warps", "num_stages"), options))).asm
+    assert asm["cubin"], fn.__name__
+    if fn is t._fp8_matmul_kernel:  # wgmma, the weight widened by integer ops, no cvt from e4m3
+        assert "wgmma.mma_async" in asm["ptx"] and "fma.rn.bf16x2" in asm["ptx"] and "e4m3" not in asm["ptx"]
 print("ok")
 """
 
@@ -244,7 +260,8 @@ def test_fp8_kernels_compile_for_hopper_without_a_gpu() -> None:
     """The interpreter runs kernels as Python and misses what only the compiler refuses (a
     non-constexpr global, once): compile each one for SM90 here, with triton's own ptxas."""
     pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
     result = subprocess.run(
-        [sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, timeout=300, env=env
     )
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

@@ -1,25 +1,38 @@
 """Triton kernels for FP8 weights (fp8.py): a matmul that reads e4m3 weights with their 128×128
 block scales as they are, and the activation quantizers the `torch._scaled_mm` paths need.
 
-`fp8_matmul` computes x·Wᵀ for bf16 activations: each program holds all of a decode step's rows
-(up to 64) and a [BLOCK_N, 128] tile of the e4m3 weight at a time, widens it to bf16 (exact:
-every e4m3 value is a bf16 value), takes the dot with the activations in fp32 and multiplies by
-the tile's block scale (one number: BLOCK_N divides 128) before accumulating. A decode step is
-bound by reading the weights, which this halves against bf16; so every weight byte is read
-once (all rows in one program), and a layer with few output tiles (N = 4096 gives 32 of 128)
-splits K over SPLIT_K programs whose partial sums meet in an fp32 buffer by atomic addition,
-so that enough programs stream the weight at once. The configuration (BLOCK_M beyond 64 rows,
-BLOCK_N, SPLIT_K, warps, stages) is timed per (rows bucket, N, K) at the first call of that shape
-(a decode graph's warm-up run, outside the capture), the split's extra zeroing and cast included.
-Larger batches (M > 64) take the row blocks of one weight tile in consecutive programs, so the
-tile is read from memory once and from L2 after.
+`fp8_matmul` computes x·Wᵀ for bf16 activations as (W·xᵀ)ᵀ ("swap AB"): the weight's rows are the
+MMA's M dimension (BLOCK_N: 64 or 128) and the activations' rows its N (BLOCK_M: 16 to 128), for a
+decode step has few rows and Hopper's wgmma takes N down to 8 but M only from 64. Per K step of
+128 (one scale block) a program loads a [BLOCK_N, 128] e4m3 tile and widens it to bf16 (exact:
+every e4m3 value is a bf16 value) with integer instructions (`E4M3X2_TO_BF16X2`: the conversion
+instructions, 16 a cycle per SM, held the kernel to about 2.4 TB/s on an H200). The widened tile
+is the dot's first operand, which wgmma reads from registers: it never goes back to shared memory,
+as it must as the second. The activations' tile [BLOCK_M, 128] is the second operand, transposed,
+read from L2: 2·BLOCK_M/BLOCK_N bytes per weight byte, at most 2 up to 64 rows (4 with the
+activations first and 32-row weight tiles). The product is multiplied in fp32 by the tile's block
+scale (one number: BLOCK_N divides 128), accumulated in [BLOCK_N, BLOCK_M] and stored transposed.
+A decode step is bound by reading the weights, which this halves against bf16; so every weight
+byte is read once, and a layer with few output tiles (N = 4096 gives 64 tiles of 64 rows) splits K
+over SPLIT_K programs whose partial sums meet in an fp32 buffer by atomic addition, so that enough
+programs stream the weight at once. Larger batches (M > BLOCK_M) take the row blocks of one weight
+tile in consecutive programs, so the tile is read from memory once and from L2 after. The
+configuration (BLOCK_M beyond 64 rows, BLOCK_N, SPLIT_K, stages; warps follow) is timed per (rows
+bucket, N, K) at the first call of that shape (a decode graph's warm-up run, outside the capture)
+as a decode step runs it: cold weights, in a CUDA graph, the split's zeroing and cast included.
+Measured so on an H200 (Qwen3-8B's qkv, o, gate_up and down in all, µs, against bf16's F.linear):
+77 vs 108 at 16 rows, 113 vs 112 at 64, 217 vs 117 at 100, 231 vs 155 at 256; gate_up alone 32 vs
+51 at 16 rows. Beyond 64 rows the matmul is no longer bound by the weight's reads alone, and
+bf16's is faster.
 `quantize_groups` (1×128 groups, for the blockwise recipe) and `quantize_rows` (one scale per
 row, for the row-wise recipe) write e4m3 activations and float32 scales in one launch each.
-Tested on CPU under TRITON_INTERPRET=1; compiled for SM90 on CPU too.
+Tested on CPU under TRITON_INTERPRET=1 (the widening there is Triton's cast: inline assembly
+does not run in the interpreter); compiled for SM90 on CPU too.
 """
 
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -29,49 +42,79 @@ from triton.runtime.errors import OutOfResources
 BLOCK = 128
 E4M3_MAX = 448.0
 MAX_BLOCK_M = 64
-# (BLOCK_N, SPLIT_K, num_warps, num_stages): decode is bound by reading the weight, so the
-# candidates differ in how many programs stream it at once and how many tiles each keeps in flight
+# (BLOCK_N, SPLIT_K, num_stages), each with BLOCK_M of up to 64 and of up to 128 rows; num_warps
+# follows (`_warps`). Decode is bound by reading the weight, so the candidates differ in how many
+# programs stream it at once and how many tiles each keeps in flight (on an H200 three stages won
+# at every shape of a Qwen3-8B's layers, 1 to 256 rows)
 CONFIGS = [
-    (32, 1, 4, 4), (32, 2, 4, 4), (32, 4, 4, 4), (32, 8, 4, 4),
-    (64, 1, 4, 4), (64, 2, 4, 4), (64, 4, 4, 4), (64, 8, 4, 3), (64, 1, 4, 6),
-    (128, 1, 4, 4), (128, 2, 8, 4), (128, 4, 8, 4),
+    (64, 1, 3), (64, 2, 3), (64, 4, 3), (64, 8, 3), (128, 1, 3), (128, 2, 3), (128, 4, 3), (128, 8, 3),
+    (64, 1, 4), (64, 4, 4), (64, 8, 4), (128, 4, 4),
 ]  # fmt: skip
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-INTERPRETER_CONFIG = (32, 2, 4, 1)  # the interpreter cannot time: one config, split (to test it)
+INTERPRETER_CONFIG = (64, 2, 1)  # the interpreter cannot time: one config, split (to test it)
+# two e4m3 (the low bytes of $1) → two bf16 ($0): each byte to the top of a 16-bit half, its
+# exponent and mantissa bits shifted to bf16's places under the sign, then × 2^120 (the exponent
+# biases' difference; e4m3's subnormals become bf16 subnormals, which the multiply takes exactly)
+E4M3X2_TO_BF16X2 = tl.constexpr("""{
+.reg .b32 a, b, s, z;
+mov.b32 s, 0x7B807B80;
+mov.b32 z, 0x80008000;
+prmt.b32 a, $1, 0, 0x1404;
+shr.b32 b, a, 4;
+and.b32 b, b, 0x07F007F0;
+and.b32 a, a, 0x80008000;
+or.b32 b, b, a;
+fma.rn.bf16x2 $0, b, s, z;
+}""")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every batch size of a bucket
 def _fp8_matmul_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_s, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    WIDEN_ASM: tl.constexpr,
 ):  # fmt: skip
-    # the row blocks of one weight tile are neighbours in launch order: they read it from L2
+    # outᵀ = W·xᵀ: the row blocks of one weight tile are neighbours in launch order (L2 reuse)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
-    row_ok, col_ok = rows < M, cols < N
+    # rows past M are masked, reading nothing (clamped to row M - 1, every program re-read that
+    # row's cache lines: on an H200 1 row took up to 1.6× as long as 16)
+    row_ok = rows < M
+    xs = x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :]
+    ws = w_ptr + cols[:, None].to(tl.int64) * stride_w + k[None, :]
     # the weight's scale blocks are 128 × 128, BLOCK_K is 128 and BLOCK_N divides 128: the
     # tile at K step `step` has the one scale (cols[0] // 128, step)
     scales = s_ptr + (tl.program_id(1) * BLOCK_N // BLOCK_K) * stride_s
     steps = K // BLOCK_K
     per_split = tl.cdiv(steps, SPLIT_K)
     first = tl.program_id(2) * per_split
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for step in range(first, tl.minimum(first + per_split, steps)):
-        k0 = step * BLOCK_K
-        x = tl.load(
-            x_ptr + rows[:, None].to(tl.int64) * stride_x + (k0 + k)[None, :], mask=row_ok[:, None], other=0.0
-        )
-        w = tl.load(
-            w_ptr + cols[:, None].to(tl.int64) * stride_w + (k0 + k)[None, :], mask=col_ok[:, None], other=0.0
-        )
-        acc += tl.dot(x, tl.trans(w.to(x.dtype))) * tl.load(scales + step)
-    out = out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :]
-    mask = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(xs + step * BLOCK_K, mask=row_ok[:, None], other=0.0)
+        w = tl.load(ws + step * BLOCK_K)
+        if WIDEN_ASM:  # integer ops: the conversion instructions (cvt) would bound the kernel
+            w = tl.inline_asm_elementwise(
+                E4M3X2_TO_BF16X2,
+                "=r,r",
+                [w.to(tl.uint8, bitcast=True)],
+                dtype=tl.bfloat16,
+                is_pure=True,
+                pack=2,
+            )
+        # the widened weight is the dot's first operand: wgmma reads it from registers
+        acc += tl.dot(w.to(x.dtype), tl.trans(x)) * tl.load(scales + step)
+    out = out_ptr + rows[None, :].to(tl.int64) * stride_out + cols[:, None]
+    mask = row_ok[None, :]
     if SPLIT_K == 1:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:  # out is the zeroed float32 buffer the splits add into
-        tl.atomic_add(out, acc, mask=mask)
+        tl.atomic_add(out, acc, mask=mask, sem="relaxed")
+
+
+def _warps(block_m: int, block_n: int) -> int:
+    """Two warp groups where one would hold a 128 × 128 fp32 accumulator twice (sum and product)."""
+    return 8 if block_n == 128 and block_m >= 128 else 4
 
 
 def _run(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, config: tuple) -> torch.Tensor:
@@ -82,25 +125,61 @@ def _run(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, config:
     grid = (triton.cdiv(m, block_m), n // block_n, split)
     _fp8_matmul_kernel[grid](
         x, weight, scale_inv, out, m, n, k, x.stride(0), weight.stride(0), scale_inv.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, SPLIT_K=split, num_warps=warps, num_stages=stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, SPLIT_K=split, WIDEN_ASM=not INTERPRETED,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out if split == 1 else out.to(x.dtype)
 
 
+def _candidates(rows_bucket: int, k: int) -> list[tuple]:
+    """(BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) to time: BLOCK_M holds all rows up to
+    64; beyond, blocks of 64 or 128 rows."""
+    block_ms = sorted({min(rows_bucket, MAX_BLOCK_M), min(rows_bucket, 2 * MAX_BLOCK_M)})
+    return [
+        (bm, bn, split, _warps(bm, bn), stages)
+        for bm in block_ms
+        for bn, split, stages in CONFIGS
+        if split <= k // BLOCK
+    ]
+
+
+def _cold_us(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor], repeats: int = 5) -> float:
+    """µs per call of `fn` as a decode step runs it: one call per weight copy (more bytes in all
+    than L2, so every call reads its weight from memory), captured in a CUDA graph and replayed
+    (no launch overhead, as in the engine's decode graphs)."""
+    for w in weights:  # compiles, outside the capture
+        fn(w)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # others may use the GPU
+        for w in weights:
+            fn(w)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (repeats * len(weights))
+
+
 @functools.cache
 def _tuned(rows_bucket: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> tuple:
-    """The fastest config for this shape, timed on random data (L2 flushed between runs): BLOCK_M
-    holds all rows up to 64; beyond, blocks of 64 or 128 rows. A config that needs more shared
-    memory than the GPU has is left out (on an H200 at 256 rows one asked for 248 KiB of 227)."""
+    """The fastest config for this shape, timed as a decode step runs it (`_cold_us`; Triton's
+    do_bench, which flushes L2 between launches, ranked them otherwise on an H200 and picked
+    configs up to 1.4× slower). A config that needs more shared memory than the GPU has is left out."""
     x = torch.randn(rows_bucket, k, dtype=dtype, device=device)
-    w = torch.randn(n, k, device=device).to(torch.float8_e4m3fn)
+    # copies of twice L2 in all (at most 64: a layer too small for that is not bound by its reads),
+    # random e4m3 bit patterns below 0x70 (no NaNs): timing does not depend on the values
+    copies = min(64, max(2, -(-2 * torch.cuda.get_device_properties(device).L2_cache_size // (n * k))))
+    weights = list(
+        torch.randint(0, 0x70, (copies, n, k), dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+    )
     s = torch.rand(n // BLOCK, k // BLOCK, device=device)
-    block_ms = sorted({min(rows_bucket, MAX_BLOCK_M), min(rows_bucket, 2 * MAX_BLOCK_M)})
-    candidates = [(bm, *c) for bm in block_ms for c in CONFIGS if c[1] <= k // BLOCK]
     times = {}
-    for c in candidates:
+    for c in _candidates(rows_bucket, k):
         try:
-            times[c] = triton.testing.do_bench(lambda c=c: _run(x, w, s, c), warmup=5, rep=20)
+            times[c] = _cold_us(lambda w, c=c: _run(x, w, s, c), weights)
         except OutOfResources:
             continue
     if not times:
@@ -115,7 +194,8 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -
     n = weight.shape[0]
     x = x.contiguous()
     if INTERPRETED:
-        return _run(x, weight, scale_inv, (min(_bucket(m), MAX_BLOCK_M), *INTERPRETER_CONFIG))
+        block_m, (block_n, split, stages) = min(_bucket(m), MAX_BLOCK_M), INTERPRETER_CONFIG
+        return _run(x, weight, scale_inv, (block_m, block_n, split, _warps(block_m, block_n), stages))
     return _run(x, weight, scale_inv, config_for(m, n, k, x.dtype, x.device))
 
 
