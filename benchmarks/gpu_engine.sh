@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Issue 11 on one GPU (H200), unattended, in about 8 minutes: the engine core against its
-# graph-replay bound and the prefix cache on/off (engine_throughput.py, with transformers
-# `generate` in the same run), HTTP whole responses and streaming with the prefix cache on/off
-# and with engine.prompt_attention auto and varlen (inference_throughput.py), FP8 vs bf16 at a Qwen3-8B shape (fp8_decode.py), Qwen3-MoE decode at
-# a Qwen3-30B-A3B shape cut to 12 layers (moe_decode.py), the new CUDA tests, then what the prefix
-# cache saves where prompts share prefixes (prefix_cache.py: n = 8, Wordle). Logs and JSON
+# Issue 11 on one GPU (H200), unattended, in two calls of under 9 minutes (PARTS=engine,http and
+# PARTS=fp8,moe,gpu_tests,prefix): the engine core against its graph-replay bound and the prefix
+# cache on/off (engine_throughput.py, with transformers `generate` in the same run), HTTP whole
+# responses and streaming with the prefix cache on/off and with engine.prompt_attention auto and
+# varlen (inference_throughput.py), FP8 (rowwise and triton) vs bf16 at a Qwen3-8B shape at 16, 64
+# and 256 concurrent requests (fp8_decode.py), Qwen3-MoE decode at a Qwen3-30B-A3B shape cut to 12
+# layers (moe_decode.py), the CUDA tests, then what the prefix cache saves where prompts share
+# prefixes (prefix_cache.py: n = 8, Wordle). Logs and JSON
 # go to $OUT (default ./gpu-out); the last thing printed is one table of the targets. On the
 # device, whose calls return at most 8 files: R=$OUT; OUT=/tmp/engine BUNDLE=$R/engine.tgz bash ...
 # Without uv: PYTHONPATH=src plus the carried wheels (fastapi, uvicorn, httptools, uvloop, ...).
@@ -25,7 +27,8 @@ want engine && part engine 240 python3 benchmarks/engine_throughput.py --num-req
   --profile --out "$OUT/engine.json"
 want http && part http 300 python3 benchmarks/inference_throughput.py --num-requests 256 --prompt-len 128 --output-len 256 \
   --skip-transformers --compare-prefix-cache --compare-prompt-attention auto,varlen --out "$OUT/http.json"
-want fp8 && part fp8 190 python3 benchmarks/fp8_decode.py --out "$OUT/fp8.json"
+want fp8 && part fp8 240 python3 benchmarks/fp8_decode.py --concurrency 16 64 256 --kernel rowwise triton \
+  --out "$OUT/fp8.json"
 want moe && part moe 110 python3 benchmarks/moe_decode.py --num-layers 12 --out "$OUT/moe.json"
 want gpu_tests && part gpu_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_engine_cuda.py
 want prefix && part prefix 120 python3 benchmarks/prefix_cache.py --out "$OUT/prefix.json"
