@@ -6,11 +6,14 @@ response, `token_ids` on each choice) and tandem's weight versions: `weight_vers
 choice (the versions that produced its tokens) and on the response (all of them).
 """
 
+import json
 import time
 from dataclasses import dataclass
 
 from tandem.inference.generation import Choice
 from tandem.inference.stop import Tokenizer
+
+COMPACT = json.JSONEncoder(separators=(",", ":"))
 
 
 class TokenTexts:
@@ -45,6 +48,10 @@ class ResponseBuilder:
     def __post_init__(self) -> None:
         self.created = int(time.time())
         self.object = "chat.completion" if self.chat else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
+        # a stream chunk's event up to its choice, serialized once per response (not per token)
+        header = json.dumps(self._header(self.chunk_object), separators=(",", ":"))
+        self._event_head = f'data: {header[:-1]},"choices":['
 
     # --- pieces -------------------------------------------------------------------------------
 
@@ -138,8 +145,9 @@ class ResponseBuilder:
             chunks.append(chunk)
         return chunks
 
-    def chunk(self, choice: Choice) -> dict | None:
-        """The part of `choice` not streamed yet, or None when there is nothing new to say."""
+    def chunk_event(self, choice: Choice) -> str | None:
+        """The server-sent event of the part of `choice` not streamed yet (a chunk with that one
+        choice), or None when there is nothing new to say."""
         finished = choice.finish_reason is not None
         start, end = choice.streamed_tokens, len(choice.token_ids)
         text = choice.tracker.take_delta(final=finished)
@@ -159,12 +167,10 @@ class ResponseBuilder:
                 out["prompt_token_ids"] = self.prompts[choice.prompt_index]
             out["token_ids"] = choice.token_ids[start:end]
         out["weight_versions"] = sorted(set(choice.versions[start:end]))
-        chunk = self._header("chat.completion.chunk" if self.chat else "text_completion")
-        chunk["choices"] = [out]
-        return chunk
+        return f"{self._event_head}{COMPACT.encode(out)}]}}\n\n"
 
     def usage_chunk(self, choices: list[Choice]) -> dict:
-        chunk = self._header("chat.completion.chunk" if self.chat else "text_completion")
+        chunk = self._header(self.chunk_object)
         chunk["choices"] = []
         chunk["usage"] = self.usage(choices)
         chunk["weight_versions"] = sorted({v for c in choices for v in c.versions})

@@ -207,9 +207,9 @@ class Server:
                     if not latest:
                         self.counters.time_to_first_token.observe(time.monotonic() - started)
                     latest[choice.index] = choice
-                    chunk = builder.chunk(choice)
-                    if chunk is not None:
-                        yield sse(chunk)
+                    event = builder.chunk_event(choice)
+                    if event is not None:
+                        yield event
             if req.include_usage_in_stream:
                 yield sse(builder.usage_chunk([latest[i] for i in sorted(latest)]))
             finished = True

@@ -106,16 +106,20 @@ class AsyncEngine:
                 )
             )
             while remaining:
-                merged: dict[int, SampleUpdate] = {}
                 batch = await updates.get()
-                while True:  # coalesce steps that piled up while this consumer was busy
-                    if isinstance(batch, BaseException):
-                        raise batch
-                    _merge_into(merged, batch)
-                    if updates.empty():
-                        break
-                    batch = updates.get_nowait()
-                for update in merged.values():
+                if isinstance(batch, BaseException):
+                    raise batch
+                if not updates.empty():  # coalesce steps that piled up while this consumer was busy
+                    merged: dict[int, SampleUpdate] = {}
+                    while True:
+                        _merge_into(merged, batch)
+                        if updates.empty():
+                            break
+                        batch = updates.get_nowait()
+                        if isinstance(batch, BaseException):
+                            raise batch
+                    batch = list(merged.values())
+                for update in batch:
                     if update.finish_reason is not None:
                         remaining -= 1
                     yield update
