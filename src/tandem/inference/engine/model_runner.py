@@ -150,7 +150,7 @@ class ModelRunner:
         cuda_graphs: bool,
         max_num_seqs: int,
         max_rows: int,
-        prompt_attention: str = "flash",
+        prompt_attention: str,
     ) -> None:
         self.model = model
         self.prompt_kernels = PROMPT_KERNELS[prompt_attention] if device.type == "cuda" else None

@@ -208,9 +208,9 @@ def _per_document_sdpa(
 def _varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: PackedDocs, scale: float
 ) -> torch.Tensor:
-    cu, n = docs.cu_seqlens, docs.max_seqlen
-    cu_k, n_k = (cu, n) if docs.cu_seqlens_k is None else (docs.cu_seqlens_k, docs.max_seqlen_k)
-    return varlen_causal(q, k, v, cu, n, scale, cu_k, n_k)
+    return varlen_causal(
+        q, k, v, docs.cu_seqlens, docs.max_seqlen, scale, docs.cu_seqlens_k, docs.max_seqlen_k
+    )
 
 
 def varlen_causal(
@@ -221,7 +221,7 @@ def varlen_causal(
     max_seqlen: int,
     scale: float,
     cu_seqlens_k: torch.Tensor | None = None,
-    max_seqlen_k: int | None = None,
+    max_seqlen_k: int = 0,
 ) -> torch.Tensor:
     """Causal attention of each segment of the flattened rows (q [T, heads, d], k and v
     [T_k, kv_heads, d]; int32 offsets) with torch's variable-length flash kernel (CUDA, bf16/fp16).
@@ -235,8 +235,8 @@ def varlen_causal(
         else:  # older torch: repeat each KV head for its query heads
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
-    n_k = max_seqlen if max_seqlen_k is None else max_seqlen_k
+    # keys segmented as the queries unless their own offsets are given
+    cu_k, n_k = (cu_seqlens, max_seqlen) if cu_seqlens_k is None else (cu_seqlens_k, max_seqlen_k)
     # causal = window (-1, 0), aligned at the bottom right when a segment has fewer queries than keys
     return varlen_attn(q, k, v, cu_seqlens, cu_k, max_seqlen, n_k, scale=scale, window_size=(-1, 0), **extra)
 
