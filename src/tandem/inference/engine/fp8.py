@@ -11,7 +11,11 @@ multiples of 128, or the engine refuses the model at start.
 
 The matmul (`engine.fp8_kernel`; benchmarks/fp8_decode.py measures all three on the device;
 rowwise, the fastest there in total on an H200, 2026-12-02, is the default):
-- "triton": triton_fp8.fp8_matmul reads the stored weight and block scales; bf16 activations.
+- "triton": triton_fp8.fp8_matmul reads the stored weight and block scales; bf16 activations
+  (weight-only: the weight is widened to bf16 in the kernel).
+- "w8a8": the same Triton matmul with e4m3 activations, quantized per token and 128 channels
+  (DeepSeek's recipe, as "blockwise"), multiplied on the tensor cores in FP8: the stored layout
+  as is, any K that is a multiple of 128.
 - "blockwise": torch._scaled_mm with DeepSeek's recipe (activations quantized per token and 128
   channels, weights per 128×128 block; cuBLAS, SM90 and CUDA ≥ 12.9): the stored layout as is.
   Every K must be a multiple of 512: cuBLAS reads the scales' rows 16-byte aligned, and torch
@@ -36,7 +40,7 @@ from tandem.cli import UserError
 
 BLOCK = 128
 E4M3_MAX = 448.0
-FP8_KERNELS = ("triton", "blockwise", "rowwise")
+FP8_KERNELS = ("triton", "w8a8", "blockwise", "rowwise")
 PREFILL_ROWS = 512
 
 
@@ -109,6 +113,9 @@ class Fp8Weight:
 
         if self.kernel == "triton":
             return triton_fp8.fp8_matmul(x, self.weight, self.scale)
+        if self.kernel == "w8a8":
+            xq, xs = triton_fp8.quantize_groups(x, rows)
+            return triton_fp8.fp8_matmul(xq, self.weight, self.scale, xs).to(x.dtype)
         if self.kernel == "blockwise":  # cuBLASLt wants the rows padded to a multiple of 4
             xq, xs = triton_fp8.quantize_groups(x, -(-rows // 4) * 4)
             # scale_b must be [K/128, N/128] exactly; the padded columns only align its stride

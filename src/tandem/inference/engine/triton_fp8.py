@@ -70,9 +70,9 @@ fma.rn.bf16x2 $0, b, s, z;
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every batch size of a bucket
 def _fp8_matmul_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_s, stride_out,
+    x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_s, stride_xs, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    WIDEN_ASM: tl.constexpr,
+    WIDEN_ASM: tl.constexpr, X_FP8: tl.constexpr,
 ):  # fmt: skip
     # outᵀ = W·xᵀ: the row blocks of one weight tile are neighbours in launch order (L2 reuse)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -93,17 +93,21 @@ def _fp8_matmul_kernel(
     for step in range(first, tl.minimum(first + per_split, steps)):
         x = tl.load(xs + step * BLOCK_K, mask=row_ok[:, None], other=0.0)
         w = tl.load(ws + step * BLOCK_K)
-        if WIDEN_ASM:  # integer ops: the conversion instructions (cvt) would bound the kernel
-            w = tl.inline_asm_elementwise(
-                E4M3X2_TO_BF16X2,
-                "=r,r",
-                [w.to(tl.uint8, bitcast=True)],
-                dtype=tl.bfloat16,
-                is_pure=True,
-                pack=2,
-            )
-        # the widened weight is the dot's first operand: wgmma reads it from registers
-        acc += tl.dot(w.to(x.dtype), tl.trans(x)) * tl.load(scales + step)
+        if X_FP8:  # e4m3 × e4m3 on the tensor cores; the activations' scale per row and K step
+            x_scale = tl.load(xs_ptr + step * stride_xs + rows, mask=row_ok, other=0.0)
+            acc += tl.dot(w, tl.trans(x)) * (tl.load(scales + step) * x_scale[None, :])
+        else:
+            if WIDEN_ASM:  # integer ops: the conversion instructions (cvt) would bound the kernel
+                w = tl.inline_asm_elementwise(
+                    E4M3X2_TO_BF16X2,
+                    "=r,r",
+                    [w.to(tl.uint8, bitcast=True)],
+                    dtype=tl.bfloat16,
+                    is_pure=True,
+                    pack=2,
+                )
+            # the widened weight is the dot's first operand: wgmma reads it from registers
+            acc += tl.dot(w.to(x.dtype), tl.trans(x)) * tl.load(scales + step)
     out = out_ptr + rows[None, :].to(tl.int64) * stride_out + cols[:, None]
     mask = row_ok[None, :]
     if SPLIT_K == 1:
@@ -117,18 +121,33 @@ def _warps(block_m: int, block_n: int) -> int:
     return 8 if block_n == 128 and block_m >= 128 else 4
 
 
-def _run(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, config: tuple) -> torch.Tensor:
+def _run(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    config: tuple,
+    x_scales: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """`x_scales` ([M, K/128] column-major, as quantize_groups writes them) for e4m3 activations."""
     block_m, block_n, split, warps, stages = config
     m, k = x.shape
     n = weight.shape[0]
-    out = x.new_empty(m, n) if split == 1 else torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    out_dtype = out_dtype or x.dtype
+    out = (
+        torch.empty(m, n, dtype=out_dtype, device=x.device)
+        if split == 1
+        else x.new_zeros(m, n, dtype=torch.float32)
+    )
+    x_fp8 = x_scales is not None
+    xs = x_scales if x_fp8 else scale_inv  # (unread without e4m3 activations)
     grid = (triton.cdiv(m, block_m), n // block_n, split)
     _fp8_matmul_kernel[grid](
-        x, weight, scale_inv, out, m, n, k, x.stride(0), weight.stride(0), scale_inv.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, SPLIT_K=split, WIDEN_ASM=not INTERPRETED,
-        num_warps=warps, num_stages=stages,
+        x, weight, scale_inv, xs, out, m, n, k, x.stride(0), weight.stride(0), scale_inv.stride(0),
+        xs.stride(1), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, SPLIT_K=split,
+        WIDEN_ASM=not INTERPRETED, X_FP8=x_fp8, num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    return out if split == 1 else out.to(x.dtype)
+    return out if split == 1 else out.to(out_dtype)
 
 
 def _candidates(rows_bucket: int, k: int) -> list[tuple]:
@@ -165,10 +184,16 @@ def _cold_us(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor], 
 
 @functools.cache
 def _tuned(rows_bucket: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> tuple:
-    """The fastest config for this shape, timed as a decode step runs it (`_cold_us`; Triton's
-    do_bench, which flushes L2 between launches, ranked them otherwise on an H200 and picked
-    configs up to 1.4× slower). A config that needs more shared memory than the GPU has is left out."""
-    x = torch.randn(rows_bucket, k, dtype=dtype, device=device)
+    """The fastest config for this shape and activation dtype (e4m3: the W8A8 kernel), timed as
+    a decode step runs it (`_cold_us`; Triton's do_bench, which flushes L2 between launches,
+    ranked them otherwise on an H200 and picked configs up to 1.4× slower). A config that needs
+    more shared memory than the GPU has is left out."""
+    x = torch.randn(rows_bucket, k, device=device)
+    x_scales = None
+    if dtype == torch.float8_e4m3fn:
+        x, x_scales = quantize_groups(x, rows_bucket)
+    else:
+        x = x.to(dtype)
     # copies of twice L2 in all (at most 64: a layer too small for that is not bound by its reads),
     # random e4m3 bit patterns below 0x70 (no NaNs): timing does not depend on the values
     copies = min(64, max(2, -(-2 * torch.cuda.get_device_properties(device).L2_cache_size // (n * k))))
@@ -179,7 +204,7 @@ def _tuned(rows_bucket: int, n: int, k: int, dtype: torch.dtype, device: torch.d
     times = {}
     for c in _candidates(rows_bucket, k):
         try:
-            times[c] = _cold_us(lambda w, c=c: _run(x, w, s, c), weights)
+            times[c] = _cold_us(lambda w, c=c: _run(x, w, s, c, x_scales, torch.bfloat16), weights)
         except OutOfResources:
             continue
     if not times:
@@ -187,20 +212,28 @@ def _tuned(rows_bucket: int, n: int, k: int, dtype: torch.dtype, device: torch.d
     return min(times, key=times.get)
 
 
-def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (bf16 or fp32) · weight [N, K] (e4m3, dequantized = weight × its block's
-    `scale_inv` [N/128, ≥ K/128]) ᵀ → [M, N] in x's dtype. N and K must be multiples of 128."""
+def fp8_matmul(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, x_scales: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] · weight [N, K] (e4m3, dequantized = weight × its block's `scale_inv` [N/128,
+    ≥ K/128]) ᵀ → [M, N]. x is bf16 or fp32 (the result in its dtype), or e4m3 with `x_scales`
+    ([M, K/128], per row and 128 channels, from quantize_groups; the result in bf16: W8A8, the
+    tensor cores' FP8 product). N and K must be multiples of 128."""
     m, k = x.shape
     n = weight.shape[0]
     x = x.contiguous()
+    out_dtype = torch.bfloat16 if x_scales is not None else x.dtype
     if INTERPRETED:
         block_m, (block_n, split, stages) = min(_bucket(m), MAX_BLOCK_M), INTERPRETER_CONFIG
-        return _run(x, weight, scale_inv, (block_m, block_n, split, _warps(block_m, block_n), stages))
-    return _run(x, weight, scale_inv, config_for(m, n, k, x.dtype, x.device))
+        config = (block_m, block_n, split, _warps(block_m, block_n), stages)
+    else:
+        config = config_for(m, n, k, x.dtype, x.device)
+    return _run(x, weight, scale_inv, config, x_scales, out_dtype)
 
 
 def config_for(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> tuple:
-    """(BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) of fp8_matmul for an [m, k] · [n, k]ᵀ."""
+    """(BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) of fp8_matmul for an [m, k] · [n, k]ᵀ
+    with activations of `dtype`."""
     return _tuned(_bucket(m), n, k, dtype, device)
 
 
