@@ -51,6 +51,36 @@ class SampleUpdate:
     finish_reason: FinishReason | None = None
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request may ask of an engine: fixed when the engine is built, so that a front in
+    another thread or process checks requests without asking the engine."""
+
+    max_n: int
+    max_model_len: int
+    kv_cache_tokens: int  # tokens the whole KV cache holds
+    vocab_size: int
+
+    def check(self, prompt_token_ids: list[int], params: SamplingParams, n: int) -> None:
+        """Raise ValueError (a client error) for a request the engine cannot serve."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if not 1 <= n <= self.max_n:
+            raise ValueError(f"n must be between 1 and {self.max_n}, got {n}")
+        if params.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {params.max_tokens}")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens; the context is {self.max_model_len} tokens"
+            )
+        if len(prompt_token_ids) + 1 > self.kv_cache_tokens:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, more than the KV cache holds")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
+        if params.temperature < 0 or not 0 < params.top_p <= 1 or params.min_p < 0:
+            raise ValueError("temperature must be ≥ 0, top_p in (0, 1], min_p ≥ 0")
+
+
 @dataclass
 class EngineStats:
     running: int

@@ -16,7 +16,13 @@ import numpy as np
 import torch
 
 from tandem.inference.config import InferenceConfig
-from tandem.inference.engine.api import FinishReason, SampleUpdate, SamplingParams, TokenOutput
+from tandem.inference.engine.api import (
+    FinishReason,
+    RequestLimits,
+    SampleUpdate,
+    SamplingParams,
+    TokenOutput,
+)
 from tandem.inference.engine.block_manager import BlockManager
 from tandem.inference.engine.fp8 import check_device as check_fp8_device
 from tandem.inference.engine.model_runner import Feed, ModelRunner, RunOutput, kv_cache_blocks
@@ -75,7 +81,9 @@ class EngineCore:
         # one sequence must always fit in the whole cache, or preemption could not make room for it
         self.max_model_len = min(self.max_model_len, self.blocks.num_usable * cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.max_n = cfg.max_n
+        self.limits = RequestLimits(
+            cfg.max_n, self.max_model_len, self.blocks.num_usable * cfg.block_size, self.vocab_size
+        )
         self.requests: dict[str, Request] = {}
         self.held: list[Request] = []  # added while new work is held back (a weight update waits)
         self.hold_new = False
@@ -99,25 +107,6 @@ class EngineCore:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams, n: int) -> None:
-        """Raise ValueError (a client error) for a request the engine cannot serve."""
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        if not 1 <= n <= self.max_n:
-            raise ValueError(f"n must be between 1 and {self.max_n}, got {n}")
-        if params.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {params.max_tokens}")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_token_ids)} tokens; the context is {self.max_model_len} tokens"
-            )
-        if (len(prompt_token_ids) + 1) > self.blocks.num_usable * self.block_size:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, more than the KV cache holds")
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
-        if params.temperature < 0 or not 0 < params.top_p <= 1 or params.min_p < 0:
-            raise ValueError("temperature must be ≥ 0, top_p in (0, 1], min_p ≥ 0")
-
     def add_request(
         self,
         request_id: str,
@@ -130,7 +119,7 @@ class EngineCore:
         """With `stream=False` the request's updates are held until all its samples have
         finished, then delivered as one update per sample; with `stream_interval_s`, a
         streaming request's tokens are delivered at most that often (the first ones at once)."""
-        self.validate(prompt_token_ids, params, n)
+        self.limits.check(prompt_token_ids, params, n)
         if request_id in self.requests:
             raise ValueError(f"request id '{request_id}' is already running")
         keys = [None if params.seed is None else sample_key(params.seed, i) for i in range(n)]

@@ -1,0 +1,152 @@
+"""The asyncio side of an engine whose core runs elsewhere (a thread: engine.py; a process: process.py).
+
+`EngineFront.generate` keeps one asyncio queue per open request. Whatever steps the core hands
+each step's updates to `_deliver`, from any thread, which wakes each event loop once per step
+(one `loop.call_soon_threadsafe`), not once per request. A consumer that fell behind takes every
+step queued for it at once, merged into one update per sample, so a busy event loop handles
+fewer, larger updates. When the core dies, `_die` fails every open stream with EngineDeadError,
+later requests get it at once, `dead_reason` says why and `on_death` (if set) is called: the
+server uses it to exit, so that a supervisor sees a dead server instead of one that answers
+/health. A subclass says how a request reaches the core (`_add`) and leaves it (`_abort`).
+"""
+
+import asyncio
+import contextlib
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from tandem.inference.engine.api import EngineDeadError, RequestLimits, SampleUpdate, SamplingParams
+
+# How long a thread may hold the GIL while another waits for it (Python's default is 5 ms). The
+# thread that steps the engine (or reads its updates) wants the GIL back as soon as it has work;
+# with the default it could wait up to 5 ms behind the event loop formatting responses — as long
+# as a whole decode step.
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+# what a request's queue receives: a step's updates for it, or the error that ends it
+Delivery = list[SampleUpdate] | BaseException
+
+
+class EngineFront(ABC):
+    """Requests and their update streams on the event loop side. Invariant: a request id is in
+    `_streams` exactly while its `generate` runs; `_deliver` drops updates of ids not there."""
+
+    limits: RequestLimits  # set by the subclass once its core is built
+
+    def __init__(self) -> None:
+        self._streams: dict[str, _Stream] = {}
+        self._stopping = False
+        self._dead: str | None = None
+        self._dead_error: EngineDeadError | None = None
+        self.on_death: Callable[[], None] | None = None
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine stopped for good (None while it runs)."""
+        return self._dead
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        n: int = 1,
+        stream: bool = True,
+        stream_interval_s: float = 0.0,
+    ) -> AsyncIterator[SampleUpdate]:
+        if self._dead_error is not None:
+            raise self._dead_error
+        self.limits.check(prompt_token_ids, params, n)
+        if request_id in self._streams:
+            raise ValueError(f"request id '{request_id}' is already running")
+        updates: asyncio.Queue[Delivery] = asyncio.Queue()
+        self._streams[request_id] = _Stream(asyncio.get_running_loop(), updates)
+        remaining = n
+        try:
+            await self._add(request_id, prompt_token_ids, params, n, stream, stream_interval_s)
+            while remaining:
+                batch = await updates.get()
+                if isinstance(batch, BaseException):
+                    raise batch
+                if not updates.empty():  # coalesce steps that piled up while this consumer was busy
+                    merged: dict[int, SampleUpdate] = {}
+                    while True:
+                        _merge_into(merged, batch)
+                        if updates.empty():
+                            break
+                        batch = updates.get_nowait()
+                        if isinstance(batch, BaseException):
+                            raise batch
+                    batch = list(merged.values())
+                for update in batch:
+                    if update.finish_reason is not None:
+                        remaining -= 1
+                    yield update
+        finally:
+            self._streams.pop(request_id, None)
+            if remaining and not self._stopping:
+                self._abort(request_id)
+
+    @abstractmethod
+    async def _add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        n: int,
+        stream: bool,
+        stream_interval_s: float,
+    ) -> None:
+        """Hand a checked request to the core; its updates then arrive through `_deliver`, a
+        failure to add it either raised here or delivered to its stream as an exception."""
+
+    @abstractmethod
+    def _abort(self, request_id: str) -> None:
+        """Drop an unfinished request from the core (its consumer has gone); does not wait."""
+
+    def _deliver(self, outputs: list[tuple[str, Delivery]]) -> None:
+        """Hand one step's updates (or a request's error) to the event loops: one wake-up per loop.
+        Callable from any thread."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Delivery]]] = {}
+        for request_id, delivery in outputs:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.updates, delivery))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the loop closed
+                loop.call_soon_threadsafe(_put_all, items)
+
+    def _fail_streams(self, error: BaseException) -> None:
+        self._deliver([(request_id, error) for request_id in list(self._streams)])
+
+    def _die(self, reason: str, error: EngineDeadError) -> None:
+        """The core stopped for good (`reason`); every open and later request gets `error`."""
+        self._dead, self._dead_error = reason, error
+        self._fail_streams(error)
+        if self.on_death is not None:
+            self.on_death()
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    updates: asyncio.Queue
+
+
+def _merge_into(merged: dict[int, SampleUpdate], updates: list[SampleUpdate]) -> None:
+    """Append `updates` to the per-sample updates in `merged` (each sample's tokens in order)."""
+    for update in updates:
+        known = merged.get(update.index)
+        if known is None:
+            merged[update.index] = SampleUpdate(update.index, list(update.tokens), update.finish_reason)
+        else:
+            known.tokens.extend(update.tokens)
+            known.finish_reason = update.finish_reason
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Delivery]]) -> None:
+    for updates_queue, delivery in items:
+        updates_queue.put_nowait(delivery)
