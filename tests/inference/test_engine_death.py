@@ -51,7 +51,7 @@ def test_dead_engine_answers_503(
 
     health = httpx.get(url + "/health")
     assert health.status_code == 503
-    assert "engine thread died" in health.json()["error"]["message"]
+    assert "engine died" in health.json()["error"]["message"]
     later = httpx.post(url + "/v1/completions", json=COMPLETION, timeout=30)  # after the death
     assert later.status_code == 503, later.text
 

@@ -264,7 +264,7 @@ def build_app(
     @app.get("/health")
     async def health() -> dict:
         if engine.dead_reason is not None:
-            raise APIError(503, f"the engine thread died: {engine.dead_reason}")
+            raise APIError(503, f"the engine died: {engine.dead_reason}")
         if server.broken is not None:
             raise APIError(503, server.broken)
         return {

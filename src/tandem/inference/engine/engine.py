@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tandem.inference.config import InferenceConfig
-from tandem.inference.engine.api import EngineDeadError, EngineStats, FinishReason, SamplingParams
+from tandem.inference.engine.api import EngineStats, FinishReason, SamplingParams
 from tandem.inference.engine.loop import CoreLoop
 from tandem.inference.engine.streams import EngineFront
 
@@ -74,7 +74,7 @@ class AsyncEngine(EngineFront):
         self._stopping = True
         self.core_loop.stop()
         await asyncio.to_thread(self._thread.join, SHUTDOWN_WAIT_S)
-        self._fail_streams(EngineDeadError("the engine was shut down"))
+        self._fail_streams("the engine was shut down")
 
     # ---- EngineFront ------------------------------------------------------------------------
 
@@ -110,5 +110,5 @@ class AsyncEngine(EngineFront):
         try:
             self.core_loop.run()
         except BaseException as e:  # noqa: BLE001 — reported to every waiting caller
-            self._die(repr(e), EngineDeadError(f"the engine thread died: {e!r}"))
+            self._die(repr(e), f"the engine thread died: {e!r}")
             raise

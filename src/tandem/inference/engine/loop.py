@@ -201,16 +201,15 @@ class CoreLoop:
     def _close(self, reason: str) -> None:
         with self._lock:
             self._closed = reason
-        error = EngineDeadError(reason)
         while True:
             try:
                 _, future = self._commands.get_nowait()
             except queue.Empty:
                 break
             with contextlib.suppress(Exception):
-                future.set_exception(error)
+                future.set_exception(EngineDeadError(reason))
         if self._pending_update is not None:
-            self._pending_update[2].set_exception(error)
+            self._pending_update[2].set_exception(EngineDeadError(reason))
 
 
 def _pass_failure(source: Future, target: Future) -> None:

@@ -39,7 +39,7 @@ class EngineFront(ABC):
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
         self._dead: str | None = None
-        self._dead_error: EngineDeadError | None = None
+        self._dead_message: str | None = None  # what every request gets once the core died
         self.on_death: Callable[[], None] | None = None
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
 
@@ -57,8 +57,8 @@ class EngineFront(ABC):
         stream: bool = True,
         stream_interval_s: float = 0.0,
     ) -> AsyncIterator[SampleUpdate]:
-        if self._dead_error is not None:
-            raise self._dead_error
+        if self._dead_message is not None:
+            raise EngineDeadError(self._dead_message)
         self.limits.check(prompt_token_ids, params, n)
         if request_id in self._streams:
             raise ValueError(f"request id '{request_id}' is already running")
@@ -119,13 +119,16 @@ class EngineFront(ABC):
             with contextlib.suppress(RuntimeError):  # the loop closed
                 loop.call_soon_threadsafe(_put_all, items)
 
-    def _fail_streams(self, error: BaseException) -> None:
-        self._deliver([(request_id, error) for request_id in list(self._streams)])
+    def _fail_streams(self, message: str) -> None:
+        """End every open stream with an EngineDeadError of its own (a raised exception collects
+        the frames it passes: one shared by many consumers would grow with each)."""
+        self._deliver([(request_id, EngineDeadError(message)) for request_id in list(self._streams)])
 
-    def _die(self, reason: str, error: EngineDeadError) -> None:
-        """The core stopped for good (`reason`); every open and later request gets `error`."""
-        self._dead, self._dead_error = reason, error
-        self._fail_streams(error)
+    def _die(self, reason: str, message: str) -> None:
+        """The core stopped for good (`reason`); every open and later request gets an
+        EngineDeadError saying `message`."""
+        self._dead, self._dead_message = reason, message
+        self._fail_streams(message)
         if self.on_death is not None:
             self.on_death()
 
