@@ -77,12 +77,8 @@ def http_server(app: "ASGIApp", config: InferenceConfig) -> "uvicorn.Server":
     )
 
 
-def start_receiver(
-    config: InferenceConfig, device: "torch.device", dtype: "torch.dtype"
-) -> "WeightReceiver | None":
-    """With an in-memory weight transport: join the trainer's weight link in the background."""
-    if not config.weights.in_memory:
-        return None
+def start_receiver(config: InferenceConfig, device: "torch.device", dtype: "torch.dtype") -> "WeightReceiver":
+    """Join the trainer's weight link (an in-memory weight transport) in the background."""
     from tandem.transport.weight_link import LinkError, LinkSettings
     from tandem.transport.weight_receiver import WeightReceiver
 
@@ -99,17 +95,26 @@ def start_receiver(
 
 
 def serve_native(config: InferenceConfig) -> None:
-    from tandem.inference.engine import AsyncEngine
+    from tandem.inference.engine import start_engine
     from tandem.inference.server import build_app
 
-    engine = AsyncEngine(config)
-    receiver = start_receiver(config, engine.core.device, engine.core.dtype)
+    if config.engine.core_process and config.weights.in_memory:
+        raise UserError(
+            f"engine.core_process = true does not work with weights.transport = "
+            f"'{config.weights.transport}' yet (the weight receiver is not built in the engine process): "
+            "set engine.core_process = false, or use the filesystem transport"
+        )
+    engine = start_engine(config)
+    receiver = None
+    if config.weights.in_memory:  # (so the engine is an AsyncEngine, whose core is in this process)
+        receiver = start_receiver(config, engine.core.device, engine.core.dtype)  # type: ignore[union-attr]
     app = build_app(engine, engine.tokenizer, config, receiver)
     freeze_heap()
     log = logging.getLogger("tandem.inference")
     log.info(
-        "serving %s (native engine, max_model_len %d) on http://%s:%d",
+        "serving %s (native engine%s, max_model_len %d) on http://%s:%d",
         config.served_model_name or config.model.name,
+        ", its core in a process of its own" if config.engine.core_process else "",
         engine.max_model_len,
         config.host,
         config.port,

@@ -38,6 +38,12 @@ class EngineConfig(Section):
         "is merged onto) in host memory instead of on the device: saves their size on the GPU, costs a "
         "host-to-device copy of them per update.",
     )
+    core_process: bool = Field(
+        False,
+        description="Run the engine core in its own process: the HTTP event loop (parsing, tokenizing, "
+        "JSON) and the engine stop sharing one GIL; requests and each step's tokens cross a pipe. "
+        "Not with in-memory weight transports yet (docs/inference-engine.md, 'The engine process').",
+    )
     cuda_graphs: bool = Field(True, description="Capture decode steps in CUDA graphs (CUDA only).")
     triton_kernels: bool = Field(True, description="Fused Triton kernels for the forward pass (CUDA only).")
     prompt_attention: Literal["auto", "flash", "varlen"] = Field(

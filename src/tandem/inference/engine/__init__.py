@@ -3,7 +3,21 @@
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from tandem.inference.config import InferenceConfig
     from tandem.inference.engine.engine import AsyncEngine
+    from tandem.inference.engine.process import ProcessEngine
+
+
+def start_engine(config: "InferenceConfig") -> "AsyncEngine | ProcessEngine":
+    """The engine the config asks for: its core stepped by a thread of this process, or by a
+    process of its own (`engine.core_process`)."""
+    if config.engine.core_process:
+        from tandem.inference.engine.process import ProcessEngine
+
+        return ProcessEngine(config)
+    from tandem.inference.engine.engine import AsyncEngine
+
+    return AsyncEngine(config)
 
 
 def __getattr__(name: str) -> Any:
@@ -15,4 +29,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-__all__ = ["AsyncEngine"]
+__all__ = ["AsyncEngine", "start_engine"]

@@ -1,0 +1,243 @@
+"""`engine.core_process`: the engine core in a process of its own behaves as the thread engine.
+
+Two real servers in this process (uvicorn in threads) over the same tiny model, one with the core
+in a background thread (AsyncEngine), one with it in a spawned process (ProcessEngine), answer
+the same requests with the same tokens and logprobs; aborts, pauses and weight updates reach the
+engine process; a killed engine process fails the open requests and takes the server down
+instead of leaving it hanging; in-memory weights are refused in one line."""
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from server_process import serve_in_thread, start_server
+
+from tandem.cli import UserError
+from tandem.inference.cli import main as inference_main
+from tandem.inference.config import InferenceConfig
+from tandem.inference.engine import AsyncEngine
+from tandem.inference.engine.process import ProcessEngine
+from tandem.inference.server import build_app
+from tandem.models.tiny import build_tiny_model
+
+PROMPT = [5, 9, 14, 20, 3]
+
+
+def config(model: Path, core_process: bool, **engine: object) -> InferenceConfig:
+    return InferenceConfig.model_validate(
+        {
+            "model": {"name": str(model)},
+            "engine": {"max_model_len": 256, "core_process": core_process, **engine},
+        }
+    )
+
+
+@dataclass
+class Served:
+    url: str
+    engine: AsyncEngine | ProcessEngine
+
+    def post(self, path: str, body: dict) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, timeout=60)
+
+    def complete(self, body: dict) -> list[dict]:
+        response = self.post("/v1/completions", {"prompt": PROMPT, "return_token_ids": True, **body})
+        assert response.status_code == 200, response.text
+        return response.json()["choices"]
+
+    def stream(self, body: dict) -> dict[int, dict[str, list]]:
+        """Each choice's token ids, logprobs and top logprobs, joined over the chunks."""
+        body = {"prompt": PROMPT, "return_token_ids": True, "stream": True, **body}
+        joined: dict[int, dict[str, list]] = {}
+        with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                for choice in json.loads(line[6:])["choices"]:
+                    entry = joined.setdefault(choice["index"], {"ids": [], "logprobs": [], "top": []})
+                    entry["ids"] += choice.get("token_ids") or []
+                    if choice.get("logprobs"):
+                        entry["logprobs"] += choice["logprobs"]["token_logprobs"]
+                        entry["top"] += choice["logprobs"]["top_logprobs"]
+        return joined
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        values = (line.split() for line in text.splitlines() if line and not line.startswith("#"))
+        return {name: float(value) for name, value in values}
+
+    def wait_for_idle(self, timeout_s: float = 10.0) -> dict[str, float]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            m = self.metrics()
+            if m["tandem_requests_running"] == 0 and m["tandem_kv_cache_blocks_used"] == 0:
+                return m
+            assert time.monotonic() < deadline, f"the engine did not free its blocks: {m}"
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model: Path) -> Iterator[tuple[Served, Served]]:
+    """(thread engine, process engine) over the same model."""
+    thread_config, process_config = config(tiny_model, False), config(tiny_model, True)
+    thread_engine, process_engine = AsyncEngine(thread_config), ProcessEngine(process_config)
+    thread_app = build_app(thread_engine, thread_engine.tokenizer, thread_config)
+    process_app = build_app(process_engine, process_engine.tokenizer, process_config)
+    with serve_in_thread(thread_app) as thread_url, serve_in_thread(process_app) as process_url:
+        yield Served(thread_url, thread_engine), Served(process_url, process_engine)
+    assert not Path(f"/proc/{process_engine.pid}").exists()  # stopped and reaped by the shutdown
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [{"temperature": 0}, {"temperature": 1.0, "seed": 7, "top_k": 20}],
+    ids=["greedy", "seeded"],
+)
+def test_same_tokens_and_logprobs_as_the_thread_engine(
+    servers: tuple[Served, Served], sampling: dict
+) -> None:
+    thread, process = servers
+    body = {"max_tokens": 24, "n": 3, "logprobs": 2, "ignore_eos": True, **sampling}
+    whole = process.complete(body)
+    assert whole == thread.complete(body)
+    assert len(whole) == 3 and all(len(c["token_ids"]) == 24 for c in whole)
+    streamed = process.stream(body)
+    assert streamed == thread.stream(body)
+    assert [streamed[i]["ids"] for i in range(3)] == [c["token_ids"] for c in whole]
+    assert process.engine.stats().generated_tokens_total == thread.engine.stats().generated_tokens_total
+
+
+def test_disconnects_abort_the_request_in_the_engine_process(servers: tuple[Served, Served]) -> None:
+    _, process = servers
+    before = process.wait_for_idle()
+    body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True, "n": 2}
+    with httpx.stream("POST", process.url + "/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        while not next(lines).startswith("data: {"):
+            pass
+        assert process.metrics()["tandem_kv_cache_blocks_used"] > 0
+    with pytest.raises(httpx.ReadTimeout):  # a whole response whose client gives up
+        httpx.post(
+            process.url + "/v1/completions",
+            json={**body, "stream": False, "n": 4},
+            timeout=httpx.Timeout(30, read=0.3),
+        )
+    after = process.wait_for_idle()
+    generated = after["tandem_generation_tokens_total"] - before["tandem_generation_tokens_total"]
+    assert generated < 2 * 200 + 4 * 200  # both aborted, not run to the end
+    assert after["tandem_http_requests_aborted_total"] == before["tandem_http_requests_aborted_total"] + 2
+
+
+def test_pause_resume_and_weight_updates_from_a_path(
+    servers: tuple[Served, Served], tiny_model: Path, tmp_path: Path
+) -> None:
+    thread, process = servers
+    greedy = {"max_tokens": 12, "temperature": 0, "logprobs": 1}
+    before = process.complete(greedy)
+    assert process.post("/pause", {}).json()["paused"] is True
+    assert process.metrics()["tandem_paused"] == 1
+    other = build_tiny_model(out=tmp_path / "other", seed=1)
+    for served in (thread, process):
+        answer = served.post("/update_weights", {"path": str(other)})
+        assert answer.status_code == 200 and answer.json()["weight_version"] == 1, answer.text
+    assert process.engine.weight_version == 1 and process.metrics()["tandem_paused"] == 1
+    process.post("/resume", {})
+    assert process.metrics()["tandem_paused"] == 0
+    after = process.complete(greedy)
+    assert after == thread.complete(greedy) and after != before
+    assert after[0]["weight_versions"] == [1]
+
+    missing = process.post("/update_weights", {"path": str(tmp_path / "missing")})
+    assert missing.status_code == 400, missing.text
+    assert "the old weights stay live" in missing.json()["error"]["message"]
+    assert process.engine.weight_version == 1 and process.complete(greedy) == after
+
+    for served in (thread, process):  # back to the first weights, for the other tests
+        answer = served.post("/update_weights", {"path": str(tiny_model), "version": 0})
+        assert answer.status_code == 200 and answer.json()["weight_version"] == 0, answer.text
+    assert process.complete(greedy) == before
+    assert httpx.get(process.url + "/health").json()["weight_version"] == 0
+
+
+def test_a_start_failure_in_the_engine_process_is_the_thread_engines_error(tiny_model: Path) -> None:
+    failing = {"quantization": "fp8"}  # refused on a CPU when the core is built
+    with pytest.raises(UserError) as in_thread:
+        AsyncEngine(config(tiny_model, False, **failing))
+    with pytest.raises(UserError) as in_process:
+        ProcessEngine(config(tiny_model, True, **failing))
+    assert str(in_process.value) == str(in_thread.value)
+
+
+def test_a_killed_engine_process_fails_open_requests_and_health(tiny_model: Path) -> None:
+    engine_config = config(tiny_model, True)
+    engine = ProcessEngine(engine_config)
+    died = threading.Event()
+    engine.on_death = died.set
+    with serve_in_thread(build_app(engine, engine.tokenizer, engine_config)) as url:
+        body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            while not next(lines).startswith("data: {"):
+                pass
+            os.kill(engine.pid, signal.SIGKILL)
+            rest = list(lines)  # ends: an error event, then [DONE]
+        errors = [json.loads(line[6:]) for line in rest if line.startswith('data: {"error"')]
+        assert errors and "engine process died" in errors[0]["error"]["message"], rest[-3:]
+        assert died.wait(10), "on_death was not called"
+        assert engine.dead_reason == "exit code -9"
+        health = httpx.get(url + "/health", timeout=10)
+        assert health.status_code == 503 and "exit code -9" in health.json()["error"]["message"]
+        later = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=10)
+        assert later.status_code == 503, later.text
+
+
+FAULTY_SERVER = """
+import sys
+from tandem.inference.engine.core import EngineCore
+
+def broken_step(self, lookahead=True):
+    raise RuntimeError("injected step fault")
+
+EngineCore.step = broken_step  # (also in the engine process, which imports this file as __mp_main__)
+if __name__ == "__main__":
+    from tandem.inference.cli import main
+
+    main(sys.argv[1:])
+"""
+
+
+def test_the_server_exits_when_its_engine_process_dies(tiny_model: Path, tmp_path: Path) -> None:
+    script = tmp_path / "faulty_server.py"
+    script.write_text(FAULTY_SERVER)
+    args = ["--model.name", str(tiny_model), "--engine.max-model-len", "128", "--engine.core-process", "true"]
+    with start_server(args, tmp_path / "server.log", entry=(str(script),)) as server:
+        completion = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+        response = httpx.post(server.url + "/v1/completions", json=completion, timeout=30)
+        assert response.status_code == 503, response.text
+        assert "injected step fault" in response.json()["error"]["message"]
+        try:
+            code = server.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the server kept running after its engine process died:\n{server.log()[-2000:]}")
+    assert code == 2
+    log = server.log()
+    assert "the inference engine died (exit code 1: RuntimeError('injected step fault')" in log
+    assert "the engine loop died" in log  # the engine process's traceback
+
+
+def test_in_memory_weights_are_refused(tiny_model: Path, capsys: pytest.CaptureFixture) -> None:
+    args = ["--model", str(tiny_model), "--engine.core-process", "true", "--weights.transport", "broadcast"]
+    with pytest.raises(SystemExit) as exit_:
+        inference_main(args)
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert "engine.core_process = true" in lines[0] and "weights.transport = 'broadcast'" in lines[0]
