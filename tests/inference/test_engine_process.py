@@ -24,7 +24,8 @@ from tandem.cli import UserError
 from tandem.inference.cli import main as inference_main
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine import AsyncEngine
-from tandem.inference.engine.process import ProcessEngine
+from tandem.inference.engine.api import SampleUpdate, TokenOutput
+from tandem.inference.engine.process import ProcessEngine, _decode, _encode
 from tandem.inference.server import build_app
 from tandem.models.tiny import build_tiny_model
 
@@ -165,6 +166,17 @@ def test_pause_resume_and_weight_updates_from_a_path(
         assert answer.status_code == 200 and answer.json()["weight_version"] == 0, answer.text
     assert process.complete(greedy) == before
     assert httpx.get(process.url + "/health").json()["weight_version"] == 0
+
+
+def test_updates_cross_the_pipe_unchanged() -> None:
+    top = ((7, -0.5), (9, -1.5))
+    updates = [
+        SampleUpdate(0, [TokenOutput(7, -0.5, 3, top)]),
+        SampleUpdate(1, [TokenOutput(4, -0.25, 3), TokenOutput(5, -2.0, 3)], "length"),
+        SampleUpdate(2, [TokenOutput(4, -0.25, 3, top), TokenOutput(5, -2.0, 4, top)], "stop"),
+        SampleUpdate(3, [], "abort"),
+    ]
+    assert [_decode(*_encode(update)) for update in updates] == updates
 
 
 def test_a_start_failure_in_the_engine_process_is_the_thread_engines_error(tiny_model: Path) -> None:
