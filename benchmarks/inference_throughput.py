@@ -10,9 +10,11 @@ served streams?). With `--compare-prefix-cache`, a second server with the prefix
 times whole responses as the first timed phase after its warm-up, as the first server's first
 whole phase was: the two are compared at the same point of a server's life.
 `--compare-prompt-attention auto,varlen` adds a server for each of those `engine.prompt_attention`
-values (whole and streamed responses; auto is PyTorch's own choice, cuDNN first on Hopper). Every phase sends
-new prompts, so no prefix is ever shared. Each phase reports the engine steps it took and the server's CPU time per output token
-(all threads, and its event loop alone). Then transformers generates the same batch in one call.
+values (whole and streamed responses; auto is PyTorch's own choice, cuDNN first on Hopper), and
+`--compare-core-process` one with `engine.core_process = true` (the engine core in a process of its
+own). Every phase sends new prompts, so no prefix is ever shared. Each phase reports the engine
+steps it took and the server's CPU time per output token (all threads, its engine process
+included, and its event loop alone). Then transformers generates the same batch in one call.
 
     uv run python benchmarks/inference_throughput.py                     # CPU: tiny model
     python benchmarks/inference_throughput.py --num-requests 256 --prompt-len 128 \\
@@ -264,15 +266,28 @@ def scrape(port: int) -> dict[str, float]:
     return {name: float(value) for name, value in values if name in SCRAPED}
 
 
+def stat_fields(stat: Path) -> list[str]:
+    """The fields of a Linux /proc stat file after the command name: state, ppid, ..."""
+    return stat.read_text().rsplit(")", 1)[1].split()
+
+
 def process_cpu_seconds(pid: int) -> tuple[float, float]:
-    """User + system CPU time of a process so far and of its main thread (the server's event
-    loop; the engine runs in another thread), from Linux /proc."""
+    """User + system CPU time so far of a server process with its child processes (the engine
+    process of `engine.core_process`) and of its main thread (the server's event loop; the
+    engine runs in another thread or process), from Linux /proc."""
 
     def cpu(stat: Path) -> float:
-        fields = stat.read_text().rsplit(")", 1)[1].split()
+        fields = stat_fields(stat)
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    return cpu(Path(f"/proc/{pid}/stat")), cpu(Path(f"/proc/{pid}/task/{pid}/stat"))
+    total = cpu(Path(f"/proc/{pid}/stat"))
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat_fields(stat)[1]) == pid:
+                total += cpu(stat)
+        except (OSError, IndexError, ValueError):  # a process that ended meanwhile
+            pass
+    return total, cpu(Path(f"/proc/{pid}/task/{pid}/stat"))
 
 
 def client_pool(args: argparse.Namespace) -> ProcessPoolExecutor:
@@ -424,6 +439,11 @@ def parse_args() -> argparse.Namespace:
         metavar="auto,varlen",
         help="also time whole and streamed responses on a server with each of these engine.prompt_attention",
     )
+    parser.add_argument(
+        "--compare-core-process",
+        action="store_true",
+        help="also time whole and streamed responses on a server with engine.core_process = true",
+    )
     parser.add_argument("--startup-timeout", type=float, default=900)
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("server_args", nargs="*", help="extra `inference` arguments, after --")
@@ -475,6 +495,8 @@ def main() -> None:
         servers.append(
             (f"{attention} prompts", ["--engine.prompt-attention", attention], ("whole", "streaming"))
         )
+    if args.compare_core_process:
+        servers.append(("core process", ["--engine.core-process", "true"], ("whole", "streaming")))
     if args.compare_prefix_cache:  # (last: already measured within its target)
         servers.append(("prefix cache off", ["--engine.prefix-caching", "false"], ("whole",)))
     with client_pool(args) as pool:
