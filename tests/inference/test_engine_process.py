@@ -168,6 +168,27 @@ def test_pause_resume_and_weight_updates_from_a_path(
     assert httpx.get(process.url + "/health").json()["weight_version"] == 0
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # peft on this transformers
+def test_lora_adapters_from_a_path(servers: tuple[Served, Served], tiny_model: Path, tmp_path: Path) -> None:
+    from peft import LoraConfig, get_peft_model  # (a dev dependency)
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(base, lora).save_pretrained(tmp_path / "adapter")
+    thread, process = servers
+    greedy = {"max_tokens": 12, "temperature": 0, "logprobs": 1}
+    before = process.complete(greedy)
+    for served in (thread, process):
+        answer = served.post("/update_weights", {"path": str(tmp_path / "adapter"), "version": 7})
+        assert answer.status_code == 200 and answer.json()["weight_version"] == 7, answer.text
+    merged = process.complete(greedy)
+    assert merged == thread.complete(greedy) and merged != before
+    for served in (thread, process):  # back to the first weights, for the other tests
+        assert served.post("/update_weights", {"path": str(tiny_model), "version": 0}).status_code == 200
+    assert process.complete(greedy) == before
+
+
 def test_updates_cross_the_pipe_unchanged() -> None:
     top = ((7, -0.5), (9, -1.5))
     updates = [
