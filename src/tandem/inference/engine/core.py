@@ -1,7 +1,7 @@
 """The synchronous engine: requests in, one `step()` at a time, token updates out.
 
-`AsyncEngine` (engine.py) drives this from a background thread; tests and benchmarks may call it
-directly. A step schedules a batch, runs the model, samples, forks the n samples of prompts that
+`CoreLoop` (loop.py) drives this from a thread of the server (engine.py) or of an engine process
+(process.py); tests and benchmarks may call it directly. A step schedules a batch, runs the model, samples, forks the n samples of prompts that
 just finished prefilling, appends tokens, and finishes samples that hit a stop condition.
 """
 
