@@ -72,6 +72,9 @@ WireUpdate = tuple[int, list[int], list[float], int | list[int], list | None, Fi
 
 
 class ProcessEngine(EngineFront):
+    """The server's side of the engine process. Invariant: every call registered in `_calls` is
+    answered by the engine, or failed with EngineDeadError once the pipe has closed."""
+
     def __init__(self, config: InferenceConfig) -> None:
         super().__init__()
         context = multiprocessing.get_context("spawn")

@@ -40,13 +40,25 @@ class EngineFront(ABC):
         self._stopping = False
         self._dead: str | None = None
         self._dead_message: str | None = None  # what every request gets once the core died
-        self.on_death: Callable[[], None] | None = None
+        self._on_death: Callable[[], None] | None = None
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
 
     @property
     def dead_reason(self) -> str | None:
         """Why the engine stopped for good (None while it runs)."""
         return self._dead
+
+    @property
+    def on_death(self) -> Callable[[], None] | None:
+        """Called (from the thread that saw it) when the core dies, at once if it already has;
+        one set in the instant of the death may be called twice."""
+        return self._on_death
+
+    @on_death.setter
+    def on_death(self, callback: Callable[[], None] | None) -> None:
+        self._on_death = callback
+        if callback is not None and self._dead is not None:
+            callback()
 
     async def generate(
         self,
@@ -129,8 +141,8 @@ class EngineFront(ABC):
         EngineDeadError saying `message`."""
         self._dead, self._dead_message = reason, message
         self._fail_streams(message)
-        if self.on_death is not None:
-            self.on_death()
+        if self._on_death is not None:
+            self._on_death()
 
 
 @dataclass
