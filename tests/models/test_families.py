@@ -311,8 +311,10 @@ def test_keeping_gathered_weights_trains_as_resharding(checkpoint: Path) -> None
             world,
             ParallelConfig(reshard_after_forward=reshard),
         )
+        # a graph dropped without backward, before the optimizer takes the model's parameters
+        # (those are then the gathered weights, which the next gather replaces)
+        model.sequence_logprobs(ids, positions)
         optimizer = build_optimizer(model, OptimConfig(lr=1e-2))
-        model.sequence_logprobs(ids, positions)  # a graph dropped without backward
         losses = []
         for _ in range(3):
             with torch.no_grad():

@@ -149,7 +149,10 @@ def drop_gathered_weights(model: nn.Module) -> None:
     """Free every FSDP unit's gathered weights, so the next forward gathers the current shards.
     With reshard_after_forward off, a forward that no backward follows (under no_grad, or one
     whose graph is dropped) leaves them gathered, and they would outlive an optimizer step:
-    build_optimizer calls this after every step of such a model."""
+    build_optimizer calls this after every step of such a model. Gathered weights are also what
+    `model.parameters()` then returns (FSDP registers them in the shards' place), so
+    build_optimizer calls it first too: an optimizer built over them updated copies that the
+    next gather replaced, and the weights stood still (H200, torch 2.11; CPU, torch 2.14)."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()

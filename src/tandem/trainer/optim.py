@@ -18,6 +18,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     Fused (one kernel per step) on CUDA when every parameter lives on one device mesh; foreach
     otherwise: fused AdamW takes a single mesh per call, and expert-parallel weights live on
     another mesh than the dense ones (models/parallelism.py)."""
+    keeps_gathered = getattr(model, "keeps_gathered_weights", False)  # (reshard_after_forward = false)
+    if keeps_gathered:  # a forward may have left the gathered weights registered in the shards' place
+        drop_gathered_weights(model)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
@@ -33,7 +36,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
         fused=fused,
         foreach=not fused,
     )
-    if getattr(model, "keeps_gathered_weights", False):  # (reshard_after_forward = false)
+    if keeps_gathered:
         optimizer.register_step_post_hook(lambda *_: drop_gathered_weights(model))
     return optimizer
 
