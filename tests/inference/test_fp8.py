@@ -188,7 +188,7 @@ def test_fp8_on_a_cpu_fails_at_start_in_one_line(model_dirs) -> None:
 KERNEL_SCRIPT = """
 import torch
 from tandem.inference.engine.fp8 import dequantize_blocks, quantize_blocks
-from tandem.inference.engine.triton_fp8 import _run, fp8_matmul, quantize_groups, quantize_rows
+from tandem.inference.engine.triton_fp8 import _run, fp8_matmul, quantize_groups, quantize_rows, scale_outer_
 
 torch.manual_seed(0)
 w = torch.randn(256, 384)
@@ -225,6 +225,8 @@ assert torch.allclose(xs[:5], x.view(5, 3, 128).abs().amax(-1) / 448) and (xs[5:
 back = (xq[:5].float().view(5, 3, 128) * xs[:5, :, None]).view(5, 384)
 assert ((back - x).abs() <= xs[:5].repeat_interleave(128, 1) * 448 * 0.15).all()
 assert (xq[5:].float() == 0).all()
+y = torch.randn(5, 1500)
+assert torch.allclose(scale_outer_(y.clone(), rs_ := torch.rand(8, 1), cs := torch.rand(1, 1500)), y * rs_[:5] * cs)
 rq, rs = quantize_rows(x, 16)
 assert rq.shape == (16, 384) and rs.shape == (16, 1) and torch.allclose(rs[:5, 0], x.abs().amax(-1) / 448)
 assert ((rq[:5].float() * rs[:5] - x).abs() <= rs[:5] * 448 * 0.15).all()
@@ -242,7 +244,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from tandem.inference.engine import triton_fp8 as t
 
-POINTERS = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "xs_ptr": "*fp32", "out_ptr": "*bf16", "q_ptr": "*fp8e4nv"}
+POINTERS = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "xs_ptr": "*fp32", "a_ptr": "*fp32", "b_ptr": "*fp32", "out_ptr": "*bf16", "q_ptr": "*fp8e4nv"}
 MATMUL = {"BLOCK_K": 128, "WIDEN_ASM": True, "X_FP8": False}
 W8A8 = {"BLOCK_K": 128, "WIDEN_ASM": True, "X_FP8": True}
 for fn, consts, pointers, options in (
@@ -252,6 +254,7 @@ for fn, consts, pointers, options in (
     (t._fp8_matmul_kernel, {"BLOCK_M": 64, "BLOCK_N": 128, "SPLIT_K": 4} | W8A8, {"x_ptr": "*fp8e4nv", "out_ptr": "*fp32"}, (4, 3)),
     (t._quantize_groups_kernel, {"GROUP": 128}, {}, (4, 3)),
     (t._quantize_rows_kernel, {"BLOCK_K": 1024}, {}, (4, 3)),
+    (t._scale_outer_kernel, {"BLOCK_N": 1024}, {}, (4, 3)),
 ):
     types = POINTERS | pointers
     signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}

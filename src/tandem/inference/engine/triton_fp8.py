@@ -297,3 +297,23 @@ def quantize_rows(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tenso
     if rows:
         _quantize_rows_kernel[(rows,)](x, q, scales, m, k, x.stride(0), q.stride(0), BLOCK_K=1024)
     return q, scales
+
+
+@triton.jit
+def _scale_outer_kernel(out_ptr, a_ptr, b_ptr, N, stride_out, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < N
+    y = tl.load(out_ptr + row * stride_out + cols, mask=ok).to(tl.float32)
+    y = y * tl.load(a_ptr + row) * tl.load(b_ptr + cols, mask=ok)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def scale_outer_(out: torch.Tensor, row_scales: torch.Tensor, col_scales: torch.Tensor) -> torch.Tensor:
+    """out [M, N] *= row_scales [≥ M] (outer) col_scales [N], in place, in fp32, one launch."""
+    m, n = out.shape
+    if m:
+        _scale_outer_kernel[(m, triton.cdiv(n, 1024))](
+            out, row_scales, col_scales, n, out.stride(0), BLOCK_N=1024
+        )
+    return out
