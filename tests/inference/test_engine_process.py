@@ -32,6 +32,18 @@ from tandem.models.tiny import build_tiny_model
 PROMPT = [5, 9, 14, 20, 3]
 
 
+def same(a: object, b: object) -> bool:
+    """Equal, floats (logprobs) within 1e-5: the child's CPU matmuls may split their work over
+    another number of threads than this process's, which moves the last bits."""
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1e-5
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
 def config(model: Path, core_process: bool, **engine: object) -> InferenceConfig:
     return InferenceConfig.model_validate(
         {
@@ -108,10 +120,10 @@ def test_same_tokens_and_logprobs_as_the_thread_engine(
     thread, process = servers
     body = {"max_tokens": 24, "n": 3, "logprobs": 2, "ignore_eos": True, **sampling}
     whole = process.complete(body)
-    assert whole == thread.complete(body)
+    assert same(whole, thread.complete(body))
     assert len(whole) == 3 and all(len(c["token_ids"]) == 24 for c in whole)
     streamed = process.stream(body)
-    assert streamed == thread.stream(body)
+    assert same(streamed, thread.stream(body))
     assert [streamed[i]["ids"] for i in range(3)] == [c["token_ids"] for c in whole]
     assert process.engine.stats().generated_tokens_total == thread.engine.stats().generated_tokens_total
 
@@ -153,7 +165,7 @@ def test_pause_resume_and_weight_updates_from_a_path(
     process.post("/resume", {})
     assert process.metrics()["tandem_paused"] == 0
     after = process.complete(greedy)
-    assert after == thread.complete(greedy) and after != before
+    assert same(after, thread.complete(greedy)) and after != before
     assert after[0]["weight_versions"] == [1]
 
     missing = process.post("/update_weights", {"path": str(tmp_path / "missing")})
@@ -183,7 +195,7 @@ def test_lora_adapters_from_a_path(servers: tuple[Served, Served], tiny_model: P
         answer = served.post("/update_weights", {"path": str(tmp_path / "adapter"), "version": 7})
         assert answer.status_code == 200 and answer.json()["weight_version"] == 7, answer.text
     merged = process.complete(greedy)
-    assert merged == thread.complete(greedy) and merged != before
+    assert same(merged, thread.complete(greedy)) and merged != before
     for served in (thread, process):  # back to the first weights, for the other tests
         assert served.post("/update_weights", {"path": str(tiny_model), "version": 0}).status_code == 200
     assert process.complete(greedy) == before
