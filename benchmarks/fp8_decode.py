@@ -1,10 +1,10 @@
-"""FP8 weights on one GPU: the three FP8 matmuls side by side on a Qwen3-8B shape's layers, then
+"""FP8 weights on one GPU: the FP8 matmuls side by side on a Qwen3-8B shape's layers, then
 bf16 vs FP8 decode tok/s through the engine at 64 and 256 concurrent requests, and the mismatch
 between the FP8 sampler and a bf16 trainer on the same tokens, all in one run.
 
     python benchmarks/fp8_decode.py --out fp8.json                     # CUDA (SM89+; SM90 for blockwise)
 
-Matmuls: bf16 `F.linear` against `Fp8Weight` with each kernel ("triton", "blockwise",
+Matmuls: bf16 `F.linear` against `Fp8Weight` with each kernel ("triton", "w8a8", "blockwise",
 "rowwise", fp8.py) at M = 64 and 256 rows, GPU time in a CUDA graph over weight copies larger than
 L2 in all (as a decode step reads them: cold, no launch overhead); the fastest in total is the
 one the FP8 engine then runs with (`--kernel` names one or more instead). Engines: random-init Qwen3-8B shape

@@ -9,7 +9,7 @@ the decoder layers' projections (q|k|v, o, gate|up and down of dense MLPs); not 
 the output head, the norms, the MoE router or the experts. Every part's N and K must be
 multiples of 128, or the engine refuses the model at start.
 
-The matmul (`engine.fp8_kernel`; benchmarks/fp8_decode.py measures all three on the device;
+The matmul (`engine.fp8_kernel`; benchmarks/fp8_decode.py measures all four on the device;
 rowwise, the fastest there in total on an H200, 2026-12-02, is the default):
 - "triton": triton_fp8.fp8_matmul reads the stored weight and block scales; bf16 activations
   (weight-only: the weight is widened to bf16 in the kernel).
