@@ -7,7 +7,10 @@ between the FP8 sampler and a bf16 trainer on the same tokens, all in one run.
 Matmuls: bf16 `F.linear` against `Fp8Weight` with each kernel ("triton", "w8a8", "blockwise",
 "rowwise", fp8.py) at M = 64 and 256 rows, GPU time in a CUDA graph over weight copies larger than
 L2 in all (as a decode step reads them: cold, no launch overhead); the fastest in total is the
-one the FP8 engine then runs with (`--kernel` names one or more instead). Engines: random-init Qwen3-8B shape
+one the FP8 engine then runs with (`--kernel` names one or more instead; for the row-wise kernel also
+"rowwise@R": the unit-scaled product up to R rows instead of fp8.UNIT_SCALED_ROWS, and
+"rowwise-separate": without the fused launches, a quantizer and a scaling pass around every
+matmul). Engines: random-init Qwen3-8B shape
 (bf16; `bench_models.py`), P prompt + O output tokens, temperature 1. Mismatch: the tokens the
 FP8 engine sampled (and the bf16 engine, as the baseline) are scored by transformers in bf16 —
 the trainer's stand-in — and KL(sampler ‖ trainer) is estimated per token as mean(log μ − log π)
@@ -27,6 +30,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from tandem.inference.config import InferenceConfig
+from tandem.inference.engine import fp8 as fp8_module
 from tandem.inference.engine.api import SamplingParams
 from tandem.inference.engine.core import EngineCore
 from tandem.inference.engine.fp8 import FP8_KERNELS, Fp8Weight
@@ -175,7 +179,6 @@ def main() -> None:
     parser.add_argument("--kv-cache-gb", type=float, default=30.0)
     parser.add_argument(
         "--kernel",
-        choices=FP8_KERNELS,
         nargs="+",
         help="the engines' kernels; default: the fastest in the matmul table",
     )
@@ -183,6 +186,9 @@ def main() -> None:
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/tandem-fp8-bench"))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    for k in args.kernel or []:
+        if k.partition("@")[0].removesuffix("-separate") not in FP8_KERNELS:
+            parser.error(f"--kernel {k}: not one of {FP8_KERNELS} (rowwise@ROWS, rowwise-separate)")
     results: dict = {"device": torch.cuda.get_device_name(), "shape": args.shape}
     results["config"] = {k: str(v) for k, v in vars(args).items()}
     table = matmuls(SHAPES[args.shape], tuple(args.concurrency))
@@ -198,8 +204,15 @@ def main() -> None:
     path = build_random(args.shape, args.work_dir / args.shape, torch.device("cuda"))
     samples = {}
     engines = [("bf16", {})] + [(f"fp8-{k}", {"quantization": "fp8", "fp8_kernel": k}) for k in kernels]
+    unit_rows, fuse = fp8_module.UNIT_SCALED_ROWS, fp8_module.fuse_launches
     for name, settings in engines:
         start = time.perf_counter()
+        if name.startswith("fp8-"):  # the variants: a setting of fp8.py for this engine's build
+            settings["fp8_kernel"], _, rows = settings["fp8_kernel"].partition("@")
+            fp8_module.UNIT_SCALED_ROWS = int(rows) if rows else unit_rows
+            separate = settings["fp8_kernel"] == "rowwise-separate"
+            settings["fp8_kernel"] = settings["fp8_kernel"].removesuffix("-separate")
+            fp8_module.fuse_launches = (lambda model: None) if separate else fuse
         core = engine(path, args, **settings)
         results[f"{name}_engine_start_s"] = time.perf_counter() - start
         results[f"{name}_weights_gib"] = torch.cuda.memory_allocated() / 2**30 - args.kv_cache_gb

@@ -281,3 +281,120 @@ def test_fp8_kernels_compile_for_hopper_without_a_gpu() -> None:
         [sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, timeout=300, env=env
     )
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+FUSED_SCRIPT = """
+import sys
+import torch
+from tandem.inference.engine import kernels
+from tandem.inference.engine.fp8 import padded_rows
+from tandem.inference.engine.triton_fp8 import quantize_rows, scale_outer_
+
+torch.manual_seed(0)
+torch.set_default_device(sys.argv[1])
+rows, n, pad = 5, 384, padded_rows(5)
+dtype = torch.bfloat16
+
+
+def product(width):  # an FP8 product before its scales, with its row (padded) and column scales
+    return (40 * torch.randn(rows, width)).to(dtype), torch.rand(pad, 1) * 0.02, torch.rand(1, width) * 0.05
+
+
+def same(fused, separate, what):
+    (fq, fs), (sq, ss) = fused, separate
+    assert fq.shape == sq.shape == (pad, fq.shape[1]) and fs.shape == ss.shape == (pad, 1), what
+    assert torch.equal(fq.view(torch.uint8), sq.view(torch.uint8)) and torch.equal(fs, ss), what
+
+
+# residual add + RMSNorm over a scaled product, quantized: the bits of scale_outer_ -> rms_norm -> quantize_rows
+raw, row_s, col_s = product(n)
+residual, weight = torch.randn(rows, n).to(dtype), (torch.rand(n) + 0.5).to(dtype)
+scaled = scale_outer_(raw.clone(), row_s, col_s)
+normed, want_residual = kernels.rms_norm(scaled, weight, 1e-6, residual)
+fused, got_residual = kernels.rms_norm(raw, weight, 1e-6, residual, (row_s, col_s), pad)
+same(fused, quantize_rows(normed, pad), "rms_norm")
+assert torch.equal(got_residual, want_residual)
+# the same norm's plain (unscaled, unquantized) output is what it was
+plain, _ = kernels.rms_norm(scaled, weight, 1e-6, residual)
+assert torch.equal(plain, normed)
+same(kernels.rms_norm(scaled, weight, 1e-6, residual, None, pad)[0], quantize_rows(normed, pad), "rms_norm, tensor in")
+# SiLU·mul over gate|up's scaled product, quantized (N spans two 1024-wide blocks)
+raw, row_s, col_s = product(2 * 1536)
+want = quantize_rows(kernels.silu_mul(scale_outer_(raw.clone(), row_s, col_s)), pad)
+same(kernels.silu_mul_quantized(raw, pad, (row_s, col_s)), want, "silu_mul")
+same(kernels.silu_mul_quantized(scale_outer_(raw.clone(), row_s, col_s), pad), want, "silu_mul, tensor in")
+# q/k norm + rotary + cache write over qkv's scaled product
+heads, kv_heads, dim = 4, 2, 64
+raw, row_s, col_s = product((heads + 2 * kv_heads) * dim)
+norms = [(torch.rand(dim) + 0.5).to(dtype) for _ in range(2)]
+cos, sin = torch.randn(2, 50, dim)
+positions, slots = torch.randint(0, 50, (rows,)), torch.randperm(32)[:rows]
+caches = [torch.zeros(2, 16, kv_heads, dim, dtype=dtype) for _ in range(4)]
+want = kernels.qk_norm_rope_store(
+    scale_outer_(raw.clone(), row_s, col_s), heads, kv_heads, dim, *norms, 1e-6, cos, sin, positions, *caches[:2], slots
+)
+got = kernels.qk_norm_rope_store(
+    raw, heads, kv_heads, dim, *norms, 1e-6, cos, sin, positions, *caches[2:], slots, (row_s, col_s)
+)
+for g, w in zip([*got, *caches[2:]], [*want, *caches[:2]]):
+    assert torch.equal(g, w), (g - w).abs().max()
+print("ok")
+"""
+
+
+def test_fused_fp8_launches_give_the_bits_of_separate_ones() -> None:
+    """RMSNorm and SiLU·mul writing e4m3 rows, and the norms reading a product before its scales
+    (fp8.py, "Fused launches"): bit for bit what scale_outer_, the plain kernel and
+    quantize_rows give one after another, in the interpreter."""
+    pytest.importorskip("triton")
+    run_interpreted(FUSED_SCRIPT, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs an FP8 GPU"
+)
+def test_fused_fp8_launches_give_the_bits_of_separate_ones_on_cuda() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", FUSED_SCRIPT, "cuda"], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+FUSED_COMPILE_SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from tandem.inference.engine import kernels as k
+
+FP32 = ("row_scale_ptr", "col_scale_ptr", "q_scale_ptr", "cos_ptr", "sin_ptr")
+for fn, consts in (
+    (k._rms_norm_kernel, {"N": 4096, "BLOCK": 4096, "HAS_RESIDUAL": True, "X_SCALED": True, "QUANT": True}),
+    (k._silu_mul_quant_kernel, {"BLOCK": 1024, "X_SCALED": True}),
+    (k._qk_norm_rope_kernel, {"HEADS": 32, "KV_HEADS": 8, "HEAD_DIM": 128, "HEADS_P2": 64, "X_SCALED": True}),
+):
+    def kind(a):
+        if a in consts:
+            return "constexpr"
+        if a == "eps":
+            return "fp32"
+        if not a.endswith("_ptr"):
+            return "i32"
+        if a in FP32:
+            return "*fp32"
+        if a in ("slots_ptr", "positions_ptr"):
+            return "*i64"
+        return "*fp8e4nv" if a == "q_ptr" and fn is not k._qk_norm_rope_kernel else "*bf16"
+    signature = {a: kind(a) for a in fn.arg_names}
+    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts)
+    assert triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["cubin"]
+print("ok")
+"""
+
+
+def test_fused_fp8_launches_compile_for_hopper_without_a_gpu() -> None:
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
+    result = subprocess.run(
+        [sys.executable, "-c", FUSED_COMPILE_SCRIPT], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

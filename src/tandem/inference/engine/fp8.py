@@ -28,10 +28,20 @@ rowwise, the fastest there in total on an H200, 2026-12-02, is the default):
   taken with unit scales (cuBLAS's tensor-wise kernel) and the two scales applied after it.
 Batches of more than PREFILL_ROWS rows (prefill) widen the weight to bf16 and use the bf16 matmul.
 
+Fused launches (row-wise kernel, CUDA): a quantizer before and a scaling pass after every matmul
+would be two more launches each, at decode sizes as long as the matmul itself. So the kernels
+around the matmuls (kernels.py) do that work: RMSNorm and SiLU·mul hand the matmul e4m3 rows
+(`Quantized`), and a product taken with unit scales can be handed on before its scales
+(`Unscaled`, `defer_scales`) to the q/k norm, the next RMSNorm or SiLU·mul, which apply them as
+they read it. Only the attention output is quantized by a launch of its own. The bits are those
+of the separate launches.
+
 Weight updates: `fp8_slots` holds, for every quantized layer's checkpoint name, a `Slot`
 that a checkpoint or transfer tensor is copied into (weights.py reads them through
 `CausalLM.checkpoint_tensors`): the copy quantizes it into that layer's rows.
 """
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +58,38 @@ PREFILL_ROWS = 512
 # 2026-12-04), and the scales applied after; at 256 concurrent requests the engine was faster
 # with the row-wise kernel (1.19x bf16 against 1.08x), at 64 with this one (1.20x against 0.99x)
 UNIT_SCALED_ROWS = 128
+
+
+class Quantized(NamedTuple):
+    """Activations in e4m3 for the row-wise matmul: `q` [padded_rows(rows), K], `scale`
+    [padded_rows(rows), 1] float32, one per row; the padding rows are zeros with scale 1."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    rows: int
+
+
+class Unscaled(NamedTuple):
+    """A product x·Wᵀ taken with unit scales: its value is `raw` [rows, N] times `row_scale`
+    [≥ rows, 1] (the activations') times `col_scale` [1, N] (the weight's), in fp32."""
+
+    raw: torch.Tensor
+    row_scale: torch.Tensor
+    col_scale: torch.Tensor
+
+    def value(self) -> torch.Tensor:
+        """The scaled product (in `raw`'s place)."""
+        from tandem.inference.engine import triton_fp8
+
+        return triton_fp8.scale_outer_(self.raw, self.row_scale, self.col_scale)
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.row_scale, self.col_scale
+
+
+def padded_rows(rows: int) -> int:
+    """Rows of the e4m3 activations for `rows` tokens: cuBLAS's FP8 GEMM wants multiples of 16."""
+    return -(-rows // 16) * 16
 
 
 def quantize_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,8 +119,11 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Fp8Weight:
     """One projection's FP8 weight, and the matmul that reads it (Projection.matmul)."""
 
-    def __init__(self, rows: int, cols: int, kernel: str, device: torch.device) -> None:
+    def __init__(
+        self, rows: int, cols: int, kernel: str, device: torch.device, dtype: torch.dtype = torch.bfloat16
+    ) -> None:
         self.kernel = kernel
+        self.dtype = dtype  # the activations' (and the product's)
         self.weight = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=device)
         if kernel == "rowwise":
             self.scale = torch.empty(1, rows, dtype=torch.float32, device=device)  # scale_b of _scaled_mm
@@ -112,7 +157,14 @@ class Fp8Weight:
             return (self.weight.float() * self.scale[0, :, None]).to(dtype)
         return dequantize_blocks(self.weight, self.scale[:, : self.groups], dtype)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_quantized(self, rows: int) -> bool:
+        """Whether, for a batch of `rows`, this matmul takes its input as `Quantized` rows."""
+        return self.kernel == "rowwise" and rows <= PREFILL_ROWS and self.weight.is_cuda
+
+    def __call__(self, x: torch.Tensor | Quantized, defer_scales: bool = False) -> torch.Tensor | Unscaled:
+        """x·Wᵀ; with `defer_scales`, an `Unscaled` product where the kernel takes it that way."""
+        if isinstance(x, Quantized):
+            return self._rowwise(x, defer_scales)
         rows = x.shape[0]
         if rows > PREFILL_ROWS or not x.is_cuda:
             return F.linear(x, self.dequantized(x.dtype))
@@ -130,15 +182,21 @@ class Fp8Weight:
                 xq, self.weight.t(), scale_a=xs, scale_b=self.scale[:, : self.groups].t(), out_dtype=x.dtype
             )
         else:
-            xq, xs = triton_fp8.quantize_rows(x, -(-rows // 16) * 16)
-            if rows > UNIT_SCALED_ROWS:
-                out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.scale, out_dtype=x.dtype)
-            else:  # cuBLAS's unit-scaled product, then the same scales in one pass over the output
-                out = torch._scaled_mm(
-                    xq, self.weight.t(), scale_a=self.one, scale_b=self.one, out_dtype=x.dtype
-                )
-                return triton_fp8.scale_outer_(out[:rows], xs, self.scale)
+            return self._rowwise(
+                Quantized(*triton_fp8.quantize_rows(x, padded_rows(rows)), rows), defer_scales
+            )
         return out[:rows]
+
+    def _rowwise(self, x: Quantized, defer_scales: bool) -> torch.Tensor | Unscaled:
+        if x.rows > UNIT_SCALED_ROWS:
+            out = torch._scaled_mm(
+                x.q, self.weight.t(), scale_a=x.scale, scale_b=self.scale, out_dtype=self.dtype
+            )
+            return out[: x.rows]
+        # cuBLAS's unit-scaled product; the scales applied after it (by the consumer, or here)
+        out = torch._scaled_mm(x.q, self.weight.t(), scale_a=self.one, scale_b=self.one, out_dtype=self.dtype)
+        product = Unscaled(out[: x.rows], x.scale, self.scale)
+        return product if defer_scales else product.value()
 
 
 class Slot:
@@ -203,7 +261,7 @@ def quantize_model(
         weight = projection.weight
         rows, cols = weight.shape
         prefix = name.rsplit(".", 1)[0]
-        fp8 = Fp8Weight(rows, cols, kernel, weight.device)
+        fp8 = Fp8Weight(rows, cols, kernel, weight.device, dtype)
         for part, start, part_rows in projection.parts:
             key = f"{prefix}.{part}"
             if weight.dtype == torch.float8_e4m3fn:
@@ -219,3 +277,22 @@ def quantize_model(
             )
         projection.weight, projection.matmul = None, fp8
     model.fp8_slots = slots
+    if kernel == "rowwise" and getattr(model, "use_kernels", False):
+        fuse_launches(model)
+
+
+def fuse_launches(model: nn.Module) -> None:
+    """Let each decoder layer's norms quantize for the FP8 matmul that reads them, and its
+    attention and MLP hand o_proj's and down_proj's products on before their scales (the next
+    norm applies them): see "Fused launches" above. Only where the reader is that norm — a
+    shared expert's output, for one, is added to the routed experts' and keeps its own scaling."""
+
+    for layer in model.model.layers:
+        parts = (
+            (layer.self_attn, layer.input_layernorm, "qkv", "out"),
+            (getattr(layer, layer.mlp_name), layer.post_attention_layernorm, "gate_up", "down"),
+        )
+        for module, norm, first, last in parts:
+            if hasattr(module, "defer_out"):  # layers.Attention and GatedMLP
+                norm.quantize_for = getattr(module, first).matmul
+                module.defer_out = getattr(module, last).matmul is not None

@@ -5,6 +5,13 @@ the elementwise chains of one layer are fused: residual add + RMSNorm, per-head 
 rotary embedding + KV-cache write, and SiLU-gate × up. Each kernel rounds to the activation
 dtype where the reference implementation does, so bfloat16 results track transformers and
 float32 results match it to rounding. Tested on CPU under TRITON_INTERPRET=1.
+
+With FP8 weights (fp8.py, the row-wise kernel) the same kernels also take the place of the
+launches around each FP8 matmul: an input given as a product before its scales ("raw" with
+per-row and per-column scales, fp8.Unscaled) is scaled as it is read, and RMSNorm and SiLU·mul
+can write their output as e4m3 rows with one scale per row (fp8.Quantized) for the matmul that
+reads it. Each rounds where the separate launches (triton_fp8.scale_outer_ and quantize_rows)
+round, so fused and separate give the same bits.
 """
 
 import torch
@@ -19,45 +26,90 @@ def _round(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def _scaled(x, row_scale_ptr, col_scale_ptr, row, cols, mask, dtype: tl.constexpr):
+    """A product before its scales, scaled as scale_outer_ does (fp32, row then column) and rounded."""
+    return _round(
+        x * tl.load(row_scale_ptr + row) * tl.load(col_scale_ptr + cols, mask=mask, other=0.0), dtype
+    )
+
+
+@triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, eps,
-    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, row_scale_ptr, col_scale_ptr,
+    q_ptr, q_scale_ptr, M, eps,
+    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, X_SCALED: tl.constexpr,
+    QUANT: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
+    valid = row < M  # rows M… exist with QUANT only: the FP8 matmul's padding
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    dtype = out_ptr.dtype.element_ty
-    x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * N + cols, mask=mask & valid, other=0.0).to(tl.float32)
+    if X_SCALED:  # (padding rows read row M - 1's scale: their x is zero)
+        x = _scaled(x, row_scale_ptr, col_scale_ptr, tl.minimum(row, M - 1), cols, mask & valid, dtype)
     if HAS_RESIDUAL:
-        x = _round(x + tl.load(residual_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32), dtype)
-        tl.store(residual_out_ptr + row * N + cols, x.to(dtype), mask=mask)
+        x = _round(
+            x + tl.load(residual_ptr + row * N + cols, mask=mask & valid, other=0.0).to(tl.float32), dtype
+        )
+        tl.store(residual_out_ptr + row * N + cols, x.to(dtype), mask=mask & valid)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + cols, (_round(x * rstd, dtype) * w).to(dtype), mask=mask)
+    y = _round(_round(x * rstd, dtype) * w, dtype)
+    if QUANT:  # as triton_fp8.quantize_rows writes it; padding rows are zeros with scale 1
+        scale = tl.where(valid, tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / 448.0, 1.0)
+        q = tl.clamp(y / scale, -448.0, 448.0)
+        tl.store(q_ptr + row * N + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_scale_ptr + row, scale)
+    else:
+        tl.store(out_ptr + row * N + cols, y.to(dtype), mask=mask)
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual), x + residual); without a residual, (RMSNorm(x), x)."""
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    x_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    quantized_rows: int | None = None,
+) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(RMSNorm(x + residual), x + residual); without a residual, (RMSNorm(x), x).
+
+    `x_scales` (row scales [≥ rows], column scales [N]): x is a product before its scales
+    (needs a residual: the scaled x is the new residual stream). `quantized_rows` (≥ rows): the
+    norm is returned as (e4m3 [quantized_rows, N], float32 scales [quantized_rows, 1]) instead."""
     rows, n = x.shape
-    out = torch.empty_like(x)
+    if x_scales is not None and residual is None:
+        raise ValueError("rms_norm: a scaled input needs a residual")
     residual_out = torch.empty_like(x) if residual is not None else x
-    _rms_norm_kernel[(rows,)](
-        x, residual if residual is not None else x, weight, out, residual_out, eps,
+    quant = quantized_rows is not None
+    programs = quantized_rows if quant else rows
+    if quant:
+        out = torch.empty(programs, n, dtype=torch.float8_e4m3fn, device=x.device)
+        out_scales = torch.empty(programs, 1, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty_like(x)
+        out_scales = out
+    row_scales, col_scales = x_scales if x_scales is not None else (x, x)
+    _rms_norm_kernel[(programs,)](
+        x, residual if residual is not None else x, weight, out, residual_out, row_scales, col_scales,
+        out, out_scales, rows, eps,
         N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None,
+        X_SCALED=x_scales is not None, QUANT=quant,
     )  # fmt: skip
-    return out, residual_out
+    return ((out, out_scales) if quant else out), residual_out
 
 
 @triton.jit
 def _qk_norm_rope_kernel(
     qkv_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, positions_ptr,
-    cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, eps,
+    cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, row_scale_ptr, col_scale_ptr, eps,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_P2: tl.constexpr,
+    X_SCALED: tl.constexpr,
 ):  # fmt: skip
     """One program per token: its q and k heads (padded to HEADS_P2) as [HEADS_P2, HEAD_DIM / 2]
-    tiles, one per half of the head dim, sharing the position's cos/sin; v is copied beside k."""
+    tiles, one per half of the head dim, sharing the position's cos/sin; v is copied beside k
+    (X_SCALED: qkv is a product before its scales, applied as each part is read)."""
     token = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
     row_width: tl.constexpr = (HEADS + 2 * KV_HEADS) * HEAD_DIM
@@ -70,6 +122,9 @@ def _qk_norm_rope_kernel(
     src = qkv_ptr + token * row_width + h * HEAD_DIM + d
     x1 = tl.load(src, mask=valid, other=0.0).to(tl.float32)
     x2 = tl.load(src + half, mask=valid, other=0.0).to(tl.float32)
+    if X_SCALED:
+        x1 = _scaled(x1, row_scale_ptr, col_scale_ptr, token, h * HEAD_DIM + d, valid, dtype)
+        x2 = _scaled(x2, row_scale_ptr, col_scale_ptr, token, h * HEAD_DIM + half + d, valid, dtype)
     squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)  # per head, in fp32
     rstd = (1.0 / tl.sqrt(squares / HEAD_DIM + eps))[:, None]
     w1 = tl.where(is_q, tl.load(q_weight_ptr + d), tl.load(k_weight_ptr + d)).to(tl.float32)
@@ -96,6 +151,12 @@ def _qk_norm_rope_kernel(
     tl.store(k_cache_ptr + cache + half, o2, mask=is_k)
     v1 = tl.load(src + KV_HEADS * HEAD_DIM, mask=is_k)
     v2 = tl.load(src + KV_HEADS * HEAD_DIM + half, mask=is_k)
+    if X_SCALED:
+        v_cols = (h + KV_HEADS) * HEAD_DIM + d
+        v1 = _scaled(v1.to(tl.float32), row_scale_ptr, col_scale_ptr, token, v_cols, is_k, dtype).to(dtype)
+        v2 = _scaled(v2.to(tl.float32), row_scale_ptr, col_scale_ptr, token, v_cols + half, is_k, dtype).to(
+            dtype
+        )
     tl.store(v_ptr + out, v1, mask=is_k)
     tl.store(v_ptr + out + half, v2, mask=is_k)
     tl.store(v_cache_ptr + cache, v1, mask=is_k)
@@ -116,17 +177,21 @@ def qk_norm_rope_store(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
+    qkv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """From the fused q|k|v projection: normed and rotated q, k, and v, with k and v also
-    written to their cache slots. Returns q [T, heads, d], k and v [T, kv_heads, d]."""
+    written to their cache slots. Returns q [T, heads, d], k and v [T, kv_heads, d].
+    `qkv_scales` (row scales [≥ T], column scales [width]): qkv is a product before them."""
     tokens = qkv.shape[0]
     q = qkv.new_empty(tokens, heads, head_dim)
     k = qkv.new_empty(tokens, kv_heads, head_dim)
     v = qkv.new_empty(tokens, kv_heads, head_dim)
     heads_p2 = triton.next_power_of_2(heads + kv_heads)
+    row_scales, col_scales = qkv_scales if qkv_scales is not None else (qkv, qkv)
     _qk_norm_rope_kernel[(tokens,)](
-        qkv, q, k, v, k_cache, v_cache, slots, positions, cos_table, sin_table, q_weight, k_weight, eps,
-        HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, HEADS_P2=heads_p2,
+        qkv, q, k, v, k_cache, v_cache, slots, positions, cos_table, sin_table, q_weight, k_weight,
+        row_scales, col_scales, eps,
+        HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, HEADS_P2=heads_p2, X_SCALED=qkv_scales is not None,
         num_warps=min(16, max(4, heads_p2 * head_dim // 1024)),
     )  # fmt: skip
     return q, k, v
@@ -152,3 +217,62 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(n, block))](x, out, N=n, BLOCK=block)
     return out
+
+
+@triton.jit
+def _silu_mul_block(
+    x_ptr, row_scale_ptr, col_scale_ptr, row, scale_row, cols, mask, N, dtype: tl.constexpr, X_SCALED: tl.constexpr
+):  # fmt: skip
+    """silu(gate) * up for one block of a row's columns, rounded as _silu_mul_kernel rounds."""
+    gate = tl.load(x_ptr + row * 2 * N + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * 2 * N + N + cols, mask=mask, other=0.0).to(tl.float32)
+    if X_SCALED:
+        gate = _scaled(gate, row_scale_ptr, col_scale_ptr, scale_row, cols, mask, dtype)
+        up = _scaled(up, row_scale_ptr, col_scale_ptr, scale_row, N + cols, mask, dtype)
+    return _round(_round(gate / (1.0 + tl.exp(-gate)), dtype) * up, dtype)
+
+
+@triton.jit
+def _silu_mul_quant_kernel(
+    x_ptr, row_scale_ptr, col_scale_ptr, q_ptr, q_scale_ptr, M, N, BLOCK: tl.constexpr, X_SCALED: tl.constexpr
+):  # fmt: skip
+    """One program per row: the row's amax over its blocks, then the blocks again as e4m3 (as
+    triton_fp8.quantize_rows writes silu_mul's output; rows M… are the matmul's padding)."""
+    row = tl.program_id(0).to(tl.int64)
+    valid = row < M
+    scale_row = tl.minimum(row, M - 1)  # (padding rows read nothing but a scale)
+    dtype = x_ptr.dtype.element_ty
+    amax = tl.zeros((), tl.float32)
+    for k0 in range(0, N, BLOCK):
+        cols = k0 + tl.arange(0, BLOCK)
+        mask = (cols < N) & valid
+        y = _silu_mul_block(
+            x_ptr, row_scale_ptr, col_scale_ptr, row, scale_row, cols, mask, N, dtype, X_SCALED
+        )
+        amax = tl.maximum(amax, tl.max(tl.abs(y), axis=0))
+    scale = tl.where(valid, tl.maximum(amax, 1e-12) / 448.0, 1.0)
+    for k0 in range(0, N, BLOCK):
+        cols = k0 + tl.arange(0, BLOCK)
+        mask = (cols < N) & valid
+        y = _silu_mul_block(
+            x_ptr, row_scale_ptr, col_scale_ptr, row, scale_row, cols, mask, N, dtype, X_SCALED
+        )
+        q = tl.clamp(y / scale, -448.0, 448.0)
+        tl.store(q_ptr + row * N + cols, q.to(q_ptr.dtype.element_ty), mask=cols < N)
+    tl.store(q_scale_ptr + row, scale)
+
+
+def silu_mul_quantized(
+    x: torch.Tensor, quantized_rows: int, x_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu_mul(x) as e4m3 rows [quantized_rows (≥ rows), N] with float32 scales [quantized_rows,
+    1], for an FP8 matmul; `x_scales` (row scales, column scales [2N]): x is a product before them."""
+    rows, width = x.shape
+    n = width // 2
+    q = torch.empty(quantized_rows, n, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(quantized_rows, 1, dtype=torch.float32, device=x.device)
+    row_scales, col_scales = x_scales if x_scales is not None else (x, x)
+    _silu_mul_quant_kernel[(quantized_rows,)](
+        x, row_scales, col_scales, q, scales, rows, n, BLOCK=1024, X_SCALED=x_scales is not None
+    )
+    return q, scales

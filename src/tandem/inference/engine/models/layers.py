@@ -9,7 +9,7 @@ become views into the fused weight. On CUDA the elementwise chains run as fused 
 (kernels.py); on CPU as the torch ops below, which follow transformers' order of rounding.
 """
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +18,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from tandem.inference.engine.attention import AttentionMetadata, paged_attention, write_kv
+from tandem.inference.engine.fp8 import Fp8Weight, Quantized, Unscaled, padded_rows
 from tandem.models.decoder_config import head_dim, partial_rotary_factor
 
 try:
@@ -46,7 +47,8 @@ class Rope:
 class Projection:
     """x·Wᵀ (+ b) for one weight that may hold several linear layers' rows (fused). `parts` are
     the (name, first row, rows) of the layers in it, named as in the checkpoint. `matmul`, when
-    set, replaces the bf16 matmul (FP8 weights, fp8.py)."""
+    set, replaces the bf16 matmul (FP8 weights, fp8.py: then x may be `Quantized`, and with
+    `defer_scales` the result `Unscaled`, where the FP8 kernel takes or gives them so)."""
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, parts: list[tuple[str, int, int]]
@@ -54,11 +56,18 @@ class Projection:
         self.weight: torch.Tensor | None = weight
         self.bias = bias
         self.parts = parts
-        self.matmul: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.matmul: Fp8Weight | None = None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.matmul(x) if self.matmul is not None else F.linear(x, self.weight)
+    def __call__(self, x: torch.Tensor | Quantized, defer_scales: bool = False) -> torch.Tensor | Unscaled:
+        if self.matmul is None:
+            out = F.linear(x, self.weight)
+        else:
+            out = self.matmul(x, defer_scales and self.bias is None)
         return out if self.bias is None else out + self.bias
+
+
+def rows_of(x: torch.Tensor | Quantized) -> int:
+    return x.rows if isinstance(x, Quantized) else x.shape[0]
 
 
 def fuse_linears(owner: nn.Module, names: list[str]) -> Projection:
@@ -93,13 +102,24 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.use_kernels = False
+        self.quantize_for: Fp8Weight | None = None  # the FP8 matmul that reads the norm (fp8.fuse_launches)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual), or (norm(x), x) without a residual."""
+        self, x: torch.Tensor | Unscaled, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | Quantized, torch.Tensor]:
+        """(norm(x + residual), x + residual), or (norm(x), x) without a residual. With the
+        kernels, x may be an FP8 product before its scales, and the norm is handed to
+        `quantize_for` as e4m3 rows where that matmul takes them."""
         if self.use_kernels:
-            return kernels.rms_norm(x, self.weight, self.eps, residual)
+            x_scales = None
+            if isinstance(x, Unscaled):
+                x, x_scales = x.raw, x.scales()
+            rows = x.shape[0]
+            quantize = self.quantize_for is not None and self.quantize_for.takes_quantized(rows)
+            out, residual = kernels.rms_norm(
+                x, self.weight, self.eps, residual, x_scales, padded_rows(rows) if quantize else None
+            )
+            return (Quantized(*out, rows) if quantize else out), residual
         if residual is not None:
             x = x + residual
         return self.normalize(x), x
@@ -183,6 +203,7 @@ class Attention(nn.Module):
             )
         self.fusable = qk_norm == "head" and rotary_dim(config) == self.head_dim  # the kernel's case
         self.use_kernels = False
+        self.defer_out = False  # return o_proj's FP8 product before its scales (fp8.fuse_launches)
         self.qkv: Projection | None = None
         self.out: Projection | None = None
 
@@ -192,18 +213,22 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | Quantized,
         rope: Rope,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        tokens = x.shape[0]
-        qkv = self.qkv(x)
-        if self.use_kernels and self.fusable:
+    ) -> torch.Tensor | Unscaled:
+        tokens = rows_of(x)
+        fused = self.use_kernels and self.fusable
+        qkv = self.qkv(x, defer_scales=fused)
+        if fused:
+            scales = None
+            if isinstance(qkv, Unscaled):
+                qkv, scales = qkv.raw, qkv.scales()
             q, k, v = kernels.qk_norm_rope_store(
                 qkv, self.num_heads, self.num_kv_heads, self.head_dim,
                 self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                rope.cos_table, rope.sin_table, rope.positions, *kv_cache, meta.slot_mapping,
+                rope.cos_table, rope.sin_table, rope.positions, *kv_cache, meta.slot_mapping, scales,
             )  # fmt: skip
         else:
             kv_width = self.num_kv_heads * self.head_dim
@@ -219,7 +244,7 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             write_kv(*kv_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, *kv_cache, meta, self.scale)
-        return self.out(out.reshape(tokens, self.num_heads * self.head_dim))
+        return self.out(out.reshape(tokens, self.num_heads * self.head_dim), self.defer_out)
 
 
 class GatedMLP(nn.Module):
@@ -231,6 +256,7 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.use_kernels = False
+        self.defer_out = False  # return down_proj's FP8 product before its scales (fp8.fuse_launches)
         self.gate_up: Projection | None = None
         self.down: Projection | None = None
 
@@ -238,12 +264,22 @@ class GatedMLP(nn.Module):
         self.gate_up = fuse_linears(self, ["gate_proj", "up_proj"])
         self.down = fuse_linears(self, ["down_proj"])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up(x)
-        if self.use_kernels:
-            return self.down(kernels.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor | Quantized) -> torch.Tensor | Unscaled:
+        rows = rows_of(x)
+        down = self.down.matmul
+        quantize = self.use_kernels and down is not None and down.takes_quantized(rows)
+        gate_up = self.gate_up(x, defer_scales=quantize)
+        if quantize:  # SiLU·mul hands down_proj e4m3 rows, scaling gate_up's product as it reads it
+            scales = None
+            if isinstance(gate_up, Unscaled):
+                gate_up, scales = gate_up.raw, gate_up.scales()
+            h = Quantized(*kernels.silu_mul_quantized(gate_up, padded_rows(rows), scales), rows)
+        elif self.use_kernels:
+            h = kernels.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        return self.down(h, self.defer_out)
 
 
 class DecoderLayer(nn.Module):
@@ -259,13 +295,14 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | Unscaled,
         residual: torch.Tensor | None,
         rope: Rope,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x is the previous block's output, not yet added to the residual stream."""
+    ) -> tuple[torch.Tensor | Unscaled, torch.Tensor]:
+        """x is the previous block's output, not yet added to the residual stream (with FP8
+        weights, maybe a product before its scales: the norms apply them)."""
         h, residual = self.input_layernorm(x, residual)
         h, residual = self.post_attention_layernorm(self.self_attn(h, rope, kv_cache, meta), residual)
         return getattr(self, self.mlp_name)(h), residual
