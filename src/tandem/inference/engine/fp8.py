@@ -257,11 +257,12 @@ def quantize_model(
                 )
         plan.append((name, owner, projection))
     slots: dict[str, Slot] = {}
+    activations = model.model.embed_tokens.weight.dtype  # what the products are taken in
     for name, owner, projection in plan:
         weight = projection.weight
         rows, cols = weight.shape
         prefix = name.rsplit(".", 1)[0]
-        fp8 = Fp8Weight(rows, cols, kernel, weight.device, dtype)
+        fp8 = Fp8Weight(rows, cols, kernel, weight.device, activations)
         for part, start, part_rows in projection.parts:
             key = f"{prefix}.{part}"
             if weight.dtype == torch.float8_e4m3fn:
