@@ -369,7 +369,7 @@ from tandem.inference.engine import kernels as k
 FP32 = ("row_scale_ptr", "col_scale_ptr", "q_scale_ptr", "cos_ptr", "sin_ptr")
 for fn, consts in (
     (k._rms_norm_kernel, {"N": 4096, "BLOCK": 4096, "HAS_RESIDUAL": True, "X_SCALED": True, "QUANT": True}),
-    (k._silu_mul_quant_kernel, {"BLOCK": 1024, "X_SCALED": True}),
+    (k._silu_mul_quant_kernel, {"BLOCK": 16384, "X_SCALED": True}),
     (k._qk_norm_rope_kernel, {"HEADS": 32, "KV_HEADS": 8, "HEAD_DIM": 128, "HEADS_P2": 64, "X_SCALED": True}),
 ):
     def kind(a):

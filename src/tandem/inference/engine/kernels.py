@@ -236,30 +236,25 @@ def _silu_mul_block(
 def _silu_mul_quant_kernel(
     x_ptr, row_scale_ptr, col_scale_ptr, q_ptr, q_scale_ptr, M, N, BLOCK: tl.constexpr, X_SCALED: tl.constexpr
 ):  # fmt: skip
-    """One program per row: the row's amax over its blocks, then the blocks again as e4m3 (as
+    """One program per row, the whole row in registers: its amax, then the row as e4m3 (as
     triton_fp8.quantize_rows writes silu_mul's output; rows M… are the matmul's padding)."""
     row = tl.program_id(0).to(tl.int64)
     valid = row < M
+    cols = tl.arange(0, BLOCK)
+    mask = (cols < N) & valid
     scale_row = tl.minimum(row, M - 1)  # (padding rows read nothing but a scale)
-    dtype = x_ptr.dtype.element_ty
-    amax = tl.zeros((), tl.float32)
-    for k0 in range(0, N, BLOCK):
-        cols = k0 + tl.arange(0, BLOCK)
-        mask = (cols < N) & valid
-        y = _silu_mul_block(
-            x_ptr, row_scale_ptr, col_scale_ptr, row, scale_row, cols, mask, N, dtype, X_SCALED
-        )
-        amax = tl.maximum(amax, tl.max(tl.abs(y), axis=0))
-    scale = tl.where(valid, tl.maximum(amax, 1e-12) / 448.0, 1.0)
-    for k0 in range(0, N, BLOCK):
-        cols = k0 + tl.arange(0, BLOCK)
-        mask = (cols < N) & valid
-        y = _silu_mul_block(
-            x_ptr, row_scale_ptr, col_scale_ptr, row, scale_row, cols, mask, N, dtype, X_SCALED
-        )
-        q = tl.clamp(y / scale, -448.0, 448.0)
-        tl.store(q_ptr + row * N + cols, q.to(q_ptr.dtype.element_ty), mask=cols < N)
+    y = _silu_mul_block(
+        x_ptr, row_scale_ptr, col_scale_ptr, row, scale_row, cols, mask, N, x_ptr.dtype.element_ty, X_SCALED
+    )
+    scale = tl.where(valid, tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / 448.0, 1.0)
+    q = tl.clamp(y / scale, -448.0, 448.0)
+    tl.store(q_ptr + row * N + cols, q.to(q_ptr.dtype.element_ty), mask=cols < N)
     tl.store(q_scale_ptr + row, scale)
+
+
+def row_warps(block: int) -> int:
+    """Warps for a program that holds a row of `block` values: 32 values a thread, 4 to 16 warps."""
+    return min(16, max(4, block // 1024))
 
 
 def silu_mul_quantized(
@@ -272,7 +267,9 @@ def silu_mul_quantized(
     q = torch.empty(quantized_rows, n, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(quantized_rows, 1, dtype=torch.float32, device=x.device)
     row_scales, col_scales = x_scales if x_scales is not None else (x, x)
+    block = triton.next_power_of_2(n)
     _silu_mul_quant_kernel[(quantized_rows,)](
-        x, row_scales, col_scales, q, scales, rows, n, BLOCK=1024, X_SCALED=x_scales is not None
-    )
+        x, row_scales, col_scales, q, scales, rows, n,
+        BLOCK=block, X_SCALED=x_scales is not None, num_warps=row_warps(block),
+    )  # fmt: skip
     return q, scales
