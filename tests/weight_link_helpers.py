@@ -2,7 +2,7 @@
 both sides (a WeightSender in a thread, the server told to receive by the test)."""
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import httpx
@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from tandem.models.tiny import build_tiny_model
 from tandem.trainer.weight_stream import hf_weight_specs, iter_hf_weights
+from tandem.transport.weight_link import LinkSettings
 from tandem.transport.weight_sender import WeightSender
 
 
@@ -20,6 +21,18 @@ def transfer_models(root: Path) -> dict[str, Path]:
         "a": build_tiny_model(out=root / "a", seed=0),
         "b": build_tiny_model(out=root / "b", seed=1),
         "wide": build_tiny_model(out=root / "wide", hidden_size=128, head_dim=32, intermediate_size=256),
+    }
+
+
+def server_weights(transport: str, link: LinkSettings) -> dict:
+    """The `[weights]` section of a server that joins the trainer's link at `link` (the engine
+    builds its receiver from it)."""
+    return {
+        "transport": transport,
+        "host": link.host,
+        "port": link.port,
+        "transfer_timeout_s": link.transfer_timeout_s,
+        "connect_timeout_s": link.connect_timeout_s,
     }
 
 
@@ -33,15 +46,18 @@ def send_while(
     model: torch.nn.Module,
     ask: Callable[[], httpx.Response] | None,
     dtype: torch.dtype | None = None,
+    tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> tuple[httpx.Response | None, BaseException | None]:
     """Send `model` as `version` while `ask()` tells the server to receive it (None: nobody asks);
-    the server's answer and the sender's error, if any."""
+    the server's answer and the sender's error, if any. `tensors`: what to stream instead of the
+    model's tensors (fewer: a trainer that fails midway)."""
     dtype = dtype or sender.dtype
     failure: list[BaseException] = []
 
     def send() -> None:
         try:
-            sender.send(version, hf_weight_specs(model, dtype), iter_hf_weights(model, dtype))
+            stream = iter_hf_weights(model, dtype) if tensors is None else tensors
+            sender.send(version, hf_weight_specs(model, dtype), stream)
         except BaseException as e:  # returned to the test
             failure.append(e)
 

@@ -4,8 +4,10 @@ Two real servers in this process (uvicorn in threads) over the same tiny model, 
 in a background thread (AsyncEngine), one with it in a spawned process (ProcessEngine), answer
 the same requests with the same tokens and logprobs; aborts, pauses and weight updates reach the
 engine process; a killed engine process fails the open requests and takes the server down
-instead of leaving it hanging; in-memory weights are refused in one line."""
+instead of leaving it hanging; in-memory weights (broadcast, over gloo on the CPU) are received
+by the engine process, their errors answered as by the thread engine."""
 
+import itertools
 import json
 import os
 import signal
@@ -18,16 +20,20 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_process import serve_in_thread, start_server
+import torch
+from server_process import free_port, serve_in_thread, start_server
+from weight_link_helpers import hf, send_while, server_weights, transfer_models
 
 from tandem.cli import UserError
-from tandem.inference.cli import main as inference_main
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine import AsyncEngine
 from tandem.inference.engine.api import SampleUpdate, TokenOutput
 from tandem.inference.engine.process import ProcessEngine, _decode, _encode
 from tandem.inference.server import build_app
 from tandem.models.tiny import build_tiny_model
+from tandem.trainer.weight_stream import hf_weight_specs, iter_hf_weights
+from tandem.transport.weight_link import LinkSettings, TransferError, TransferRefused
+from tandem.transport.weight_sender import WeightSender
 
 PROMPT = [5, 9, 14, 20, 3]
 
@@ -278,11 +284,66 @@ def test_the_server_exits_when_its_engine_process_dies(tiny_model: Path, tmp_pat
     assert "the engine loop died" in log  # the engine process's traceback
 
 
-def test_in_memory_weights_are_refused(tiny_model: Path, capsys: pytest.CaptureFixture) -> None:
-    args = ["--model", str(tiny_model), "--engine.core-process", "true", "--weights.transport", "broadcast"]
-    with pytest.raises(SystemExit) as exit_:
-        inference_main(args)
-    assert exit_.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines
-    assert "engine.core_process = true" in lines[0] and "weights.transport = 'broadcast'" in lines[0]
+LINK_TIMEOUT_S = 4.0  # weights.transfer_timeout_s: how long the half-sent transfer below waits
+
+
+def tokens(choices: list[dict]) -> list[tuple[list[int], list[float]]]:
+    return [(c["token_ids"], c["logprobs"]["token_logprobs"]) for c in choices]
+
+
+def test_in_memory_weights_reach_the_engine_process(tmp_path: Path) -> None:
+    """The receiver lives in the engine process: a transfer serves exactly what loading the same
+    weights from disk serves, under the transfer's version; one that does not fit is refused
+    (400) with the old weights live; one broken midway (TransferError with `partial`, rebuilt from
+    the pipe) takes the server out (503)."""
+    models = transfer_models(tmp_path)
+    link = LinkSettings("127.0.0.1", free_port(), LINK_TIMEOUT_S, 60.0, bucket_bytes=64 << 10)
+    engine_config = InferenceConfig.model_validate(
+        {
+            "model": {"name": str(models["a"])},
+            "engine": {"max_model_len": 256, "core_process": True},
+            "weights": server_weights("broadcast", link),
+        }
+    )
+    engine = ProcessEngine(engine_config)
+    sender = WeightSender(link, 1, 0, 1, torch.device("cpu"))
+    greedy = {"max_tokens": 8, "temperature": 0, "logprobs": 1}
+    with serve_in_thread(build_app(engine, engine.tokenizer, engine_config)) as url:
+        served = Served(url, engine)
+        trainer_model = hf(models["a"])
+        sender.connect(lambda dtype: hf_weight_specs(trainer_model, dtype))
+        try:
+            route = "broadcast group rank 1"
+            assert httpx.get(url + "/health").json()["weights"] == route
+            live = served.complete(greedy)
+            assert served.post("/update_weights", {"path": str(models["b"])}).status_code == 200
+            from_disk = served.complete(greedy)
+            assert served.post("/update_weights", {"path": str(models["a"]), "version": 0}).status_code == 200
+            assert served.complete(greedy) == live and tokens(from_disk) != tokens(live)
+
+            receive = lambda version: lambda: served.post("/update_weights", {"step": version})  # noqa: E731
+            answer, failure = send_while(sender, 5, hf(models["b"]), receive(5))
+            assert failure is None and answer is not None, failure
+            assert answer.json() == {"weight_version": 5, "transport": route}, answer.text
+            received = served.complete(greedy)
+            assert tokens(received) == tokens(from_disk)  # bit for bit: the same tensors reached the model
+            assert received[0]["weight_versions"] == [5] and engine.weight_version == 5
+
+            answer, failure = send_while(sender, 6, hf(models["wide"]), receive(6))
+            assert isinstance(failure, TransferRefused) and answer is not None and answer.status_code == 400
+            message = answer.json()["error"]["message"]
+            assert "policy version 6 does not fit this server's model" in message
+            assert "the old weights stay live" in message
+            assert served.complete(greedy) == received and engine.weight_version == 5
+
+            count = len(hf_weight_specs(trainer_model, torch.float32))
+            half = itertools.islice(iter_hf_weights(trainer_model, torch.float32), count // 2)
+            answer, failure = send_while(sender, 7, trainer_model, receive(7), tensors=half)
+            assert isinstance(failure, TransferError) and answer is not None and answer.status_code == 503
+            message = answer.json()["error"]["message"]
+            assert "server 0: policy version 7: bucket " in message and " did not arrive" in message
+            assert "the weights now mix two versions: this server must be restarted" in message
+            assert httpx.get(url + "/health").status_code == 503
+        finally:
+            sender.close()
+    assert not Path(f"/proc/{engine.pid}").exists()  # its receiver closed, the process reaped

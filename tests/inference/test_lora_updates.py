@@ -16,6 +16,7 @@ import pytest
 import torch
 from server_process import free_port, serve_in_thread
 from transformers import AutoModelForCausalLM
+from weight_link_helpers import server_weights
 
 from tandem.config.base import ModelConfig
 from tandem.inference.config import InferenceConfig
@@ -30,7 +31,6 @@ from tandem.trainer.model import build_trainer_model
 from tandem.trainer.parallel import init_distributed
 from tandem.trainer.weight_publisher import update_stream
 from tandem.transport.weight_link import LinkSettings
-from tandem.transport.weight_receiver import WeightReceiver
 from tandem.transport.weight_sender import WeightSender
 
 PROMPT = [5, 9, 14, 20, 3, 7]
@@ -74,20 +74,18 @@ def server(
 ) -> Iterator[tuple[str, WeightSender]]:
     settings = LinkSettings("127.0.0.1", free_port(), 30.0, 60.0, 512 << 20)
     engine_config = {"max_model_len": 128, "lora_base_on_cpu": base_on_cpu}
+    weights = server_weights(transport, settings)
     config = InferenceConfig.model_validate(
-        {"model": {"name": str(base)}, "engine": engine_config, "weights": {"transport": transport}}
+        {"model": {"name": str(base)}, "engine": engine_config, "weights": weights}
     )
-    engine = AsyncEngine(config)
-    receiver = WeightReceiver(settings, 0, transport, engine.core.device, engine.core.dtype)
-    receiver.start()
+    engine = AsyncEngine(config)  # its receiver joins the link in the background
     sender = WeightSender(settings, 1, 0, 1, torch.device("cpu"))
-    with serve_in_thread(build_app(engine, engine.tokenizer, config, receiver)) as url:
+    with serve_in_thread(build_app(engine, engine.tokenizer, config)) as url:
         sender.connect(lambda dtype: update_stream(trainer.model, dtype)[0])
         try:
             yield url, sender
         finally:
             sender.close()
-            receiver.close()
 
 
 def served(url: str) -> tuple[list[int], torch.Tensor]:

@@ -1,7 +1,8 @@
 """The in-memory weight transports update real inference servers so that they sample exactly what
 the trainer computes: the RL trainer (in a thread, 3 steps) streams each version to two native
-servers (processes, fp32 on CPU), one by broadcast (gloo) and one colocated (shared memory); this
-test plays the orchestrator (sample, write rollouts, tell both servers to take each version).
+servers (processes, fp32 on CPU), one by broadcast (gloo) and one colocated (shared memory,
+received by the server's engine process: engine.core_process); this test plays the orchestrator
+(sample, write rollouts, tell both servers to take each version).
 After every update the servers' logprobs must equal the trainer's (mismatch KL ≤ 1e-6), a request
 in flight across an update finishes and names both versions, and the Hugging Face export is
 written after the last step only. (The filesystem transport: test_rl_server_consistency.py.)"""
@@ -80,11 +81,13 @@ def test_broadcast_and_colocated_keep_servers_equal_to_trainer(tmp_path: Path) -
         urls = [
             stack.enter_context(
                 inference_server(
-                    [*common, "--weights.server_index", str(i), "--weights.transport", transport],
+                    [*common, "--weights.server_index", str(i), "--weights.transport", transport, *more],
                     tmp_path / f"server_{i}.log",
                 )
             )
-            for i, transport in enumerate(["broadcast", "colocated"])
+            for i, (transport, more) in enumerate(
+                [("broadcast", []), ("colocated", ["--engine.core_process", "true"])]
+            )
         ]
         trainer = threading.Thread(target=run_trainer, daemon=True)
         trainer.start()

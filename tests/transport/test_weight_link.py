@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 from server_process import free_port, serve_in_thread
-from weight_link_helpers import hf, send_while, transfer_models
+from weight_link_helpers import hf, send_while, server_weights, transfer_models
 
 from tandem.client.config import ClientConfig
 from tandem.client.inference import ServerPool
@@ -26,7 +26,6 @@ from tandem.orchestrator.weights import PolicySync
 from tandem.trainer.weight_stream import hf_weight_specs, iter_hf_weights
 from tandem.transport.config import WeightsConfig
 from tandem.transport.weight_link import Link, LinkSettings, TransferError, TransferRefused, TransferTimeout
-from tandem.transport.weight_receiver import WeightReceiver
 from tandem.transport.weight_sender import WeightSender
 from tandem.transport.weights import write_offer
 
@@ -72,20 +71,21 @@ class Linked:
 def linked_server(start: Path, transport: str, bucket_bytes: int = 512 << 20) -> Iterator[Linked]:
     settings = LinkSettings("127.0.0.1", free_port(), TIMEOUT_S, 60.0, bucket_bytes)
     config = InferenceConfig.model_validate(
-        {"model": {"name": str(start)}, "engine": {"max_model_len": 256}, "weights": {"transport": transport}}
+        {
+            "model": {"name": str(start)},
+            "engine": {"max_model_len": 256},
+            "weights": server_weights(transport, settings),
+        }
     )
-    engine = AsyncEngine(config)
-    receiver = WeightReceiver(settings, 0, transport, engine.core.device, engine.core.dtype)
-    receiver.start()
+    engine = AsyncEngine(config)  # its receiver joins the link in the background
     sender = WeightSender(settings, 1, 0, 1, torch.device("cpu"))
     model = hf(start)
-    with serve_in_thread(build_app(engine, engine.tokenizer, config, receiver)) as url:
+    with serve_in_thread(build_app(engine, engine.tokenizer, config)) as url:
         sender.connect(lambda dtype: hf_weight_specs(model, dtype))
         try:
             yield Linked(url, sender)
         finally:
             sender.close()
-            receiver.close()
 
 
 @pytest.mark.parametrize("transport", ["broadcast", "colocated"])

@@ -16,11 +16,8 @@ from tandem.config.loader import parse_config
 from tandem.inference.config import InferenceConfig
 
 if TYPE_CHECKING:
-    import torch
     import uvicorn
     from starlette.types import ASGIApp
-
-    from tandem.transport.weight_receiver import WeightReceiver
 
 PROG = "inference"
 
@@ -77,38 +74,12 @@ def http_server(app: "ASGIApp", config: InferenceConfig) -> "uvicorn.Server":
     )
 
 
-def start_receiver(config: InferenceConfig, device: "torch.device", dtype: "torch.dtype") -> "WeightReceiver":
-    """Join the trainer's weight link (an in-memory weight transport) in the background."""
-    from tandem.transport.weight_link import LinkError, LinkSettings
-    from tandem.transport.weight_receiver import WeightReceiver
-
-    try:
-        settings = LinkSettings.of(config.weights)
-    except LinkError as e:
-        raise UserError(str(e)) from None
-    receiver = WeightReceiver(settings, config.weights.server_index, config.weights.transport, device, dtype)
-    receiver.start()
-    logging.getLogger("tandem.inference").info(
-        "weights by %s: joining the trainer at %s", config.weights.transport, settings.address
-    )
-    return receiver
-
-
 def serve_native(config: InferenceConfig) -> None:
     from tandem.inference.engine import start_engine
     from tandem.inference.server import build_app
 
-    if config.engine.core_process and config.weights.in_memory:
-        raise UserError(
-            f"engine.core_process = true does not work with weights.transport = "
-            f"'{config.weights.transport}' yet (the weight receiver is not built in the engine process): "
-            "set engine.core_process = false, or use the filesystem transport"
-        )
-    engine = start_engine(config)
-    receiver = None
-    if config.weights.in_memory:  # (so the engine is an AsyncEngine, whose core is in this process)
-        receiver = start_receiver(config, engine.core.device, engine.core.dtype)  # type: ignore[union-attr]
-    app = build_app(engine, engine.tokenizer, config, receiver)
+    engine = start_engine(config)  # (with an in-memory weights.transport, its receiver joins the trainer)
+    app = build_app(engine, engine.tokenizer, config)
     freeze_heap()
     log = logging.getLogger("tandem.inference")
     log.info(

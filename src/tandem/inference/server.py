@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -41,9 +41,6 @@ from tandem.inference.protocol import (
 from tandem.inference.responses import ResponseBuilder, TokenTexts
 from tandem.transport.weights import weights_dir
 
-if TYPE_CHECKING:
-    from tandem.transport.weight_receiver import WeightReceiver
-
 log = logging.getLogger("tandem.inference")
 
 
@@ -60,11 +57,8 @@ def model_vocab_size(name: str) -> int | None:
 class Server:
     """State shared by the routes: the engine, the tokenizer, pause gate, counters."""
 
-    def __init__(
-        self, engine: Engine, tokenizer: Any, config: InferenceConfig, receiver: "WeightReceiver | None"
-    ) -> None:
+    def __init__(self, engine: Engine, tokenizer: Any, config: InferenceConfig) -> None:
         self.engine = engine
-        self.receiver = receiver
         self.broken: str | None = None  # set when a failed transfer left the weights mixing versions
         self.tokenizer = tokenizer
         self.config = config
@@ -240,9 +234,8 @@ class Server:
         """Policy `version` over the in-memory transport; errors as API errors naming the step."""
         from tandem.transport.weight_link import LinkError, TransferError, TransferRefused  # loads torch
 
-        assert self.receiver is not None
         try:
-            return await self.engine.receive_weights(self.receiver, version)
+            return await self.engine.receive_weights(version)
         except TransferRefused as e:
             raise APIError(400, f"{e}; the old weights stay live", "step") from None
         except (TransferError, LinkError) as e:
@@ -252,11 +245,10 @@ class Server:
             raise APIError(504, f"{e}; the old weights stay live") from None
 
 
-def build_app(
-    engine: Engine, tokenizer: Any, config: InferenceConfig, receiver: "WeightReceiver | None" = None
-) -> FastAPI:
-    """`receiver`: the in-memory weight transport; then `{"step": N}` updates receive version N by it."""
-    server = Server(engine, tokenizer, config, receiver)
+def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAPI:
+    """With an in-memory `weights.transport`, `{"step": N}` updates receive version N by the
+    engine's receiver; else they load the run's weights/step_N."""
+    server = Server(engine, tokenizer, config)
 
     app = new_app("tandem inference", engine.shutdown, server.counters, config.api_key)
     app.state.server = server
@@ -271,7 +263,7 @@ def build_app(
             "status": "ok",
             "weight_version": engine.weight_version,
             "paused": not server.resumed.is_set(),
-            "weights": receiver.describe() if receiver is not None else "filesystem",
+            "weights": await engine.weight_transport(),
         }
 
     @app.get("/v1/models")
@@ -331,12 +323,13 @@ def build_app(
 
     @app.post("/update_weights")
     async def update_weights(req: UpdateWeightsRequest) -> dict:
-        if req.step is not None and receiver is not None:
+        if req.step is not None and config.weights.in_memory:
             async with server.update_lock:
                 version = await server.receive_weights(req.step)
             server.counters.weight_updates_total += 1
-            log.info("received policy version %d (%s)", version, receiver.describe())
-            return {"weight_version": version, "transport": receiver.describe()}
+            transport = await engine.weight_transport()
+            log.info("received policy version %d (%s)", version, transport)
+            return {"weight_version": version, "transport": transport}
         path = server.weights_path(req)
         async with server.update_lock:
             try:

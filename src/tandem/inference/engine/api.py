@@ -8,10 +8,7 @@ scheduling, the KV cache, the model and sampling.
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol
-
-if TYPE_CHECKING:
-    from tandem.transport.weight_receiver import WeightReceiver
+from typing import Literal, Protocol
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -136,9 +133,17 @@ class Engine(Protocol):
         Raises WeightLoadError and keeps the old weights on any problem."""
         ...
 
-    async def receive_weights(self, receiver: "WeightReceiver", version: int) -> int:
-        """Receive policy `version` over an in-memory transport between engine steps; returns it.
-        Raises the transport's TransferError (TransferRefused: nothing changed)."""
+    async def receive_weights(self, version: int) -> int:
+        """Receive policy `version` over the in-memory transport of `weights.transport` between
+        engine steps; returns it. The engine's receiver joined the trainer's weight link when the
+        engine started, in the process that holds the model. Raises the transport's TransferError
+        (TransferRefused: nothing changed; `partial` set: the weights now mix two versions) or
+        LinkError (no link)."""
+        ...
+
+    async def weight_transport(self) -> str:
+        """How new weights arrive: "filesystem", or the in-memory route (WeightReceiver.describe:
+        "not linked" until the trainer has joined)."""
         ...
 
     async def pause(self) -> None: ...

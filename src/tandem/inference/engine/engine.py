@@ -12,15 +12,12 @@ import asyncio
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine.api import EngineStats, FinishReason, SamplingParams
 from tandem.inference.engine.loop import CoreLoop
 from tandem.inference.engine.streams import EngineFront
-
-if TYPE_CHECKING:
-    from tandem.transport.weight_receiver import WeightReceiver
 
 SHUTDOWN_WAIT_S = 30.0
 
@@ -55,10 +52,13 @@ class AsyncEngine(EngineFront):
         done = await asyncio.to_thread(self.core_loop.update_weights, Path(path), version)
         return await asyncio.wrap_future(done)
 
-    async def receive_weights(self, receiver: "WeightReceiver", version: int) -> int:
+    async def receive_weights(self, version: int) -> int:
         """Receive policy `version` over the in-memory weight transport, between steps as
         `update_weights` loads. Raises the transfer's error; a refused transfer changes nothing."""
-        return await asyncio.wrap_future(self.core_loop.receive_weights(receiver, version))
+        return await asyncio.wrap_future(self.core_loop.receive_weights(version))
+
+    async def weight_transport(self) -> str:
+        return self.core_loop.weight_transport()
 
     async def pause(self) -> None:
         """Stop stepping after the current step; requests stay in place."""

@@ -7,29 +7,35 @@ on a CPU, stepping a core that another thread built (whose intra-op OpenMP team 
 beside the stepping thread's) ran at 0.7× the speed. The core keeps one step queued on the device
 while the loop finishes the previous one (`EngineCore.step`); pausing drains it. Each step's
 updates go to `emit`, once per step, and once more after commands that no step follows, so that
-a copy of `stats()` taken there stays current.
+a copy of `stats()` taken there stays current. With an in-memory weight transport
+(`weights.transport` broadcast or colocated) the loop owns the `WeightReceiver`, built beside
+the core (the process that holds the model's tensors must receive them).
 """
 
 import contextlib
+import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from tandem.cli import UserError
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine.api import EngineDeadError, EngineStats, SampleUpdate, WeightLoadError
 from tandem.inference.engine.core import EngineCore
 from tandem.inference.engine.lora import LoRAMerger, is_adapter_dir, read_adapter
 from tandem.inference.engine.weights import parameter_specs, read_checkpoint, version_from_path
+from tandem.transport.config import WeightsConfig
 from tandem.transport.weight_buckets import spec_mismatch
-
-if TYPE_CHECKING:
-    from tandem.transport.weight_receiver import WeightReceiver
+from tandem.transport.weight_link import LinkError, LinkSettings
+from tandem.transport.weight_receiver import WeightReceiver
 
 IDLE_WAIT_S = 0.05
+
+log = logging.getLogger("tandem.inference")
 
 Emit = Callable[[list[tuple[str, list[SampleUpdate]]]], None]
 
@@ -40,6 +46,7 @@ class CoreLoop:
     EngineDeadError."""
 
     def __init__(self, config: InferenceConfig, emit: Emit) -> None:
+        link = _link_settings(config.weights)  # before the core: a bad [weights] fails at once
         self.core = EngineCore(config)
         self.lora = LoRAMerger(self.core.model, config.engine.lora_base_on_cpu)
         self.emit = emit
@@ -51,6 +58,8 @@ class CoreLoop:
         # a weight update waiting for the loop: what gives its tensors, its version, its caller
         self._pending_update: tuple[Callable[[], Any], int, Future] | None = None
         self._stopping = False
+        # set iff the transport is in-memory; closed when `run` ends
+        self.receiver = None if link is None else _start_receiver(link, config.weights, self.core)
 
     # ---- any thread -------------------------------------------------------------------------
 
@@ -83,11 +92,15 @@ class CoreLoop:
             version = self.core.weight_version + 1
         return self._queue(tensors, version)
 
-    def receive_weights(self, receiver: "WeightReceiver", version: int) -> Future:
-        """Receive policy `version` over the in-memory transport when the loop applies it; the
-        future gives the version or the transfer's error (a refused transfer changes nothing)."""
+    def receive_weights(self, version: int) -> Future:
+        """Receive policy `version` by the loop's receiver when the loop applies it; the future
+        gives the version or the transfer's error (TransferRefused: nothing changed; LinkError
+        without an in-memory transport)."""
+        receiver = self.receiver
 
         def begin() -> Any:
+            if receiver is None:
+                raise LinkError("weights.transport is 'filesystem': this server has no weight link")
             offer = receiver.offer(version)
             config = offer.meta.get("adapter_config")
             if config is None:
@@ -97,6 +110,11 @@ class CoreLoop:
             return self.lora.merged(config, receiver.accept(offer, problem))
 
         return self._queue(begin, version)
+
+    def weight_transport(self) -> str:
+        """How new weights arrive: "filesystem", or the receiver's route ("not linked" until the
+        trainer has joined)."""
+        return "filesystem" if self.receiver is None else self.receiver.describe()
 
     def stats(self) -> EngineStats:
         core = self.core
@@ -139,6 +157,8 @@ class CoreLoop:
                 self.emit(core.step())
         finally:
             self._close("the engine is not running")
+            if self.receiver is not None:
+                self.receiver.close()
 
     def _queue(self, tensors: Callable[[], Any], version: int) -> Future:
         done: Future = Future()
@@ -210,6 +230,24 @@ class CoreLoop:
                 future.set_exception(EngineDeadError(reason))
         if self._pending_update is not None:
             self._pending_update[2].set_exception(EngineDeadError(reason))
+
+
+def _link_settings(weights: WeightsConfig) -> LinkSettings | None:
+    """Where the trainer's weight link meets; None with the filesystem transport."""
+    if not weights.in_memory:
+        return None
+    try:
+        return LinkSettings.of(weights)
+    except LinkError as e:
+        raise UserError(str(e)) from None
+
+
+def _start_receiver(link: LinkSettings, weights: WeightsConfig, core: EngineCore) -> WeightReceiver:
+    """Join the trainer's weight link in the background, to receive into the core's device and dtype."""
+    receiver = WeightReceiver(link, weights.server_index, weights.transport, core.device, core.dtype)
+    receiver.start()
+    log.info("weights by %s: joining the trainer at %s", weights.transport, link.address)
+    return receiver
 
 
 def _pass_failure(source: Future, target: Future) -> None:

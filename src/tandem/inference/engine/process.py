@@ -7,23 +7,29 @@ pipe connects the two, so the event loop and the engine no longer share one GIL.
 
 Messages are tuples pickled with protocol 5:
 
-    server → engine   (kind, call_id, *args); kind is add, abort, finish, pause, resume, update or
-                      stop; a call_id (None for add, abort and stop) asks for a reply
+    server → engine   (kind, call_id, *args); kind is add, abort, finish, pause, resume, update,
+                      receive, transport or stop; a call_id (None for add, abort and stop) asks
+                      for a reply
     engine → server   ("ready", facts) or ("failed", error, traceback), once, at start;
                       ("out", stats, updates, rejected) once per step, and once after commands
                       that no step follows: every request's new tokens as plain lists (`_encode`),
                       and (request id, why) for each add the core refused;
-                      ("reply", call_id, stats, ok, result or error);
+                      ("reply", stats, call_id, ok, result or error);
                       ("died", why) before the engine exits on an error
 
 Every message from the engine carries a copy of its stats, which `stats()` and `weight_version`
-read. In the server a reader thread blocks on the pipe (the GIL released while it waits),
+read; the copy is taken under the send lock, so that whichever thread sends, later messages
+carry later stats. In the server a reader thread blocks on the pipe (the GIL released while it waits),
 unpickles each message and hands a step's updates to the event loop with one
 `call_soon_threadsafe`. When the engine process dies (killed, crashed) the reader sees the pipe
 close: every open stream and pending call gets EngineDeadError, `dead_reason` gives the exit
 code (and the error), `on_death` is called. The engine process ignores SIGINT and SIGTERM (a
 supervisor signals the whole process group): it stops when the server tells it (`shutdown`) or
 when the server's end of the pipe closes.
+
+With an in-memory weight transport the engine process's CoreLoop owns the WeightReceiver (the
+receiver must live beside the model's tensors); "receive" runs a transfer there, and its error
+comes back pickled, type and `partial` included.
 """
 
 import asyncio
@@ -58,7 +64,6 @@ from tandem.models.loading import load_tokenizer
 
 if TYPE_CHECKING:
     from tandem.inference.engine.loop import CoreLoop
-    from tandem.transport.weight_receiver import WeightReceiver
 
 START_TIMEOUT_S = 1800.0  # building the core: reading the weights, sizing the KV cache, capturing graphs
 CALL_TIMEOUT_S = 300.0  # pause, resume, finish_sample: answered between two steps
@@ -125,8 +130,16 @@ class ProcessEngine(EngineFront):
         death ends the wait."""
         return await self._call("update", str(path), version, timeout_s=None)
 
-    async def receive_weights(self, receiver: "WeightReceiver", version: int) -> int:
-        raise NotImplementedError("in-memory weight transports need engine.core_process = false")
+    async def receive_weights(self, version: int) -> int:
+        """Receive policy `version` by the engine process's receiver (CoreLoop.receive_weights).
+        Raises the transfer's error, rebuilt here with its type and `partial`; a refused transfer
+        changes nothing. No timeout of its own: the transfer has weights.transfer_timeout_s, and
+        with weight_update_mode = "wait" it waits for the running requests."""
+        return await self._call("receive", version, timeout_s=None)
+
+    async def weight_transport(self) -> str:
+        """Answered by the engine process's command thread, even while the loop is in a transfer."""
+        return await self._call("transport")
 
     async def pause(self) -> None:
         """Stop stepping after the current step; requests stay in place."""
@@ -235,7 +248,7 @@ class ProcessEngine(EngineFront):
                     if outputs or rejected:
                         self._deliver(self._decoded(outputs, rejected))
                 elif kind == "reply":
-                    _, call_id, self._stats, ok, value = message
+                    _, self._stats, call_id, ok, value = message
                     with self._calls_lock:
                         future = self._calls.pop(call_id, None)
                     if future is not None and future.set_running_or_notify_cancel():
@@ -348,7 +361,8 @@ def run_engine_process(config: InferenceConfig, conn: Connection) -> None:
 
 class _EngineSide:
     """The engine process's end of the pipe. Sends come from the loop's thread (steps, and replies
-    to the commands it runs) and the command thread (replies to updates refused before queuing)."""
+    to the commands it runs), the command thread (the weight transport) and update threads
+    (updates refused before queuing)."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
@@ -371,10 +385,15 @@ class _EngineSide:
         with self.lock:
             self.conn.send_bytes(data)
 
+    def send_with_stats(self, kind: str, *fields: Any) -> None:
+        """Send (kind, the engine's stats now, *fields)."""
+        with self.lock:
+            self.conn.send_bytes(pickle.dumps((kind, self.core_loop.stats(), *fields), protocol=5))
+
     def emit(self, outputs: list[tuple[str, list[SampleUpdate]]]) -> None:
         rejected, self.rejected = self.rejected, []
         encoded = [(request_id, [_encode(u) for u in updates]) for request_id, updates in outputs]
-        self.send(("out", self.core_loop.stats(), encoded, rejected))
+        self.send_with_stats("out", encoded, rejected)
 
     def serve_commands(self) -> None:
         """The command thread: each command becomes a CoreLoop command until "stop" or until the
@@ -398,6 +417,12 @@ class _EngineSide:
             if kind == "update":
                 threading.Thread(target=self._update, args=(call_id, *args), daemon=True).start()
                 continue
+            if kind == "receive":
+                core_loop.receive_weights(*args).add_done_callback(partial(self._reply, call_id))
+                continue
+            if kind == "transport":
+                self._answer(call_id, True, core_loop.weight_transport())
+                continue
             future = core_loop.submit(partial(commands[kind], *args))
             if kind == "add":
                 future.add_done_callback(partial(self._reject, args[0]))
@@ -415,9 +440,11 @@ class _EngineSide:
 
     def _reply(self, call_id: int, future: Future) -> None:
         error = future.exception()
-        value = future.result() if error is None else _portable(error)
+        self._answer(call_id, error is None, future.result() if error is None else _portable(error))
+
+    def _answer(self, call_id: int, ok: bool, value: Any) -> None:
         with contextlib.suppress(OSError):  # the server has gone
-            self.send(("reply", call_id, self.core_loop.stats(), error is None, value))
+            self.send_with_stats("reply", call_id, ok, value)
 
     def _reject(self, request_id: str, future: Future) -> None:
         error = future.exception()
