@@ -41,8 +41,9 @@ class EngineConfig(Section):
     core_process: bool = Field(
         False,
         description="Run the engine core in its own process: the HTTP event loop (parsing, tokenizing, "
-        "JSON) and the engine stop sharing one GIL; requests and each step's tokens cross a pipe. "
-        "Not with in-memory weight transports yet (docs/inference-engine.md, 'The engine process').",
+        "JSON) and the engine stop sharing one GIL; requests and each step's tokens cross a pipe. An "
+        "in-memory weights.transport's receiver is built in that process, beside the model "
+        "(docs/inference-engine.md, 'The engine process').",
     )
     cuda_graphs: bool = Field(True, description="Capture decode steps in CUDA graphs (CUDA only).")
     triton_kernels: bool = Field(True, description="Fused Triton kernels for the forward pass (CUDA only).")
