@@ -144,7 +144,7 @@ def sft_step(model, optimizer, world, length: int):  # noqa: ANN001, ANN201 (a s
 
     def step() -> None:
         (token_loss_sum(model, batch) * (world.size / (length - 1))).backward()
-        clip_grad_norm(model, 1.0)
+        clip_grad_norm(optimizer, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

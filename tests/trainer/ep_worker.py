@@ -1,11 +1,12 @@
 """One rank of the expert-parallelism equivalence test (run under torchrun, gloo on CPU).
 
-    python -m torch.distributed.run --nproc-per-node N ep_worker.py MODEL OUT EP
+    python -m torch.distributed.run --nproc-per-node N ep_worker.py MODEL OUT EP [MASTER_WEIGHTS]
 
 Trains a tiny Qwen3-MoE for STEPS steps on a fixed global batch of packed documents, each
 rank taking its round-robin share of the rows, the loss normalised by the global token count
 as the trainers do. Rank 0 writes the losses, the full gradients of the last step (in
-checkpoint names) and the final weights to OUT (torch.save).
+checkpoint names) and the final weights to OUT (torch.save). MASTER_WEIGHTS is
+optim.master_weights ("model" unless given).
 """
 
 import sys
@@ -15,7 +16,7 @@ import torch
 from tandem.config.base import ModelConfig
 from tandem.trainer.config import OptimConfig, ParallelConfig
 from tandem.trainer.model import build_trainer_model
-from tandem.trainer.optim import build_optimizer, clip_grad_norm
+from tandem.trainer.optim import build_optimizer, clip_grad_norm, gradient
 from tandem.trainer.parallel import all_reduce_sum, init_distributed, shutdown
 from tandem.trainer.weight_stream import iter_hf_weights
 
@@ -31,10 +32,13 @@ def global_batch(vocab: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def main() -> None:
     model_dir, out, ep = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    master_weights = sys.argv[4] if len(sys.argv) > 4 else "model"
     torch.set_num_threads(1)
     world = init_distributed("cpu")
-    model = build_trainer_model(ModelConfig(name=model_dir, device="cpu"), world, ParallelConfig(ep=ep))
-    optimizer = build_optimizer(model, OptimConfig(lr=1e-3))
+    model = build_trainer_model(
+        ModelConfig(name=model_dir, device="cpu"), world, ParallelConfig(ep=ep), master_weights=master_weights
+    )
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-3, master_weights=master_weights))
     losses, grads = [], {}
     for step in range(STEPS):
         ids, positions = global_batch(model.hf_config.vocab_size, step)
@@ -44,8 +48,10 @@ def main() -> None:
         partial = -logprobs.sum()
         (partial * world.size / tokens).backward()
         if step == STEPS - 1:
-            grads = {name: g.clone() for name, g in iter_hf_weights(model, of=lambda t: t.grad)}
-        clip_grad_norm(model, 0.5)
+            grads = {
+                name: g.clone() for name, g in iter_hf_weights(model, of=lambda t: gradient(optimizer, t))
+            }
+        clip_grad_norm(optimizer, 0.5)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(all_reduce_sum(partial.detach())) / tokens)

@@ -3,7 +3,9 @@
 A tiny Qwen3-MoE (4 experts, top-2) trains 3 steps on a fixed packed batch: with ep = 2 on 2
 ranks and ep = 2 on 4 ranks (experts also FSDP-sharded over the other mesh dimension, with the
 gradient divide factor of the world), losses and the last step's gradients equal the 1-rank
-run's. (ep = 4 on 4 ranks, one expert each, passes too; it is left out to keep CI short.)
+run's. (ep = 4 on 4 ranks, one expert each, passes too; it is left out to keep CI short.) With
+the fp32 master weights in the optimizer (optim.master_weights = "optimizer", fp32 compute on CPU)
+ep = 2 on 2 ranks takes the same steps too.
 """
 
 import os
@@ -34,13 +36,21 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     return model, torch.load(out)
 
 
-@pytest.mark.parametrize(("ranks", "ep"), [(2, 2), (4, 2)])
-def test_ep_matches_one_rank(reference: tuple[Path, dict], tmp_path: Path, ranks: int, ep: int) -> None:
+@pytest.mark.parametrize(
+    ("ranks", "ep", "master_weights"), [(2, 2, "model"), (4, 2, "model"), (2, 2, "optimizer")]
+)
+def test_ep_matches_one_rank(
+    reference: tuple[Path, dict], tmp_path: Path, ranks: int, ep: int, master_weights: str
+) -> None:
     model, want = reference
     out = tmp_path / f"ep{ep}.pt"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
     done = subprocess.run(
-        [*command, WORKER, model, out, str(ep)], capture_output=True, text=True, env=ENV, timeout=600
+        [*command, WORKER, model, out, str(ep), master_weights],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
     )
     assert done.returncode == 0, failure(done)
     got = torch.load(out)

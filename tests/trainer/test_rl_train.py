@@ -52,14 +52,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return small_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
-def test_step0_matches_sampler_and_update_follows_advantages(model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("master_weights", ["model", "optimizer"])
+def test_step0_matches_sampler_and_update_follows_advantages(
+    model_dir: Path, tmp_path: Path, master_weights: str
+) -> None:
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = load_tokenizer(str(model_dir))
     samples = sample_reverse_text(base, tokenizer, 4, 4, TEMPERATURE, 24, seed=0)
     assert any(s.advantage != 0 for s in samples)
     write_rollouts(tmp_path, 0, samples, TEMPERATURE)
 
-    result = train(trainer_config(model_dir, tmp_path))
+    result = train(trainer_config(model_dir, tmp_path, **{"optim.master_weights": master_weights}))
 
     # before the update the trainer's logprobs are the sampler's: fp32 CPU, same weights
     assert result["mismatch_kl"] <= 1e-6

@@ -7,6 +7,8 @@ from pydantic_core import PydanticCustomError
 
 from tandem.config.base import CPStyle, Section
 
+MasterWeights = Literal["model", "optimizer"]
+
 
 class OptimConfig(Section):
     """AdamW with linear warmup, then cosine, linear or constant decay."""
@@ -24,6 +26,15 @@ class OptimConfig(Section):
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate as a fraction of lr.")
     max_grad_norm: float = Field(
         1.0, ge=0, description="Clip the global gradient norm to this; 0 = measure but do not clip."
+    )
+    master_weights: MasterWeights = Field(
+        "model",
+        description="Where the fp32 master weights live. model: the model's sharded parameters are fp32 "
+        "and FSDP casts them to the compute dtype for every forward and backward; optimizer: the "
+        "parameters are held in the compute dtype (bf16 on GPU) and the optimizer keeps an fp32 copy "
+        "of each shard, updated with the fp32 moments in one fused pass that writes the parameter "
+        "(no casts in FSDP; 2 more bytes a parameter). Not with LoRA or model.impl = 'hf' "
+        "(docs/trainer.md, 'Master weights').",
     )
 
 

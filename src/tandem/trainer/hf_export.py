@@ -14,12 +14,18 @@ A model with LoRA adapters (models/lora.py) is written as a PEFT adapter instead
     out_dir/  adapter_config.json, adapter_model.safetensors    (PEFT's names, the base model's modules)
 
 or, with `merged`, as the full model with the adapters merged into its weights.
+
+With master weights in the optimizer (`[optim] master_weights = "optimizer"`, trainer/
+master_weights.py) the weights written are the optimizer's fp32 masters, not the model's bf16
+parameters: the same fp32 checkpoint as with master_weights = "model".
 """
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 from torch import nn
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -29,6 +35,7 @@ from tandem.models.layers.transformer import CausalLM
 from tandem.models.loading import save_model, save_tokenizer_files
 from tandem.models.lora import has_lora
 from tandem.trainer.checkpoint import full_model_state, replace_dir, tmp_dir
+from tandem.trainer.master_weights import MasterAdamW
 from tandem.trainer.parallel import World, barrier
 from tandem.trainer.weight_stream import iter_adapter_weights, iter_hf_weights
 
@@ -43,9 +50,11 @@ def write_hf_model(
     world: World,
     max_shard_bytes: int = 5 * 2**30,
     merged: bool = False,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> None:
     """Write the model as a Hugging Face checkpoint to `out_dir`, replacing it (collective); a
-    model with LoRA adapters as a PEFT adapter, or merged into a full checkpoint with `merged`."""
+    model with LoRA adapters as a PEFT adapter, or merged into a full checkpoint with `merged`.
+    A MasterAdamW `optimizer`'s fp32 masters are written in place of the parameters."""
     tmp = tmp_dir(out_dir)
     if world.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -61,7 +70,7 @@ def write_hf_model(
     elif isinstance(model, CausalLM) or lora:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes) if world.is_main else None
         dtype = None
-        for name, tensor in iter_hf_weights(model):
+        for name, tensor in iter_hf_weights(model, of=_masters(optimizer)):
             if writer is not None:
                 writer.add(name, tensor)
                 dtype = tensor.dtype
@@ -78,3 +87,11 @@ def write_hf_model(
     if world.is_main:
         replace_dir(tmp, Path(out_dir))
     barrier()
+
+
+def _masters(optimizer: torch.optim.Optimizer | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What to write for each of the model's tensors: a MasterAdamW's fp32 master of a parameter
+    (buffers as they are); None (the tensors themselves) for any other optimizer."""
+    if not isinstance(optimizer, MasterAdamW):
+        return None
+    return lambda tensor: optimizer.master(tensor) if tensor in optimizer.state else tensor

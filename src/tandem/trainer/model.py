@@ -37,9 +37,17 @@ from tandem.models.loading import DTYPES, check_model_source, load_model
 from tandem.models.lora import Part, adapter_config, init_lora, inject_lora, is_adapter_tensor, linear_parts
 from tandem.models.parallelism import ParallelPlan
 from tandem.models.registry import FAMILIES, UnsupportedConfig, family
-from tandem.trainer.config import LoRAConfig, ParallelConfig
+from tandem.trainer.config import LoRAConfig, MasterWeights, ParallelConfig
 from tandem.trainer.logprobs import attach_sequence_logprobs
-from tandem.trainer.parallel import World, apply_fsdp, build_cp_mesh, build_mesh, mixed_precision
+from tandem.trainer.parallel import (
+    World,
+    apply_fsdp,
+    build_cp_mesh,
+    build_mesh,
+    compute_dtype_of,
+    master_in_optimizer_policy,
+    mixed_precision,
+)
 from tandem.trainer.weight_stream import persistent_tensors
 
 
@@ -70,10 +78,12 @@ def build_trainer_model(
     load_weights: bool = True,
     lora: LoRAConfig | None = None,
     seed: int = 0,
+    master_weights: MasterWeights = "model",
 ) -> nn.Module:
     """The model of `cfg.name`, sharded over the world; weights loaded unless `load_weights` is off
     (a resume then fills them from its checkpoint). With `lora` (enabled) only its adapters train;
-    `seed` draws their initial values."""
+    `seed` draws their initial values. master_weights = "optimizer": the parameters are held in the
+    compute dtype, and the optimizer (trainer/master_weights.py) keeps their fp32 masters."""
     if parallel.activation_offload and world.device.type != "cuda":
         raise UserError(
             f"trainer.parallel.activation_offload needs a CUDA device: on {world.device.type} the activations "
@@ -82,8 +92,14 @@ def build_trainer_model(
     config = load_hf_config(cfg.name)
     weights = torch.float32 if cfg.dtype == "auto" else DTYPES[cfg.dtype]
     lora = lora if lora_enabled(lora) else None
-    policy = mixed_precision(world.device, weights, compute_dtype, adapters=lora is not None)
-    if resolve_impl(cfg, config) == "hf":
+    impl = resolve_impl(cfg, config)
+    master = master_weights == "optimizer"
+    if master:
+        _check_master_in_optimizer(weights, lora, impl)
+        policy = master_in_optimizer_policy(world)
+    else:
+        policy = mixed_precision(world.device, weights, compute_dtype, adapters=lora is not None)
+    if impl == "hf":
         for key in ("ep", "cp"):
             if getattr(parallel, key) > 1:
                 raise UserError(
@@ -121,6 +137,8 @@ def build_trainer_model(
         raise UserError(f"{cfg.name}: {e}; use model.impl = 'hf'") from None
     except ValueError as e:
         raise UserError(f"{cfg.name}: {e}") from None
+    if master:
+        _cast_parameters(model, compute_dtype_of(world.device, weights, compute_dtype))
     layouts = fam.hf_layout(config)
     if lora is not None:
         _inject(model, linear_parts(layouts, model), lora, cfg.name)
@@ -155,6 +173,22 @@ def lora_enabled(lora: LoRAConfig | None) -> bool:
     """Whether the base weights are frozen (LoRA): checkpoints then hold only what trains, and a
     resume loads the base from the model's checkpoint first."""
     return lora is not None and lora.enabled
+
+
+def _check_master_in_optimizer(weights: torch.dtype, lora: LoRAConfig | None, impl: str) -> None:
+    key = "optim.master_weights = 'optimizer'"
+    if weights != torch.float32:
+        raise UserError(f"{key} keeps fp32 masters: model.dtype must be auto or float32, not {weights}")
+    if lora is not None:
+        raise UserError(f"{key} does not support LoRA; use optim.master_weights = 'model'")
+    if impl == "hf":
+        raise UserError(f"{key} needs tandem's model implementation (model.impl = 'tandem')")
+
+
+def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Parameters (not buffers: router biases and counters stay fp32) to `dtype`, before sharding."""
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
 
 
 def _inject(model: nn.Module, parts: dict[str, list[Part]], lora: LoRAConfig, base: str) -> None:

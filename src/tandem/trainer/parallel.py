@@ -115,21 +115,34 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def compute_dtype_of(device: torch.device, weights: torch.dtype, compute: str = "auto") -> torch.dtype:
+    """The dtype forward and backward run in: compute = "auto" is bf16 for fp32 weights on GPU,
+    otherwise the weights' own dtype."""
+    if compute == "auto":
+        compute = "bfloat16" if device.type == "cuda" and weights == torch.float32 else "weights"
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(compute, weights)
+
+
 def mixed_precision(
     device: torch.device, weights: torch.dtype, compute: str = "auto", adapters: bool = False
 ) -> MixedPrecisionPolicy:
     """FSDP2 compute dtype policy; gradients are always reduced in fp32 when computing in bf16.
 
-    compute = "auto": bf16 for fp32 weights on GPU, otherwise the weights' own dtype. LoRA
-    `adapters` are float32 over a base of any dtype: parameters are cast to the compute dtype
+    LoRA `adapters` are float32 over a base of any dtype: parameters are cast to the compute dtype
     then whenever it is not float32 (the casts happen in FSDP's all-gather).
     """
-    if compute == "auto":
-        compute = "bfloat16" if device.type == "cuda" and weights == torch.float32 else "weights"
-    target = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(compute, weights)
+    target = compute_dtype_of(device, weights, compute)
     if target == weights and not (adapters and target != torch.float32):
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=target, reduce_dtype=torch.float32)
+
+
+def master_in_optimizer_policy(world: World) -> MixedPrecisionPolicy:
+    """FSDP2 policy for parameters held in the compute dtype, their fp32 masters in the optimizer
+    (trainer/master_weights.py): all-gathers cast nothing; gradients are reduced in fp32 where
+    ranks reduce (FSDP then rounds each micro-batch's reduced gradient to the parameters' dtype),
+    and on one rank, where nothing is reduced, not cast at all."""
+    return MixedPrecisionPolicy(reduce_dtype=torch.float32 if world.size > 1 else None)
 
 
 def apply_fsdp(model: nn.Module, policy: MixedPrecisionPolicy) -> nn.Module:

@@ -128,7 +128,7 @@ def train_step(
         loss, stats = micro_batch_loss(model, objective, mb, cfg, world.device)
         (loss * world.size).backward()
         local.add(stats)
-    grad_norm = clip_grad_norm(model, cfg.optim.max_grad_norm)
+    grad_norm = clip_grad_norm(optimizer, cfg.optim.max_grad_norm)
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -171,6 +171,7 @@ def _train(cfg: RLTrainerConfig, world: World) -> dict[str, Any]:
         load_weights=not resume_from or lora_enabled(cfg.lora),
         lora=cfg.lora,
         seed=cfg.seed,
+        master_weights=cfg.optim.master_weights,
     )
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)

@@ -9,6 +9,7 @@ import shutil
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -24,16 +25,18 @@ from tandem.trainer.sft.config import EvalConfig
 
 def evaluate_held_out(
     model: nn.Module,
+    optimizer: torch.optim.Optimizer,
     tokenizer: PreTrainedTokenizerBase,
     cfg: EvalConfig,
     seed: int,
     run_dir: Path,
     world: World,
 ) -> dict[str, float]:
-    """`eval/reward` (mean similarity) and `eval/exact_match` on the first num_tasks held-out tasks."""
+    """`eval/reward` (mean similarity) and `eval/exact_match` on the first num_tasks held-out tasks
+    (the weights exported as write_hf_model does with this `optimizer`)."""
     start = time.monotonic()
     export = Path(run_dir) / ".eval_model"
-    write_hf_model(model, tokenizer, export, world, merged=True)
+    write_hf_model(model, tokenizer, export, world, merged=True, optimizer=optimizer)
     result: list[dict[str, float] | None] = [None]
     if world.is_main:
         reference = load_model(ModelConfig(name=str(export), dtype="float32"), world.device)

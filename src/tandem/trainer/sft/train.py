@@ -59,7 +59,7 @@ def train_step(
         partial = token_loss_sum(model, batch.to(world.device))
         (partial * (world.size / loss_tokens)).backward()
         loss_sum += partial.detach()
-    grad_norm = clip_grad_norm(model, cfg.optim.max_grad_norm)
+    grad_norm = clip_grad_norm(optimizer, cfg.optim.max_grad_norm)
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -111,6 +111,7 @@ def _train(cfg: SFTConfig, world: World) -> dict[str, Any]:
         load_weights=not resume_from or lora_enabled(cfg.lora),
         lora=cfg.lora,
         seed=cfg.seed,
+        master_weights=cfg.optim.master_weights,
     )
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
@@ -128,7 +129,7 @@ def _train(cfg: SFTConfig, world: World) -> dict[str, Any]:
     can_eval = cfg.data.task == "reverse_text"
 
     def evaluate(step: int) -> dict[str, float]:
-        result = evaluate_held_out(model, tokenizer, cfg.eval, cfg.seed, cfg.run_dir, world)
+        result = evaluate_held_out(model, optimizer, tokenizer, cfg.eval, cfg.seed, cfg.run_dir, world)
         metrics.log(step, **result)
         if world.is_main:
             print(
@@ -166,7 +167,7 @@ def _train(cfg: SFTConfig, world: World) -> dict[str, Any]:
     if cfg.ckpt.final and step > start_step and not (cfg.ckpt.interval and step % cfg.ckpt.interval == 0):
         checkpoint(step, position)
     final_dir = cfg.run_dir / "final"
-    write_hf_model(model, tokenizer, final_dir, world)
+    write_hf_model(model, tokenizer, final_dir, world, optimizer=optimizer)
     if lora_enabled(cfg.lora):
         write_hf_model(model, tokenizer, cfg.run_dir / "final-merged", world, merged=True)
     elapsed = time.monotonic() - start

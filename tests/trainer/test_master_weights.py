@@ -1,0 +1,237 @@
+"""Master weights in the optimizer (optim.master_weights = "optimizer", trainer/master_weights.py):
+the fused AdamW kernel, equivalence with fp32 parameters, fp32 gradient accumulation, exact
+resume, 2 ranks against 1 (expert parallelism: test_expert_parallel.py; the RL trainer:
+test_rl_train.py)."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from triton_interpreter import run_interpreted
+
+from tandem.cli import UserError
+from tandem.config import build_config
+from tandem.config.base import ModelConfig
+from tandem.config.loader import split_args
+from tandem.monitor.metrics import read_metrics
+from tandem.trainer.config import LoRAConfig, OptimConfig, ParallelConfig
+from tandem.trainer.model import build_trainer_model
+from tandem.trainer.optim import build_optimizer, gradient
+from tandem.trainer.parallel import init_distributed, shutdown
+from tandem.trainer.sft.config import SFTConfig
+from tandem.trainer.sft.train import train
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_sft_helpers import ENV, sft_args, tiny_model  # noqa: E402
+
+KERNEL_SCRIPT = """
+import torch
+from tandem.trainer.adamw_kernel import adamw_
+from tandem.trainer.master_weights import adamw_torch_
+
+gen = torch.Generator().manual_seed(0)
+for numel, grad_dtype, param_dtype in [(2500, torch.bfloat16, torch.bfloat16), (37, torch.float32, torch.bfloat16),
+                                       (4096, torch.float32, torch.float32)]:
+    master = torch.randn(numel, generator=gen)
+    ref = torch.nn.Parameter(master.clone())
+    adamw = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
+    got = [master.to(param_dtype, copy=True), master.clone(), torch.zeros(numel), torch.zeros(numel)]
+    want = [master.to(param_dtype, copy=True), master.clone(), torch.zeros(numel), torch.zeros(numel)]
+    for step in range(1, 4):
+        grad = torch.randn(numel, generator=gen).to(grad_dtype)
+        scale = torch.tensor(0.5)
+        args = (scale, 1e-2, 0.9, 0.95, 1e-8, 0.1, step)
+        adamw_(got[0], grad, *got[1:], *args)
+        adamw_torch_(want[0], grad, *want[1:], *args)
+        ref.grad = grad.float() * 0.5
+        adamw.step()
+        for a, b in zip(got[1:], want[1:]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[1], ref.detach(), rtol=1e-5, atol=1e-6)
+        # the parameter is its master rounded (the interpreter truncates where the GPU rounds to nearest)
+        ulp = 2**-7 if param_dtype == torch.bfloat16 else 0.0
+        torch.testing.assert_close(got[0].float(), got[1], rtol=ulp, atol=0)
+        torch.testing.assert_close(want[0], want[1].to(param_dtype), rtol=0, atol=0)
+print("ok")
+"""
+
+
+def test_kernel_matches_torch_in_interpreter() -> None:
+    """The Triton pass equals its torch form and torch's AdamW (clipping scale included)."""
+    pytest.importorskip("triton")
+    run_interpreted(KERNEL_SCRIPT)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model(tmp_path_factory.mktemp("master"))
+
+
+def sft(
+    model: Path, run_dir: Path, master_weights: str, compute: str = "float32", **extra: object
+) -> list[str]:
+    """Arguments of a 4-step SFT run on CPU (16 examples a step in micro-batches of 2 rows; clipping
+    active: the gradient norms exceed 0.5)."""
+    options = {"optim.master-weights": master_weights, "compute-dtype": compute, "optim.max-grad-norm": 0.5}
+    return sft_args(model, run_dir, steps=4, **options, **extra)
+
+
+def run(args: list[str]) -> None:
+    _, overrides, _ = split_args(args)
+    train(build_config(SFTConfig, overrides=overrides))
+
+
+def metrics(run_dir: Path) -> dict[int, dict]:
+    """Per step its last record (a step logged twice, before and after a resume, keeps the last)."""
+    return {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl", "sft") if "loss" in r}
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "final" / "model.safetensors")
+
+
+def assert_same_weights(got: Path, want: Path, model: Path, compute: str, atol: float) -> None:
+    """fp32 compute: the final weights agree to `atol`; bf16: their updates from the initial
+    weights differ by at most 5% (in norm, per tensor)."""
+    initial, reference, weights = (
+        load_file(model / "model.safetensors"),
+        final_weights(want),
+        final_weights(got),
+    )
+    assert reference.keys() == weights.keys()
+    for name, weight in weights.items():
+        assert weight.dtype == torch.float32
+        if compute == "float32":
+            torch.testing.assert_close(weight, reference[name], rtol=0, atol=atol, msg=name)
+        else:
+            update = (reference[name] - initial[name].float()).norm()
+            assert (weight - reference[name]).norm() <= 0.05 * update, name
+
+
+@pytest.mark.parametrize(("compute", "tolerance"), [("float32", 1e-6), ("bfloat16", 2e-3)])
+def test_master_in_optimizer_matches_master_in_model(
+    model: Path, tmp_path: Path, compute: str, tolerance: float
+) -> None:
+    """fp32 compute: the same steps as torch's AdamW over fp32 parameters, to rounding. bf16
+    compute: close (the masters start from the bf16-rounded checkpoint, and the gradients of each
+    micro-batch are rounded to bf16 once), and the export holds the fp32 masters."""
+    run(sft(model, tmp_path / "model", "model", compute))
+    run(sft(model, tmp_path / "optimizer", "optimizer", compute))
+    want, got = metrics(tmp_path / "model"), metrics(tmp_path / "optimizer")
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+    assert want[1]["grad_norm"] > 0.5
+    for step in want:
+        assert got[step]["loss"] == pytest.approx(want[step]["loss"], abs=tolerance), step
+        assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=tolerance), step
+    assert_same_weights(tmp_path / "optimizer", tmp_path / "model", model, compute, atol=1e-6)
+    if compute == "bfloat16":  # the export holds the masters, which carry more than bf16's 8 bits
+        exported = final_weights(tmp_path / "optimizer")
+        assert any(not torch.equal(w, w.bfloat16().float()) for w in exported.values())
+
+
+def test_micro_batches_accumulate_in_fp32(model: Path) -> None:
+    """Eight micro-batches' bf16 gradients sum in fp32: the step's gradient is their exact sum to
+    fp32 rounding, where a bf16 running sum is off by far more."""
+    world = init_distributed("cpu")
+    try:
+        net = build_trainer_model(
+            ModelConfig(name=str(model), device="cpu"), world, ParallelConfig(), "bfloat16",
+            master_weights="optimizer",
+        )  # fmt: skip
+        optimizer = build_optimizer(net, OptimConfig(master_weights="optimizer"))
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        assert {p.dtype for p in params} == {torch.bfloat16}
+        generator = torch.Generator().manual_seed(0)
+        batches = [torch.randint(0, net.hf_config.vocab_size, (1, 32), generator=generator) for _ in range(8)]
+        positions = torch.arange(32)[None]
+
+        def backward(ids: torch.Tensor) -> None:
+            logprobs, _ = net.sequence_logprobs(ids, positions)
+            (-logprobs.sum()).backward()
+
+        single = []
+        for ids in batches:
+            optimizer.zero_grad()
+            backward(ids)
+            single.append([gradient(optimizer, p).to_local().clone() for p in params])
+        optimizer.zero_grad()
+        for ids in batches:
+            backward(ids)
+        worst_fp32, worst_bf16 = 0.0, 0.0
+        for i, p in enumerate(params):
+            got = gradient(optimizer, p).to_local()
+            assert got.dtype == torch.float32 and p.grad is None
+            parts = [grads[i] for grads in single]
+            assert parts[0].dtype == torch.bfloat16
+            exact = torch.stack([g.double() for g in parts]).sum(0)
+            bf16 = parts[0].clone()
+            for g in parts[1:]:
+                bf16 += g
+            scale = exact.abs().max().item()
+            worst_fp32 = max(worst_fp32, (got.double() - exact).abs().max().item() / scale)
+            worst_bf16 = max(worst_bf16, (bf16.double() - exact).abs().max().item() / scale)
+        assert worst_fp32 < 1e-6 < 1e-3 < worst_bf16, (worst_fp32, worst_bf16)
+    finally:
+        shutdown()
+
+
+def test_resume_continues_bit_identically(model: Path, tmp_path: Path) -> None:
+    """A run resumed from its step-2 checkpoint (bf16 parameters, fp32 masters and moments
+    through DCP) takes exactly the steps of the uninterrupted run."""
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    args = sft(model, whole, "optimizer", "bfloat16", **{"ckpt.interval": 2})
+    run(args)
+    shutil.copytree(whole, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_4")
+    shutil.rmtree(resumed / "final")
+    run([*sft(model, resumed, "optimizer", "bfloat16", **{"ckpt.interval": 2}), "--resume"])
+    want, got = metrics(whole), metrics(resumed)
+    assert [got[s]["loss"] for s in (3, 4)] == [want[s]["loss"] for s in (3, 4)]
+    assert [got[s]["grad_norm"] for s in (3, 4)] == [want[s]["grad_norm"] for s in (3, 4)]
+    reference = final_weights(whole)
+    for name, weight in final_weights(resumed).items():
+        assert torch.equal(weight, reference[name]), name
+    assert any(not torch.equal(w, w.bfloat16().float()) for w in reference.values())
+
+
+@pytest.mark.parametrize(("compute", "tolerance"), [("float32", 1e-5), ("bfloat16", 2e-3)])
+def test_two_ranks_match_one(model: Path, tmp_path: Path, compute: str, tolerance: float) -> None:
+    """FSDP over 2 gloo ranks (gradients reduced in fp32, then held as bf16 micro-batch gradients
+    under bf16 compute) takes the steps of one rank."""
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    two = subprocess.run(
+        [*launch, "-m", "tandem.trainer.sft.cli", *sft(model, tmp_path / "two", "optimizer", compute)],
+        capture_output=True, text=True, env=ENV, timeout=400,
+    )  # fmt: skip
+    assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
+    run(sft(model, tmp_path / "one", "optimizer", compute))
+    one, both = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert sorted(one) == sorted(both) == [1, 2, 3, 4]
+    for step in one:
+        assert both[step]["loss"] == pytest.approx(one[step]["loss"], abs=tolerance), step
+        assert both[step]["grad_norm"] == pytest.approx(one[step]["grad_norm"], rel=tolerance), step
+    assert_same_weights(tmp_path / "two", tmp_path / "one", model, compute, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"lora": LoRAConfig()}, "does not support LoRA"),
+        ({"cfg": {"impl": "hf"}}, "model.impl = 'tandem'"),
+        ({"cfg": {"dtype": "bfloat16"}}, "model.dtype must be auto or float32"),
+    ],
+)
+def test_unsupported_settings_are_refused(model: Path, change: dict, message: str) -> None:
+    world = init_distributed("cpu")
+    try:
+        cfg = ModelConfig(name=str(model), device="cpu", **change.get("cfg", {}))
+        with pytest.raises(UserError, match=message):
+            build_trainer_model(
+                cfg, world, ParallelConfig(), lora=change.get("lora"), master_weights="optimizer"
+            )
+    finally:
+        shutdown()
