@@ -11,7 +11,10 @@ drawn once with a fixed seed), random-init weights, one optimizer step per itera
   through FSDP2 mixed precision, torch.compile per block, packed attention by document
   (model.attention = auto unless `tandem-<backend>`), the chunked output head, fused AdamW.
   `tandem_bf16`: weights and AdamW state in bf16; `tandem_keep`: FSDP keeps each block's
-  gathered bf16 weights from forward to backward (`reshard_after_forward = false`).
+  gathered bf16 weights from forward to backward (`reshard_after_forward = false`);
+  `tandem_master`: bf16 parameters, the fp32 master weights and AdamW state in the optimizer
+  (`optim.master_weights = "optimizer"`, trainer/master_weights.py). Suffixes combine:
+  `tandem_master_keep`.
 - `hf`, `hf_compiled`: transformers' model in bf16 (weights, grads and AdamW state), SDPA with
   the mask transformers derives from the restarting position ids, its own loss over full
   logits, fused AdamW; `hf_compiled` is the same under torch.compile.
@@ -200,7 +203,15 @@ def write_config_dir(config, root: Path) -> Path:  # noqa: ANN001
     return out
 
 
-def run_tandem(shape: str, attention: str, steps: int, warmup: int, weights: str, keep: bool = False) -> dict:
+def run_tandem(
+    shape: str,
+    attention: str,
+    steps: int,
+    warmup: int,
+    weights: str,
+    keep: bool = False,
+    master: bool = False,
+) -> dict:
     from tandem.config.base import ModelConfig
     from tandem.trainer.config import OptimConfig, ParallelConfig
     from tandem.trainer.model import build_trainer_model
@@ -213,9 +224,12 @@ def run_tandem(shape: str, attention: str, steps: int, warmup: int, weights: str
         name = str(write_config_dir(config, Path(tmp)))
         model_cfg = ModelConfig(name=name, attention=attention, dtype=weights)
         parallel = ParallelConfig(reshard_after_forward=not keep)
-        model = build_trainer_model(model_cfg, world, parallel, load_weights=False)
+        master_weights = "optimizer" if master else "model"
+        model = build_trainer_model(
+            model_cfg, world, parallel, load_weights=False, master_weights=master_weights
+        )
     model.init_weights()
-    optimizer = build_optimizer(model, OptimConfig(lr=1e-5))
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-5, master_weights=master_weights))
     ids, positions, docs = packed_batch(config.vocab_size, world.device)
     mask = positions > 0
     tokens = int(mask.sum())
@@ -223,11 +237,12 @@ def run_tandem(shape: str, attention: str, steps: int, warmup: int, weights: str
     def step() -> None:
         logprobs, _ = model.sequence_logprobs(ids, positions)
         (-(logprobs * mask).sum() / tokens).backward()
-        clip_grad_norm(model, 1.0)
+        clip_grad_norm(optimizer, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    times, warm = timed_steps(step, steps, warmup, f"{shape}:tandem-{attention}")
+    flags = ("_master" if master else "") + ("_keep" if keep else "")
+    times, warm = timed_steps(step, steps, warmup, f"{shape}:tandem{flags}-{attention}")
     return summary(config, docs, times, warm, backend=model.attention_backend)
 
 
@@ -417,9 +432,10 @@ def run_one(variant: str, steps: int, warmup: int) -> list[dict]:
         return [{"variant": variant, **run_rl(impl, steps, warmup)}]
     if impl.startswith("tandem"):
         backend = impl.split("-", 1)[1] if "-" in impl else "auto"
-        weights = "bfloat16" if impl.startswith("tandem_bf16") else FAMILY_WEIGHTS.get(shape, "auto")
-        keep = impl.startswith("tandem_keep")
-        return [{"variant": variant, **run_tandem(shape, backend, steps, warmup, weights, keep)}]
+        flags = set(impl.split("-", 1)[0].split("_")[1:])  # tandem_<flag>_<flag>: bf16, keep, master
+        weights = "bfloat16" if "bf16" in flags else FAMILY_WEIGHTS.get(shape, "auto")
+        run = run_tandem(shape, backend, steps, warmup, weights, "keep" in flags, "master" in flags)
+        return [{"variant": variant, **run}]
     return [{"variant": variant, **run_hf(shape, impl == "hf_compiled", steps, warmup)}]
 
 
