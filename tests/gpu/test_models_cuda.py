@@ -86,17 +86,22 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(out=tmp_path_factory.mktemp("moe") / "m", num_experts=8, moe_intermediate_size=64)
 
 
+@pytest.mark.parametrize("master", ["model", "optimizer"], ids=["fp32-params", "fp32-masters"])
 @pytest.mark.parametrize("keep", [False, True], ids=["reshard", "keep-gathered"])
 @pytest.mark.parametrize("attention", ["flex", "varlen"])
 def test_bf16_trainer_model_follows_transformers_and_trains(
-    tiny_moe: Path, attention: str, keep: bool
+    tiny_moe: Path, attention: str, keep: bool, master: str
 ) -> None:
     """keep-gathered (reshard_after_forward = false): the check's forward below has no backward
     and leaves the gathered weights in place; on the H200 (torch 2.11) they then outlived the
-    optimizer steps and the loss stood still, before build_optimizer dropped them after each step."""
+    optimizer steps and the loss stood still, before build_optimizer dropped them after each step.
+    fp32-masters (optim.master_weights = "optimizer"): bf16 shards, updated by the Triton kernel,
+    each equal to its fp32 master rounded to nearest after every step."""
     world = init_distributed("cuda")
     parallel = ParallelConfig(reshard_after_forward=not keep)
-    model = build_trainer_model(ModelConfig(name=str(tiny_moe), attention=attention), world, parallel)
+    model = build_trainer_model(
+        ModelConfig(name=str(tiny_moe), attention=attention), world, parallel, master_weights=master
+    )
     reference = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32).to(CUDA)
     positions = packed_positions([[40, 60, 28], [128]])
     ids = torch.randint(0, reference.config.vocab_size, positions.shape, device=CUDA)
@@ -112,7 +117,7 @@ def test_bf16_trainer_model_follows_transformers_and_trains(
     error = float((got - torch.cat(want)).abs().mean())
     assert error < 0.05, error  # bf16 compute against an fp32 reference
 
-    optimizer = build_optimizer(model, OptimConfig(lr=1e-3))
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-3, master_weights=master))
     losses = []
     for _ in range(5):
         logprobs, _ = model.sequence_logprobs(ids, positions)
@@ -122,6 +127,10 @@ def test_bf16_trainer_model_follows_transformers_and_trains(
         optimizer.zero_grad()
         losses.append(float(loss))
     assert losses[-1] < losses[0], losses
+    if master == "optimizer":
+        for param, state in optimizer.state.items():
+            shard = param.to_local() if hasattr(param, "to_local") else param
+            assert shard.dtype == torch.bfloat16 and torch.equal(shard, state["master"].to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("backend", ["flex", "varlen", "sdpa_docs", "sdpa"])
