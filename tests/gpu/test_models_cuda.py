@@ -16,6 +16,7 @@ from tandem.models.layers.attention import PackedDocs, packed_attention
 from tandem.models.layers.moe import GroupedExperts
 from tandem.models.tiny import build_tiny_model
 from tandem.trainer.config import OptimConfig, ParallelConfig
+from tandem.trainer.master_weights import local
 from tandem.trainer.model import build_trainer_model
 from tandem.trainer.optim import build_optimizer
 from tandem.trainer.parallel import init_distributed
@@ -129,8 +130,9 @@ def test_bf16_trainer_model_follows_transformers_and_trains(
     assert losses[-1] < losses[0], losses
     if master == "optimizer":
         for param, state in optimizer.state.items():
-            shard = param.to_local() if hasattr(param, "to_local") else param
-            assert shard.dtype == torch.bfloat16 and torch.equal(shard, state["master"].to(torch.bfloat16))
+            shard, master = local(param), local(state["master"])
+            assert shard.dtype == torch.bfloat16 and master.dtype == torch.float32
+            assert torch.equal(shard, master.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("backend", ["flex", "varlen", "sdpa_docs", "sdpa"])

@@ -55,13 +55,14 @@ def gpu_name(index: int) -> str:
 
 
 def check_transfer_equals_disk(
-    transport: str, server_gpu: int, models: dict[str, Path], tmp_path: Path
+    transport: str, server_gpu: int, models: dict[str, Path], tmp_path: Path, core_process: bool = False
 ) -> None:
     port = free_port()
     args = [
         "--model.name", str(models["a"]), "--model.dtype", "bfloat16", "--model.device", "cuda",
         "--engine.max_num_seqs", "8", "--engine.kv_cache_memory_gb", "1", "--engine.max_model_len", "256",
         "--weights.transport", transport, "--weights.port", str(port),
+        "--engine.core_process", str(core_process).lower(),
     ]  # fmt: skip
     settings = LinkSettings("127.0.0.1", port, 60.0, 300.0, BUCKET_BYTES)
     model = hf(models["b"], "cuda")
@@ -83,8 +84,11 @@ def check_transfer_equals_disk(
         sender.close()
 
 
-def test_colocated_cuda_ipc_equals_disk_load(models: dict[str, Path], tmp_path: Path) -> None:
-    check_transfer_equals_disk("colocated", 0, models, tmp_path)
+@pytest.mark.parametrize("core_process", [False, True], ids=["engine-thread", "engine-process"])
+def test_colocated_cuda_ipc_equals_disk_load(
+    models: dict[str, Path], tmp_path: Path, core_process: bool
+) -> None:
+    check_transfer_equals_disk("colocated", 0, models, tmp_path, core_process)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL broadcast needs a second GPU")
