@@ -11,8 +11,8 @@ times whole responses as the first timed phase after its warm-up, as the first s
 whole phase was: the two are compared at the same point of a server's life.
 `--compare-prompt-attention auto,varlen` adds a server for each of those `engine.prompt_attention`
 values (whole and streamed responses; auto is PyTorch's own choice, cuDNN first on Hopper), and
-`--compare-core-process` one with `engine.core_process = true` (the engine core in a process of its
-own). Every phase sends new prompts, so no prefix is ever shared. Each phase reports the engine
+`--compare-core-process` one with `engine.core_process` the other way round from its default (the
+engine core on a thread of the server's process on CUDA, in a process of its own on CPU). Every phase sends new prompts, so no prefix is ever shared. Each phase reports the engine
 steps it took and the server's CPU time per output token (all threads, its engine process
 included, and its event loop alone). Then transformers generates the same batch in one call.
 
@@ -442,7 +442,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--compare-core-process",
         action="store_true",
-        help="also time whole and streamed responses on a server with engine.core_process = true",
+        help="also time whole and streamed responses on a server with engine.core_process not at its default",
     )
     parser.add_argument("--startup-timeout", type=float, default=900)
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -495,8 +495,11 @@ def main() -> None:
         servers.append(
             (f"{attention} prompts", ["--engine.prompt-attention", attention], ("whole", "streaming"))
         )
-    if args.compare_core_process:
-        servers.append(("core process", ["--engine.core-process", "true"], ("whole", "streaming")))
+    if (
+        args.compare_core_process
+    ):  # the other side of the default: on CUDA the engine core has its own process
+        label = "engine thread" if cuda else "core process"
+        servers.append((label, ["--engine.core-process", str(not cuda).lower()], ("whole", "streaming")))
     if args.compare_prefix_cache:  # (last: already measured within its target)
         servers.append(("prefix cache off", ["--engine.prefix-caching", "false"], ("whole",)))
     with client_pool(args) as pool:

@@ -347,3 +347,20 @@ def test_in_memory_weights_reach_the_engine_process(tmp_path: Path) -> None:
         finally:
             sender.close()
     assert not Path(f"/proc/{engine.pid}").exists()  # its receiver closed, the process reaped
+
+
+def test_the_engine_process_is_the_default_on_cuda_only(tiny_model: Path) -> None:
+    """Unset, `engine.core_process` follows the model's device; set, it is what it says."""
+    from tandem.inference.engine import uses_core_process
+
+    def on(device: str, core_process: bool | None) -> bool:
+        engine = {} if core_process is None else {"core_process": core_process}
+        return uses_core_process(
+            InferenceConfig.model_validate(
+                {"model": {"name": str(tiny_model), "device": device}, "engine": engine}
+            )
+        )
+
+    assert not on("cpu", None) and on("cpu", True)
+    if torch.cuda.is_available():
+        assert on("cuda", None) and not on("cuda", False)

@@ -75,7 +75,7 @@ def http_server(app: "ASGIApp", config: InferenceConfig) -> "uvicorn.Server":
 
 
 def serve_native(config: InferenceConfig) -> None:
-    from tandem.inference.engine import start_engine
+    from tandem.inference.engine import start_engine, uses_core_process
     from tandem.inference.server import build_app
 
     engine = start_engine(config)  # (with an in-memory weights.transport, its receiver joins the trainer)
@@ -85,7 +85,7 @@ def serve_native(config: InferenceConfig) -> None:
     log.info(
         "serving %s (native engine%s, max_model_len %d) on http://%s:%d",
         config.served_model_name or config.model.name,
-        ", its core in a process of its own" if config.engine.core_process else "",
+        ", its core in a process of its own" if uses_core_process(config) else "",
         engine.max_model_len,
         config.host,
         config.port,

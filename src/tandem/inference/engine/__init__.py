@@ -8,10 +8,19 @@ if TYPE_CHECKING:
     from tandem.inference.engine.process import ProcessEngine
 
 
+def uses_core_process(config: "InferenceConfig") -> bool:
+    """`engine.core_process`, or where it is unset, whether the model runs on CUDA."""
+    if config.engine.core_process is not None:
+        return config.engine.core_process
+    from tandem.models.loading import resolve_device
+
+    return resolve_device(config.model.device).type == "cuda"
+
+
 def start_engine(config: "InferenceConfig") -> "AsyncEngine | ProcessEngine":
     """The engine the config asks for: its core stepped by a thread of this process, or by a
-    process of its own (`engine.core_process`)."""
-    if config.engine.core_process:
+    process of its own (`uses_core_process`)."""
+    if uses_core_process(config):
         from tandem.inference.engine.process import ProcessEngine
 
         return ProcessEngine(config)
@@ -29,4 +38,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-__all__ = ["AsyncEngine", "start_engine"]
+__all__ = ["AsyncEngine", "start_engine", "uses_core_process"]
