@@ -2,7 +2,7 @@
 
 import pytest
 
-from tandem.inference.stop import TextTracker
+from tandem.inference.stop import TextTracker, decoder
 from tandem.models.tokenizer import train_tokenizer
 
 
@@ -26,6 +26,14 @@ def test_one_token_at_a_time_equals_decoding_all(tokenizer, text: str) -> None:
     tracker.finish()
     streamed += tracker.take_delta(final=True)
     assert streamed == tracker.text == tokenizer.decode(ids) == text
+
+
+def test_decoder_gives_the_tokenizers_text(tokenizer) -> None:
+    ids = tokenizer.encode(TEXTS[1]) + [tokenizer.eos_token_id] + tokenizer.encode(TEXTS[2])
+    decode = decoder(tokenizer)
+    assert decode is not tokenizer.decode  # (the backend's: this tokenizer cleans up no spaces)
+    for skip in (True, False):
+        assert decode(ids, skip_special_tokens=skip) == tokenizer.decode(ids, skip_special_tokens=skip)
 
 
 def test_lazy_mode_decodes_once_at_the_end(tokenizer) -> None:

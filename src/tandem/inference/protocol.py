@@ -89,7 +89,11 @@ class SamplingFields(APIModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-Prompt = StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]]
+# Tried in order, token ids first: what RL clients send. Checked against list[str] first, a list
+# of ids cost an error object per id, most of the time pydantic spent on a request body.
+Prompt = Annotated[
+    list[TokenId] | StrictStr | list[StrictStr] | list[list[TokenId]], Field(union_mode="left_to_right")
+]
 
 
 class CompletionRequest(SamplingFields):
@@ -122,7 +126,7 @@ class CompletionRequest(SamplingFields):
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if all(isinstance(x, int) for x in p):
+        if isinstance(p[0], int):  # (a list is of one kind throughout: validated so)
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 

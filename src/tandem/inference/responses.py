@@ -9,6 +9,7 @@ choice (the versions that produced its tokens) and on the response (all of them)
 import json
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 from tandem.inference.generation import Choice
 from tandem.inference.stop import Tokenizer
@@ -49,9 +50,12 @@ class ResponseBuilder:
         self.created = int(time.time())
         self.object = "chat.completion" if self.chat else "text_completion"
         self.chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
-        # a stream chunk's event up to its choice, serialized once per response (not per token)
+
+    @cached_property
+    def _event_head(self) -> str:
+        """A stream chunk's event up to its choice, serialized once per response (not per token)."""
         header = json.dumps(self._header(self.chunk_object), separators=(",", ":"))
-        self._event_head = f'data: {header[:-1]},"choices":['
+        return f'data: {header[:-1]},"choices":['
 
     # --- pieces -------------------------------------------------------------------------------
 

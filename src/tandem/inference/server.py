@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response
 
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine.api import Engine, WeightLoadError
 from tandem.inference.errors import APIError, error_body
 from tandem.inference.generation import Choice, PromptJob, collect, merge, run_prompt, sampling_params
 from tandem.inference.http import (
+    FastJSONResponse,
     SSEResponse,
     new_app,
     read_body,
@@ -95,8 +96,8 @@ class Server:
                 )
 
     def check_prompt_ids(self, ids: list[int]) -> None:
-        bad = next((t for t in ids if t >= self.vocab_size), None)
-        if bad is not None:
+        if max(ids, default=0) >= self.vocab_size:
+            bad = next(t for t in ids if t >= self.vocab_size)
             raise APIError(
                 400, f"prompt: token id {bad} is outside the vocabulary (size {self.vocab_size})", "prompt"
             )
@@ -186,7 +187,7 @@ class Server:
         if choices is None:
             self.counters.requests_aborted_total += 1
             return Response(status_code=499)
-        return JSONResponse(builder.full(choices))
+        return FastJSONResponse(builder.full(choices))
 
     async def stream_events(
         self, req: SamplingFields, builder: ResponseBuilder, jobs: list[PromptJob], count: int, started: float
@@ -250,7 +251,48 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
     engine's receiver; else they load the run's weights/step_N."""
     server = Server(engine, tokenizer, config)
 
-    app = new_app("tandem inference", engine.shutdown, server.counters, config.api_key)
+    async def completions(request: Request) -> Response:
+        req = await read_body(request, CompletionRequest)
+        server.check_common(req)
+        prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
+        for ids in prompts:
+            server.check_prompt_ids(ids)
+        max_tokens = [server.resolve_max_tokens(len(ids), req.max_tokens, 16) for ids in prompts]
+        await server.wait_until_resumed()
+        builder = ResponseBuilder(
+            chat=False,
+            request_id=server.new_request_id("cmpl"),
+            model=server.model_name,
+            token_texts=server.token_texts,
+            prompts=prompts,
+            top_logprobs=req.logprobs,
+            return_token_ids=req.return_token_ids,
+            tokens_as_ids=req.return_tokens_as_token_ids,
+        )
+        jobs = server.jobs(builder.request_id, req, prompts, max_tokens, req.logprobs, req.stream)
+        return await server.respond(request, req, builder, jobs)
+
+    async def chat_completions(request: Request) -> Response:
+        req = await read_body(request, ChatCompletionRequest)
+        server.check_common(req)
+        prompt = server.chat_prompt(req)
+        max_tokens = server.resolve_max_tokens(len(prompt), req.completion_limit, None)
+        await server.wait_until_resumed()
+        builder = ResponseBuilder(
+            chat=True,
+            request_id=server.new_request_id("chatcmpl"),
+            model=server.model_name,
+            token_texts=server.token_texts,
+            prompts=[prompt],
+            top_logprobs=req.num_top_logprobs,
+            return_token_ids=req.return_token_ids,
+            tokens_as_ids=req.return_tokens_as_token_ids,
+        )
+        jobs = server.jobs(builder.request_id, req, [prompt], [max_tokens], req.num_top_logprobs, req.stream)
+        return await server.respond(request, req, builder, jobs)
+
+    generation = {"/v1/completions": completions, "/v1/chat/completions": chat_completions}
+    app = new_app("tandem inference", engine.shutdown, server.counters, config.api_key, generation)
     app.state.server = server
 
     @app.get("/health")
@@ -278,48 +320,6 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
             "weight_version": engine.weight_version,
         }
         return {"object": "list", "data": [card]}
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        req = await read_body(request, CompletionRequest)
-        server.check_common(req)
-        prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
-        for ids in prompts:
-            server.check_prompt_ids(ids)
-        max_tokens = [server.resolve_max_tokens(len(ids), req.max_tokens, 16) for ids in prompts]
-        await server.wait_until_resumed()
-        builder = ResponseBuilder(
-            chat=False,
-            request_id=server.new_request_id("cmpl"),
-            model=server.model_name,
-            token_texts=server.token_texts,
-            prompts=prompts,
-            top_logprobs=req.logprobs,
-            return_token_ids=req.return_token_ids,
-            tokens_as_ids=req.return_tokens_as_token_ids,
-        )
-        jobs = server.jobs(builder.request_id, req, prompts, max_tokens, req.logprobs, req.stream)
-        return await server.respond(request, req, builder, jobs)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        req = await read_body(request, ChatCompletionRequest)
-        server.check_common(req)
-        prompt = server.chat_prompt(req)
-        max_tokens = server.resolve_max_tokens(len(prompt), req.completion_limit, None)
-        await server.wait_until_resumed()
-        builder = ResponseBuilder(
-            chat=True,
-            request_id=server.new_request_id("chatcmpl"),
-            model=server.model_name,
-            token_texts=server.token_texts,
-            prompts=[prompt],
-            top_logprobs=req.num_top_logprobs,
-            return_token_ids=req.return_token_ids,
-            tokens_as_ids=req.return_tokens_as_token_ids,
-        )
-        jobs = server.jobs(builder.request_id, req, [prompt], [max_tokens], req.num_top_logprobs, req.stream)
-        return await server.respond(request, req, builder, jobs)
 
     @app.post("/update_weights")
     async def update_weights(req: UpdateWeightsRequest) -> dict:
