@@ -67,6 +67,7 @@ class PromptJob:
     skip_special_tokens: bool
     incremental: bool  # decode as tokens arrive (streaming); otherwise once at the end
     stream_interval_s: float = 0.0  # a streamed response's least time between chunks (after the first)
+    logprobs: bool = True  # keep each token's logprobs (the response shows them)
 
 
 async def run_prompt(
@@ -108,8 +109,9 @@ async def run_prompt(
             used = choice.tracker.add([t.token_id for t in update.tokens])
             on_tokens(used)
             kept = update.tokens[:used]
-            choice.logprobs += [t.logprob for t in kept]
-            choice.top_logprobs += [t.top_logprobs for t in kept]
+            if job.logprobs:
+                choice.logprobs += [t.logprob for t in kept]
+                choice.top_logprobs += [t.top_logprobs for t in kept]
             choice.versions += [t.weight_version for t in kept]
             if choice.tracker.stopped_by is not None:
                 choice.finish_reason, choice.stop_reason = "stop", choice.tracker.stopped_by

@@ -40,16 +40,22 @@ async def _disconnected(receive: Receive) -> None:
 
 
 async def _unless_disconnected(work: Awaitable[T], receive: Receive) -> "asyncio.Future[T]":
-    """Run `work` until it ends or the client disconnects, which cancels it; returns its task, done."""
+    """Run `work` until it ends or the client disconnects, which cancels it; returns its task, done.
+    Cancelling the caller cancels `work` too, and raises once `work` has ended."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(receive))
+    watcher.add_done_callback(lambda _: task.cancel())  # (no-op once the task is done)
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await task
+    except (Exception, asyncio.CancelledError):  # the caller finds the outcome in the task
+        pass
     finally:
         watcher.cancel()
-        if not task.done():
+        if not task.done():  # the caller was cancelled while `work` went on
             task.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
+            await asyncio.wait((task,))
+    if asyncio.current_task().cancelling():  # type: ignore[union-attr]
+        raise asyncio.CancelledError
     return task
 
 

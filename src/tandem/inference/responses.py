@@ -105,7 +105,7 @@ class ResponseBuilder:
         body = self._header(self.object)
         body["choices"] = [self._full_choice(c) for c in choices]
         body["usage"] = self.usage(choices)
-        body["weight_versions"] = sorted({v for c in choices for v in c.versions})
+        body["weight_versions"] = sorted({v for c in body["choices"] for v in c["weight_versions"]})
         if self.chat and self.return_token_ids:
             body["prompt_token_ids"] = self.prompts[0]
         return body

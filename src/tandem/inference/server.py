@@ -170,6 +170,7 @@ class Server:
                 skip_special_tokens=req.skip_special_tokens,
                 incremental=stream,
                 stream_interval_s=self.config.stream_interval_s,
+                logprobs=top_logprobs is not None,
             )
             for i, ids in enumerate(prompts)
         ]
