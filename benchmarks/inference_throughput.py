@@ -16,6 +16,22 @@ engine core on a thread of the server's process on CUDA, in a process of its own
 steps it took and the server's CPU time per output token (all threads, its engine process
 included, and its event loop alone). Then transformers generates the same batch in one call.
 
+Where a whole-response phase's time goes: each request asks the server for its times (the
+`x-tandem-timing` header: when the server received it, handed it to the engine core and got its
+last token, with the engine's step count, and when the response was ready; the server's clock is
+the clients' on Linux, CLOCK_MONOTONIC). A phase reports when the requests reached the server and
+over how long, when the last one entered the engine (and how many steps ran before it: partial
+batches), the engine's span and steps, how far apart the requests ended, and how long after the
+last request's end the last response was ready and received.
+
+The clients are kept light, so that they add nothing to a burst's arrival at the server: whole
+responses over plain HTTP/1.1 keep-alive connections of asyncio's (~40 µs of client CPU a
+request where httpx took ~1.6 ms on a 2-core CPU machine, six times the server's own time),
+streams over httpx (SSE); connections opened and bodies encoded before the phase; several
+processes (CUDA: 8, or half the cores). Each phase reports their CPU time per request and how
+busy the busiest process was; over half the phase means the clients may limit it (raise
+--client-procs).
+
     uv run python benchmarks/inference_throughput.py                     # CPU: tiny model
     python benchmarks/inference_throughput.py --num-requests 256 --prompt-len 128 \\
         --output-len 256 --out results.json                              # CUDA: Qwen3-0.6B shape
@@ -162,11 +178,18 @@ def start_server(
 # --- the load ------------------------------------------------------------------------------------
 
 
+TIMING_HEADER = "x-tandem-timing"  # (tandem.inference.server.TIMING_HEADER: vLLM does not answer it)
+
+
 @dataclass
 class RequestTiming:
+    """One request at its client (time.monotonic(), the clock of the server's times on Linux)."""
+
     sent: float
     token_times: dict[int, list[float]] = field(default_factory=dict)  # choice → arrival of each token
     tokens: int = 0
+    received: float = 0.0  # the whole response read
+    server: dict[str, float] = field(default_factory=dict)  # a whole response's times in the server
 
     def first_token(self) -> float:
         return min(times[0] for times in self.token_times.values())
@@ -175,15 +198,49 @@ class RequestTiming:
         return [b - a for times in self.token_times.values() for a, b in zip(times, times[1:], strict=False)]
 
 
-async def one_request(
-    client: httpx.AsyncClient, url: str, body: dict, timing: RequestTiming, stream: bool
-) -> None:
-    if not stream:
-        response = await client.post(url, json=body)
-        response.raise_for_status()
-        timing.tokens = sum(len(c["token_ids"]) for c in response.json()["choices"])
-        return
-    async with client.stream("POST", url, json=body) as response:
+class Connection:
+    """A kept-alive HTTP/1.1 connection for whole responses (the server sends them with a
+    Content-Length). httpx spends ~1.6 ms of CPU on a request on a 2-core CPU machine, six times
+    the server's own event-loop time per request, and a client process sends its requests one
+    after another: this takes ~40 µs."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, port: int) -> "Connection":
+        return cls(*await asyncio.open_connection("127.0.0.1", port))
+
+    async def post(self, path: str, body: bytes) -> tuple[dict[str, str], bytes]:
+        """POST a JSON body asking for the server's times; the response's headers and body."""
+        head = (
+            f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n{TIMING_HEADER}: 1\r\n\r\n"
+        )
+        self.writer.write(head.encode() + body)
+        status, *lines = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        headers = {k.lower(): v for k, v in (line.split(": ", 1) for line in lines if line)}
+        content = await self.reader.readexactly(int(headers["content-length"]))
+        if status.split(" ", 2)[1] != "200":
+            raise RuntimeError(f"{status}: {content.decode()[:1000]}")
+        return headers, content
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def whole_request(connection: Connection, body: bytes, timing: RequestTiming) -> None:
+    headers, content = await connection.post("/v1/completions", body)
+    timing.received = time.monotonic()
+    timing.tokens = sum(len(c["token_ids"]) for c in json.loads(content)["choices"])
+    if TIMING_HEADER in headers:
+        timing.server = {k: float(v) for k, v in (kv.split("=") for kv in headers[TIMING_HEADER].split(";"))}
+
+
+async def streamed_request(client: httpx.AsyncClient, url: str, body: bytes, timing: RequestTiming) -> None:
+    async with client.stream(
+        "POST", url, content=body, headers={"content-type": "application/json"}
+    ) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data: {"):
@@ -191,7 +248,7 @@ async def one_request(
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
-            now = time.perf_counter()
+            now = time.monotonic()
             for choice in chunk["choices"]:
                 count = len(choice.get("token_ids") or [])
                 timing.tokens += count
@@ -207,48 +264,105 @@ def percentile(values: list[float], q: float) -> float:
 
 async def send_load(
     port: int, prompts: dict[int, list[int]], args: argparse.Namespace, stream: bool, start_at: float
-) -> tuple[list[RequestTiming], float]:
-    """One client process's share of the requests, all sent at `start_at` (perf_counter, which is
-    the same clock in every process); returns their timings and when the last one ended."""
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
+) -> tuple[list[RequestTiming], float, float]:
+    """One client process's share of the requests, all sent at `start_at` (time.monotonic(), the
+    same clock in every process) on connections opened before (as a client that keeps them
+    alive between batches: the server's time to accept them is not the batch's); returns their
+    timings, when the last one ended and the CPU time this process spent on them."""
+    bodies = {}
+    for i, prompt in prompts.items():
+        body = {
+            "prompt": prompt,
+            "max_tokens": args.output_len,
+            "n": args.n,
+            "temperature": args.temperature,
+            "ignore_eos": True,
+            "stream": stream,
+            "return_token_ids": True,
+        }
+        if args.seeded:
+            body["seed"] = i
+        bodies[i] = json.dumps(body).encode()
     warm = {
         "prompt": next(iter(prompts.values()))[::-1],  # (shares no prefix with the timed prompts)
         "max_tokens": 4,
         "ignore_eos": True,
+        "stream": stream,
         "return_token_ids": True,
     }
-    # a client of its own: an idle kept-alive connection that the server closes (its keep-alive
-    # timeout is 5 s) would fail when reused
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600)) as client:
-        await one_request(client, url, warm, RequestTiming(time.perf_counter()), stream)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600), limits=limits) as client:
-        timings = {i: RequestTiming(0.0) for i in prompts}
-        await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+    timings = {i: RequestTiming(0.0) for i in prompts}
+    if stream:
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(3600), limits=limits) as client:
+            health = f"http://127.0.0.1:{port}/health"
+            await asyncio.gather(*(client.get(health) for _ in prompts))
+            await streamed_request(client, url, json.dumps(warm).encode(), RequestTiming(0.0))
+            await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+            cpu = time.process_time()
 
-        async def go(i: int) -> None:
-            body = {
-                "prompt": prompts[i],
-                "max_tokens": args.output_len,
-                "n": args.n,
-                "temperature": args.temperature,
-                "ignore_eos": True,
-                "stream": stream,
-                "return_token_ids": True,
-            }
-            if args.seeded:
-                body["seed"] = i
-            timings[i].sent = time.perf_counter()
-            await one_request(client, url, body, timings[i], stream)
+            async def go(i: int) -> None:
+                timings[i].sent = time.monotonic()
+                await streamed_request(client, url, bodies[i], timings[i])
 
-        await asyncio.gather(*(go(i) for i in prompts))
-    return list(timings.values()), time.perf_counter()
+            await asyncio.gather(*(go(i) for i in prompts))
+            end, cpu = time.monotonic(), time.process_time() - cpu
+        return list(timings.values()), end, cpu
+    connections = dict(
+        zip(prompts, await asyncio.gather(*(Connection.open(port) for _ in prompts)), strict=True)
+    )
+    try:
+        await whole_request(next(iter(connections.values())), json.dumps(warm).encode(), RequestTiming(0.0))
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        cpu = time.process_time()
+
+        async def send(i: int) -> None:
+            timings[i].sent = time.monotonic()
+            await whole_request(connections[i], bodies[i], timings[i])
+
+        await asyncio.gather(*(send(i) for i in prompts))
+        end, cpu = time.monotonic(), time.process_time() - cpu
+    finally:
+        for connection in connections.values():
+            connection.close()
+    return list(timings.values()), end, cpu
 
 
 def client_process(
     port: int, prompts: dict[int, list[int]], args: argparse.Namespace, stream: bool, start_at: float
 ):
     return asyncio.run(send_load(port, prompts, args, stream, start_at))
+
+
+def timeline(timings: list[RequestTiming], first_sent: float) -> dict[str, float]:
+    """Where a whole-response phase's time went, from the server's times of each request (ms
+    from the first request sent, or spans; steps: engine steps). The first step with every
+    request in the engine follows the last admission (with the prefill of the last prompts)."""
+    times = [t.server for t in timings]
+    if not all(times):  # (a server that does not tell them)
+        return {}
+
+    def first(key: str) -> float:
+        return min(t[key] for t in times)
+
+    def last(key: str) -> float:
+        return max(t[key] for t in times)
+
+    ms = 1000
+    steps = last("finished_step") - first("admitted_step")
+    span = last("finished") - first("admitted")
+    return {
+        "first_received_ms": ms * (first("received") - first_sent),
+        "arrivals_ms": ms * (last("received") - first("received")),
+        "last_admitted_ms": ms * (last("admitted") - first("received")),
+        "partial_batch_steps": last("admitted_step") - first("admitted_step"),
+        "engine_ms": ms * span,
+        "engine_steps": steps,
+        "ms_per_step": ms * span / max(steps, 1),
+        "finish_spread_ms": ms * (last("finished") - first("finished")),
+        "last_responded_after_ms": ms * (last("responded") - last("finished")),
+        "tail_ms": ms * (max(t.received for t in timings) - last("finished")),
+    }
 
 
 SCRAPED = (
@@ -313,16 +427,16 @@ def run_load(
     cpu_before = process_cpu_seconds(server_pid) if server_pid else None
     procs = max(1, min(args.client_procs, len(prompts)))
     shares = [{i: prompts[i] for i in range(k, len(prompts), procs)} for k in range(procs)]
-    start = time.perf_counter() + args.client_start_delay
+    start = time.monotonic() + args.client_start_delay
     futures = [pool.submit(client_process, port, share, args, stream, start) for share in shares]
     results = [f.result() for f in futures]
-    timings = [t for share, _ in results for t in share]
+    timings = [t for share, _, _ in results for t in share]
     first_sent, last_sent = min(t.sent for t in timings), max(t.sent for t in timings)
     if last_sent - first_sent > 0.5:
         print(
             f"warning: the clients started {last_sent - first_sent:.1f} s apart (raise --client-start-delay)"
         )
-    elapsed = max(end for _, end in results) - first_sent
+    elapsed = max(end for _, end, _ in results) - first_sent
     tokens = sum(t.tokens for t in timings)
     expected = len(prompts) * args.n * args.output_len
     if tokens != expected:
@@ -340,6 +454,11 @@ def run_load(
         )
         result["server_ttft_mean_ms"] = 1000 * ttft_sum / ttft_count
     result["client_start_spread_s"] = last_sent - first_sent
+    # the clients' own CPU: a client process busy for most of the phase would limit it
+    result["client_cpu_us_per_request"] = 1e6 * sum(cpu for _, _, cpu in results) / len(prompts)
+    result["busiest_client_cpu_share"] = max(cpu for _, _, cpu in results) / elapsed
+    if not stream:
+        result.update(timeline(timings, first_sent))
     if cpu_before is not None:
         total, loop = (
             1e6 * (b - a) / tokens for a, b in zip(cpu_before, process_cpu_seconds(server_pid), strict=True)
@@ -542,6 +661,22 @@ def main() -> None:
             print(
                 f"{'':52} TTFT mean {r['ttft_mean_ms']:.1f} ms at the clients, {r['server_ttft_mean_ms']:.1f} in the server"
             )
+        if "arrivals_ms" in r:  # where a whole phase's time went
+            print(
+                f"{'':52} requests reach the server after {r['first_received_ms']:.0f} ms, over "
+                f"{r['arrivals_ms']:.0f} ms; the last one in the engine at {r['last_admitted_ms']:.0f} ms "
+                f"({r['partial_batch_steps']} steps before); engine {r['engine_ms']:.0f} ms, "
+                f"{r['engine_steps']} steps ({r['ms_per_step']:.2f} ms/step), the requests end over "
+                f"{r['finish_spread_ms']:.0f} ms; the last response ready {r['last_responded_after_ms']:.0f} ms "
+                f"and received {r['tail_ms']:.0f} ms after the last request's end"
+            )
+        if "client_cpu_us_per_request" in r:
+            print(
+                f"{'':52} clients: {r['client_cpu_us_per_request']:.0f} µs CPU per request, the busiest "
+                f"process busy {r['busiest_client_cpu_share']:.0%} of the phase"
+            )
+            if r["busiest_client_cpu_share"] > 0.5:
+                print(f"{'':52} warning: the clients may limit this phase (raise --client-procs)")
     off = phases.get("tandem server, whole, prefix cache off")
     if off:
         cost = 1 - phases["tandem server, whole"]["output_tokens_per_s"] / off["output_tokens_per_s"]

@@ -417,6 +417,26 @@ def test_malformed_json_and_unknown_routes(server: Any, client: openai.OpenAI) -
     )
 
 
+def test_wrong_method_on_a_generation_path(server: Any) -> None:
+    response = httpx.get(server.base_url + "/completions", timeout=30)
+    assert response.status_code == 405 and response.json()["error"]["code"] == 405
+
+
+def test_a_whole_response_tells_its_times_when_asked(server: Any) -> None:
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True}
+    plain = httpx.post(server.base_url + "/completions", json=body, timeout=30)
+    assert plain.status_code == 200 and "x-tandem-timing" not in plain.headers
+    sent = time.monotonic()
+    timed = httpx.post(
+        server.base_url + "/completions", json=body, headers={"x-tandem-timing": "1"}, timeout=30
+    )
+    got = time.monotonic()
+    times = {k: float(v) for k, v in (kv.split("=") for kv in timed.headers["x-tandem-timing"].split(";"))}
+    assert sent <= times["received"] <= times["admitted"] <= times["finished"] <= times["responded"] <= got
+    assert times["admitted_step"] < times["finished_step"]  # 4 tokens take steps (clocks: same machine)
+    assert timed.json()["choices"][0]["text"] is not None
+
+
 # --- disconnects ------------------------------------------------------------------------------------
 
 

@@ -21,6 +21,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine.api import Engine, WeightLoadError
+from tandem.inference.engine.streams import RequestTimes, request_times
 from tandem.inference.errors import APIError, error_body
 from tandem.inference.generation import Choice, PromptJob, collect, merge, run_prompt, sampling_params
 from tandem.inference.http import (
@@ -43,6 +44,10 @@ from tandem.inference.responses import ResponseBuilder, TokenTexts
 from tandem.transport.weights import weights_dir
 
 log = logging.getLogger("tandem.inference")
+
+TIMING_HEADER = "x-tandem-timing"
+"""A whole response carries its request's times (RequestTimes) in this header when the request
+has it (any value): benchmarks/inference_throughput.py reads where a batch's time went."""
 
 
 def model_vocab_size(name: str) -> int | None:
@@ -179,16 +184,30 @@ class Server:
         return merge([run_prompt(self.engine, self.tokenizer, job, self.rate.add) for job in jobs])
 
     async def respond(
-        self, request: Request, req: SamplingFields, builder: ResponseBuilder, jobs: list[PromptJob]
+        self,
+        request: Request,
+        req: SamplingFields,
+        builder: ResponseBuilder,
+        jobs: list[PromptJob],
+        received: float,
     ) -> Response:
+        """The response to a request that reached the server at `received` (time.monotonic())."""
         count = sum(job.n for job in jobs)
         if req.stream:
             return SSEResponse(self.stream_events(req, builder, jobs, count, time.monotonic()))
-        choices = await until_disconnect(request, collect(self.choices_stream(jobs), count))
+        wanted = TIMING_HEADER.encode()
+        times = RequestTimes(received) if any(k == wanted for k, _ in request.scope["headers"]) else None
+        token = request_times.set(times)
+        try:
+            choices = await until_disconnect(request, collect(self.choices_stream(jobs), count))
+        finally:
+            request_times.reset(token)
         if choices is None:
             self.counters.requests_aborted_total += 1
             return Response(status_code=499)
-        return FastJSONResponse(builder.full(choices))
+        body = builder.full(choices)
+        headers = None if times is None else {TIMING_HEADER: times.header(time.monotonic())}
+        return FastJSONResponse(body, headers=headers)
 
     async def stream_events(
         self, req: SamplingFields, builder: ResponseBuilder, jobs: list[PromptJob], count: int, started: float
@@ -253,6 +272,7 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
     server = Server(engine, tokenizer, config)
 
     async def completions(request: Request) -> Response:
+        received = time.monotonic()
         req = await read_body(request, CompletionRequest)
         server.check_common(req)
         prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
@@ -271,9 +291,10 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
             tokens_as_ids=req.return_tokens_as_token_ids,
         )
         jobs = server.jobs(builder.request_id, req, prompts, max_tokens, req.logprobs, req.stream)
-        return await server.respond(request, req, builder, jobs)
+        return await server.respond(request, req, builder, jobs, received)
 
     async def chat_completions(request: Request) -> Response:
+        received = time.monotonic()
         req = await read_body(request, ChatCompletionRequest)
         server.check_common(req)
         prompt = server.chat_prompt(req)
@@ -290,7 +311,7 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
             tokens_as_ids=req.return_tokens_as_token_ids,
         )
         jobs = server.jobs(builder.request_id, req, [prompt], [max_tokens], req.num_top_logprobs, req.stream)
-        return await server.respond(request, req, builder, jobs)
+        return await server.respond(request, req, builder, jobs, received)
 
     generation = {"/v1/completions": completions, "/v1/chat/completions": chat_completions}
     app = new_app("tandem inference", engine.shutdown, server.counters, config.api_key, generation)

@@ -8,16 +8,26 @@ fewer, larger updates. When the core dies, `_die` fails every open stream with E
 later requests get it at once, `dead_reason` says why and `on_death` (if set) is called: the
 server uses it to exit, so that a supervisor sees a dead server instead of one that answers
 /health. A subclass says how a request reaches the core (`_add`) and leaves it (`_abort`).
+A request whose context holds `RequestTimes` (`request_times`) gets the moments it entered the
+core and its last update reached the event loop written into them.
 """
 
 import asyncio
 import contextlib
 import sys
+import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 
-from tandem.inference.engine.api import EngineDeadError, RequestLimits, SampleUpdate, SamplingParams
+from tandem.inference.engine.api import (
+    EngineDeadError,
+    EngineStats,
+    RequestLimits,
+    SampleUpdate,
+    SamplingParams,
+)
 
 # How long a thread may hold the GIL while another waits for it (Python's default is 5 ms). The
 # thread that steps the engine (or reads its updates) wants the GIL back as soon as it has work;
@@ -27,6 +37,28 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 
 # what a request's queue receives: a step's updates for it, or the error that ends it
 Delivery = list[SampleUpdate] | BaseException
+
+
+@dataclass
+class RequestTimes:
+    """Where a request's time went, as time.monotonic() (on Linux the clock of time.perf_counter
+    in every process) and engine step counts; the last of its prompts counts."""
+
+    received: float  # by the server
+    admitted: float = 0.0  # handed to the engine core (its `_add` returned)
+    admitted_step: int = 0  # engine steps run by then
+    finished: float = 0.0  # its last update reached the event loop
+    finished_step: int = 0
+
+    def header(self, responded: float) -> str:
+        """The times as an HTTP header value, with the moment the response was ready."""
+        return (
+            f"received={self.received:.6f};admitted={self.admitted:.6f};admitted_step={self.admitted_step};"
+            f"finished={self.finished:.6f};finished_step={self.finished_step};responded={responded:.6f}"
+        )
+
+
+request_times: ContextVar[RequestTimes | None] = ContextVar("request_times", default=None)
 
 
 class EngineFront(ABC):
@@ -77,8 +109,11 @@ class EngineFront(ABC):
         updates: asyncio.Queue[Delivery] = asyncio.Queue()
         self._streams[request_id] = _Stream(asyncio.get_running_loop(), updates)
         remaining = n
+        times = request_times.get()
         try:
             await self._add(request_id, prompt_token_ids, params, n, stream, stream_interval_s)
+            if times is not None:
+                times.admitted, times.admitted_step = time.monotonic(), self.stats().steps_total
             while remaining:
                 batch = await updates.get()
                 if isinstance(batch, BaseException):
@@ -96,6 +131,8 @@ class EngineFront(ABC):
                 for update in batch:
                     if update.finish_reason is not None:
                         remaining -= 1
+                        if not remaining and times is not None:
+                            times.finished, times.finished_step = time.monotonic(), self.stats().steps_total
                     yield update
         finally:
             self._streams.pop(request_id, None)
@@ -118,6 +155,10 @@ class EngineFront(ABC):
     @abstractmethod
     def _abort(self, request_id: str) -> None:
         """Drop an unfinished request from the core (its consumer has gone); does not wait."""
+
+    @abstractmethod
+    def stats(self) -> EngineStats:
+        """The engine's counters (from another thread or process: as of its latest step)."""
 
     def _deliver(self, outputs: list[tuple[str, Delivery]]) -> None:
         """Hand one step's updates (or a request's error) to the event loops: one wake-up per loop.
