@@ -20,25 +20,15 @@ import triton
 
 from tandem.inference.engine import kernels
 from tandem.inference.engine.fp8 import padded_rows
-from tandem.inference.engine.triton_fp8 import quantize_rows, scale_outer_
+from tandem.inference.engine.triton_fp8 import _cold_us, quantize_rows, scale_outer_
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 4096, 32, 8, 128, 12288  # Qwen3-8B
 
 
-def graph_us(fn: Callable[[], object], calls: int = 50, repeats: int = 10) -> float:
-    fn()  # compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (calls * repeats)
+def graph_us(fn: Callable[[], object], calls: int = 50) -> float:
+    """µs per call of `fn`, captured `calls` times into a CUDA graph and replayed (triton_fp8's
+    timer: one call per "weight", here none)."""
+    return _cold_us(lambda _: fn(), [None] * calls, repeats=10)
 
 
 def launches(m: int) -> dict[str, float]:
