@@ -211,11 +211,12 @@ class Connection:
     async def open(cls, port: int) -> "Connection":
         return cls(*await asyncio.open_connection("127.0.0.1", port))
 
-    async def post(self, path: str, body: bytes) -> tuple[dict[str, str], bytes]:
-        """POST a JSON body asking for the server's times; the response's headers and body."""
+    async def post(self, path: str, body: bytes, timed: bool = False) -> tuple[dict[str, str], bytes]:
+        """POST a JSON body (`timed`: asking for the server's times); the response's headers and body."""
+        timing = f"{TIMING_HEADER}: 1\r\n" if timed else ""
         head = (
             f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\n{TIMING_HEADER}: 1\r\n\r\n"
+            f"content-length: {len(body)}\r\n{timing}\r\n"
         )
         self.writer.write(head.encode() + body)
         status, *lines = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
@@ -230,7 +231,7 @@ class Connection:
 
 
 async def whole_request(connection: Connection, body: bytes, timing: RequestTiming) -> None:
-    headers, content = await connection.post("/v1/completions", body)
+    headers, content = await connection.post("/v1/completions", body, timed=True)
     timing.received = time.monotonic()
     timing.tokens = sum(len(c["token_ids"]) for c in json.loads(content)["choices"])
     if TIMING_HEADER in headers:

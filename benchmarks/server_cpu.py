@@ -33,7 +33,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_step_host import build_model  # noqa: E402
-from inference_throughput import free_port, process_cpu_seconds  # noqa: E402
+from inference_throughput import Connection, free_port, process_cpu_seconds  # noqa: E402
 
 
 def loop_cpu_seconds(pid: int) -> float:
@@ -64,28 +64,33 @@ def start_server(src: Path, model: Path, port: int, args: argparse.Namespace, lo
 
 
 async def send_round(
-    client: httpx.AsyncClient, port: int, bodies: list[bytes], args: argparse.Namespace
+    client: httpx.AsyncClient, connections: list[Connection], port: int, bodies: list[bytes], stream: bool
 ) -> None:
-    """All requests at once; checks that every response has its tokens."""
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    headers = {"content-type": "application/json"}
+    """All requests at once (whole ones on `connections`, one each); checks every response's tokens."""
 
-    async def one(body: bytes) -> None:
-        if not args.stream:
-            response = await client.post(url, content=body, headers=headers)
+    async def whole(connection: Connection, body: bytes) -> int:
+        _, content = await connection.post("/v1/completions", body)
+        return len(json.loads(content)["choices"][0]["token_ids"])
+
+    async def streamed(body: bytes) -> int:
+        tokens = 0
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        async with client.stream(
+            "POST", url, content=body, headers={"content-type": "application/json"}
+        ) as response:
             response.raise_for_status()
-            tokens = len(response.json()["choices"][0]["token_ids"])
-        else:
-            tokens = 0
-            async with client.stream("POST", url, content=body, headers=headers) as response:
-                response.raise_for_status()
-                async for line in response.aiter_lines():
-                    if line.startswith("data: {"):
-                        tokens += sum(len(c["token_ids"]) for c in json.loads(line[6:])["choices"])
-        if tokens != args.output_len:
-            raise RuntimeError(f"got {tokens} tokens, expected {args.output_len}")
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    tokens += sum(len(c["token_ids"]) for c in json.loads(line[6:])["choices"])
+        return tokens
 
-    await asyncio.gather(*(one(body) for body in bodies))
+    if stream:
+        counts = await asyncio.gather(*(streamed(body) for body in bodies))
+    else:
+        counts = await asyncio.gather(*(whole(c, body) for c, body in zip(connections, bodies, strict=True)))
+    expected = json.loads(bodies[0])["max_tokens"]
+    if any(count != expected for count in counts):
+        raise RuntimeError(f"got {counts} tokens, expected {expected} each")
 
 
 def bodies(rng: random.Random, args: argparse.Namespace) -> list[bytes]:
@@ -103,20 +108,28 @@ def bodies(rng: random.Random, args: argparse.Namespace) -> list[bytes]:
 
 
 async def measure(servers: list[tuple[Path, subprocess.Popen, int]], args: argparse.Namespace) -> dict:
-    """Warm-up, then `--rounds` rounds over the servers in turn: CPU seconds per round and server."""
+    """Warm-up, then `--rounds` rounds over the servers in turn: CPU seconds per round and server.
+    The client is light (plain keep-alive connections for whole responses: httpx would spend
+    several times the server's CPU on each request, on the same cores)."""
     rng = random.Random(0)
     limits = httpx.Limits(max_connections=args.num_requests, max_keepalive_connections=args.num_requests)
     spent: dict[Path, list[tuple[float, float]]] = {src: [] for src, _, _ in servers}
+    connections = {
+        port: await asyncio.gather(*(Connection.open(port) for _ in range(args.num_requests)))
+        for _, _, port in servers
+    }
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         for _, _, port in servers:
-            await send_round(client, port, bodies(rng, args), args)
+            await send_round(client, connections[port], port, bodies(rng, args), args.stream)
         for _ in range(args.rounds):
             for src, server, port in servers:
                 load = bodies(rng, args)
                 before = process_cpu_seconds(server.pid)[0], loop_cpu_seconds(server.pid)
-                await send_round(client, port, load, args)
+                await send_round(client, connections[port], port, load, args.stream)
                 after = process_cpu_seconds(server.pid)[0], loop_cpu_seconds(server.pid)
                 spent[src].append((after[0] - before[0], after[1] - before[1]))
+    for connection in (c for cs in connections.values() for c in cs):
+        connection.close()
     return spent
 
 
