@@ -350,13 +350,13 @@ def timeline(timings: list[RequestTiming], first_sent: float) -> dict[str, float
         return max(t[key] for t in times)
 
     ms = 1000
-    steps = last("finished_step") - first("admitted_step")
+    steps = int(last("finished_step") - first("admitted_step"))
     span = last("finished") - first("admitted")
     return {
         "first_received_ms": ms * (first("received") - first_sent),
         "arrivals_ms": ms * (last("received") - first("received")),
         "last_admitted_ms": ms * (last("admitted") - first("received")),
-        "partial_batch_steps": last("admitted_step") - first("admitted_step"),
+        "partial_batch_steps": int(last("admitted_step") - first("admitted_step")),
         "engine_ms": ms * span,
         "engine_steps": steps,
         "ms_per_step": ms * span / max(steps, 1),
@@ -666,7 +666,7 @@ def main() -> None:
             print(
                 f"{'':52} requests reach the server after {r['first_received_ms']:.0f} ms, over "
                 f"{r['arrivals_ms']:.0f} ms; the last one in the engine at {r['last_admitted_ms']:.0f} ms "
-                f"({r['partial_batch_steps']} steps before); engine {r['engine_ms']:.0f} ms, "
+                f"(steps before it: {r['partial_batch_steps']}); engine {r['engine_ms']:.0f} ms, "
                 f"{r['engine_steps']} steps ({r['ms_per_step']:.2f} ms/step), the requests end over "
                 f"{r['finish_spread_ms']:.0f} ms; the last response ready {r['last_responded_after_ms']:.0f} ms "
                 f"and received {r['tail_ms']:.0f} ms after the last request's end"
