@@ -28,9 +28,10 @@ def decoder(tokenizer: Tokenizer) -> Callable[..., str]:
     """`tokenizer.decode`, or its `tokenizers` backend's decode when that gives the same text
     (a fast tokenizer that cleans up no spaces; streamed text is decoded by the backend
     alone anyway): transformers' own first converts every id in Python (~0.2 µs a token)."""
-    if getattr(tokenizer, "clean_up_tokenization_spaces", True):
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # (fast tokenizers only)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return tokenizer.decode
-    return tokenizer.backend_tokenizer.decode
+    return backend.decode
 
 
 class TextTracker:
