@@ -293,11 +293,30 @@ def profile_decode(core: EngineCore, prompts: list[list[int]], steps: int = 30) 
     profiler.disable()
     sync(core.device)
     per_step = (time.perf_counter() - start) / steps * 1e3
+    device = decode_device_time(core, steps) if core.device.type == "cuda" else ""
     while core.has_work():
         core.step()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
-    return f"decode step (profiled): {per_step:.2f} ms\n" + text.getvalue()
+    return f"decode step (profiled): {per_step:.2f} ms\n" + text.getvalue() + device
+
+
+def decode_device_time(core: EngineCore, steps: int) -> str:
+    """torch.profiler over `steps` more full-batch decode steps: the device's busy time per step
+    against the wall time (is the GPU the bound, or does it wait for the host?), and the kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(core.device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            core.step()
+        sync(core.device)
+        wall = (time.perf_counter() - start) / steps * 1e3
+    table = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in table) / steps / 1e3
+    kernels = table.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60)
+    return f"\ndecode steps under torch.profiler: {wall:.2f} ms wall, {busy:.2f} ms device time per step\n{kernels}"
 
 
 def profile_prefill(core: EngineCore, prompts: list[list[int]]) -> str:

@@ -222,12 +222,15 @@ SCRAPED = (
 )
 
 
+PHASE_SECONDS = "tandem_engine_step_seconds_total{phase="
+
+
 def scrape(port: int) -> dict[str, float]:
-    """The server's engine step counter and time-to-first-token sum and count (from /metrics);
-    a server without them (vLLM) gives none."""
+    """The server's engine step counter, its loop's host seconds by phase and the time-to-first-
+    token sum and count (from /metrics); a server without them (vLLM) gives none."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     values = (line.split(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
-    return {name: float(value) for name, value in values if name in SCRAPED}
+    return {name: float(value) for name, value in values if name in SCRAPED or name.startswith(PHASE_SECONDS)}
 
 
 def stat_fields(stat: Path) -> list[str]:
@@ -294,9 +297,12 @@ def run_load(
     result = {"output_tokens": tokens, "seconds": elapsed, "output_tokens_per_s": tokens / elapsed}
     scraped = {k: v - scraped_before[k] for k, v in scrape(port).items() if k in scraped_before}
     if "tandem_engine_steps_total" in scraped:
-        result["engine_steps"] = int(
-            scraped["tandem_engine_steps_total"]
-        )  # (the clients' warm-up requests included)
+        steps = result["engine_steps"] = int(scraped["tandem_engine_steps_total"])
+        result["engine_loop_ms_per_step"] = {  # host time of the engine's loop by phase
+            name[len(PHASE_SECONDS) + 1 : -2]: 1000 * value / max(steps, 1)
+            for name, value in scraped.items()
+            if name.startswith(PHASE_SECONDS)
+        }
     if scraped.get("tandem_time_to_first_token_seconds_count"):  # the server's own share of the clients' TTFT
         ttft_sum, ttft_count = (
             scraped["tandem_time_to_first_token_seconds_sum"],
@@ -519,6 +525,13 @@ def main() -> None:
                 f"{r['engine_steps']} steps ({r['ms_per_step']:.2f} ms/step), the requests end over "
                 f"{r['finish_spread_ms']:.0f} ms; the last response ready {r['last_responded_after_ms']:.0f} ms "
                 f"and received {r['tail_ms']:.0f} ms after the last request's end"
+            )
+        if r.get("engine_loop_ms_per_step"):
+            phases = r["engine_loop_ms_per_step"]
+            print(
+                f"{'':52} engine loop, ms per step: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
+                + f" (sum {sum(phases.values()):.2f})"
             )
         if "client_cpu_us_per_request" in r:
             print(

@@ -468,6 +468,20 @@ def test_time_to_first_token_is_a_histogram_of_streaming_requests(server: Any) -
     assert buckets == sorted(buckets) and after[f'{name}_bucket{{le="+Inf"}}'] == after[f"{name}_count"]
 
 
+def test_engine_step_seconds_by_phase_grow_with_steps(server: Any) -> None:
+    name = "tandem_engine_step_seconds_total"
+    before = metrics(server)
+    body = {"prompt": "go on", "max_tokens": 16, "ignore_eos": True}
+    httpx.post(server.base_url + "/completions", json=body, timeout=30).raise_for_status()
+    after = metrics(server)
+    phases = {k[len(name) + len('{phase="') : -2]: v for k, v in after.items() if k.startswith(name)}
+    assert set(phases) == {"schedule", "model", "sample", "append", "deliver", "commands"}
+    grown = {p: v - before[f'{name}{{phase="{p}"}}'] for p, v in phases.items()}
+    steps = after["tandem_engine_steps_total"] - before["tandem_engine_steps_total"]
+    assert steps >= 16 and grown["model"] > 0 and grown["sample"] > 0 and grown["deliver"] > 0
+    assert sum(grown.values()) < 30  # host seconds of these steps, not of the server's life
+
+
 def test_disconnect_mid_stream_frees_blocks(server: Any) -> None:
     before = wait_for_idle(server)
     body = {"prompt": "go on", "max_tokens": 1000, "ignore_eos": True, "stream": True, "n": 4}

@@ -114,6 +114,9 @@ def render_metrics(stats: EngineStats, counters: ServerCounters, tokens_per_s: f
         lines, "tandem_prompt_tokens_total", "counter", "Prompt tokens prefilled.", stats.prompt_tokens_total
     )
     metric(lines, "tandem_engine_steps_total", "counter", "Engine steps run.", stats.steps_total)
+    name = "tandem_engine_step_seconds_total"
+    lines += [f"# HELP {name} Host seconds of the engine's loop by phase.", f"# TYPE {name} counter"]
+    lines += [f'{name}{{phase="{phase}"}} {value:g}' for phase, value in stats.step_seconds.items()]
     metric(
         lines,
         "tandem_prefix_cache_hit_tokens_total",

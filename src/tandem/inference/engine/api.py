@@ -6,7 +6,7 @@ scheduling, the KV cache, the model and sampling.
 """
 
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -91,6 +91,9 @@ class EngineStats:
     steps_total: int = 0  # engine steps run since start
     prefix_cache_hit_tokens_total: int = 0  # prompt tokens taken from the prefix cache, not computed
     prefill_tokens_total: int = 0  # prompt tokens computed (recomputation after preemption included)
+    # host seconds of the engine's loop by phase since start: the core's schedule, model (inputs and
+    # launches), sample (waiting for the device's tokens) and append; the loop's deliver and commands
+    step_seconds: dict[str, float] = field(default_factory=dict)
 
 
 class EngineDeadError(RuntimeError):

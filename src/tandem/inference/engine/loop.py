@@ -58,6 +58,7 @@ class CoreLoop:
         # a weight update waiting for the loop: what gives its tensors, its version, its caller
         self._pending_update: tuple[Callable[[], Any], int, Future] | None = None
         self._stopping = False
+        self.timings = {"deliver": 0.0, "commands": 0.0}  # host seconds between steps, beside core.timings
         # set iff the transport is in-memory; closed when `run` ends
         self.receiver = None if link is None else _start_receiver(link, config.weights, self.core)
 
@@ -130,6 +131,7 @@ class CoreLoop:
             steps_total=core.num_steps,
             prefix_cache_hit_tokens_total=core.blocks.hit_tokens_total,
             prefill_tokens_total=core.scheduler.prefill_tokens_total,
+            step_seconds={**core.timings, **self.timings},
         )
 
     # ---- the loop's thread ------------------------------------------------------------------
@@ -146,15 +148,24 @@ class CoreLoop:
         """Step while there is work, run commands between steps, until `stop()`; raises what
         killed it, after failing every command still queued."""
         try:
+            timings = self.timings
             while not self._stopping:
                 core = self.core
-                ran = self._run_commands(block=self.paused or not core.has_work())
+                block = self.paused or not core.has_work()
+                start = time.perf_counter()
+                ran = self._run_commands(block=block)
                 self._apply_pending_update()
                 if self.paused or self._stopping or not core.has_work():
                     if ran:
                         self.emit([])
                     continue
-                self.emit(core.step())
+                stepped = time.perf_counter()
+                if not block:  # (a blocking wait is idle time, not the loop's work)
+                    timings["commands"] += stepped - start
+                updates = core.step()
+                delivering = time.perf_counter()
+                self.emit(updates)
+                timings["deliver"] += time.perf_counter() - delivering
         finally:
             self._close("the engine is not running")
             if self.receiver is not None:
