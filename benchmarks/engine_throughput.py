@@ -234,40 +234,15 @@ def run_hf(path: Path, prompts: list[list[int]], output_len: int, device: torch.
     return seconds, (out.shape[1] - ids.shape[1]) * out.shape[0]
 
 
-def sweep_kernel(device: torch.device, batch: int, context: int) -> list[dict]:
-    """Time the decode kernel's launch parameters on the 0.6B shape; install the fastest."""
+def sweep_kernel(batch: int, context: int) -> list[dict]:
+    """Time the decode kernel's launch parameters on the 0.6B shape (decode_attention.py); install the fastest."""
+    from decode_attention import candidates, show, time_configs
+
     from tandem.inference.engine import triton_decode
 
-    gen = torch.Generator(device=device).manual_seed(0)
-    blocks = batch * context // 16 + 1
-    kc, vc = torch.randn(2, blocks, 16, 8, 128, device=device, dtype=torch.bfloat16, generator=gen)
-    q = torch.randn(batch, 16, 128, device=device, dtype=torch.bfloat16, generator=gen)
-    tables = torch.randperm(blocks - 1, device=device, generator=gen)[: batch * context // 16] + 1
-    tables = tables.view(batch, context // 16)
-    lens = torch.full((batch,), context, device=device)
-    rows = []
-    for block_n in (32, 64, 128):
-        for warps in (2, 4, 8):
-            for stages in (1, 2, 3, 4):
-                triton_decode.CONFIG = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
-                try:
-                    triton_decode.paged_decode_attention(q, kc, vc, tables, lens, 0.1)
-                    torch.cuda.synchronize()
-                    start = time.perf_counter()
-                    for _ in range(20):
-                        triton_decode.paged_decode_attention(q, kc, vc, tables, lens, 0.1)
-                    torch.cuda.synchronize()
-                except Exception as e:  # a configuration the compiler rejects
-                    print(f"skip {triton_decode.CONFIG}: {type(e).__name__}")
-                    continue
-                ms = (time.perf_counter() - start) / 20 * 1e3
-                gbps = 2 * batch * context * 8 * 128 * 2 / ms / 1e6
-                rows.append({**triton_decode.CONFIG, "ms": ms, "GB/s": gbps})
-    rows.sort(key=lambda r: r["ms"])
-    best = rows[0]
-    triton_decode.CONFIG = {k: best[k] for k in ("BLOCK_N", "num_warps", "num_stages")}
-    for r in rows[:6]:
-        print(r)
+    rows = time_configs(candidates(), batch, context)
+    show(rows, f"decode kernel, batch {batch}, context {context}", 6)
+    triton_decode.CONFIG = {k: v for k, v in rows[0].items() if k not in ("us", "TB/s")}
     return rows
 
 
@@ -466,7 +441,7 @@ def main() -> None:
         print(json.dumps(results["check"], indent=2), flush=True)
 
     if args.sweep_kernel and device.type == "cuda":
-        results["kernel_sweep"] = sweep_kernel(device, args.num_requests, args.prompt_len + args.output_len)
+        results["kernel_sweep"] = sweep_kernel(args.num_requests, args.prompt_len + args.output_len)
     vocab = None
     fresh = iter(range(1, 1000))  # a new prompt seed for every timed run: no prefix is shared
 

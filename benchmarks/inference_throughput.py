@@ -210,6 +210,7 @@ def timeline(timings: list[RequestTiming], first_sent: float) -> dict[str, float
         "engine_steps": steps,
         "ms_per_step": ms * span / max(steps, 1),
         "finish_spread_ms": ms * (last("finished") - first("finished")),
+        "finish_spread_steps": int(last("finished_step") - first("finished_step")),
         "last_responded_after_ms": ms * (last("responded") - last("finished")),
         "tail_ms": ms * (max(t.received for t in timings) - last("finished")),
     }
@@ -523,7 +524,7 @@ def main() -> None:
                 f"{r['arrivals_ms']:.0f} ms; the last one in the engine at {r['last_admitted_ms']:.0f} ms "
                 f"(steps before it: {r['partial_batch_steps']}); engine {r['engine_ms']:.0f} ms, "
                 f"{r['engine_steps']} steps ({r['ms_per_step']:.2f} ms/step), the requests end over "
-                f"{r['finish_spread_ms']:.0f} ms; the last response ready {r['last_responded_after_ms']:.0f} ms "
+                f"{r['finish_spread_ms']:.0f} ms ({r['finish_spread_steps']} steps); the last response ready {r['last_responded_after_ms']:.0f} ms "
                 f"and received {r['tail_ms']:.0f} ms after the last request's end"
             )
         if r.get("engine_loop_ms_per_step"):

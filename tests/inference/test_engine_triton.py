@@ -1,5 +1,5 @@
 """The engine's Triton kernels, run by Triton's CPU interpreter: the decode kernel against the
-gather + SDPA path, the fused kernels end to end against transformers' greedy tokens, the fused
+gather + SDPA path (one KV head or several per program), the fused kernels end to end against transformers' greedy tokens, the fused
 sampler against the torch sampler, and the q/k norm + rotary + cache-write kernel against the
 torch path."""
 
@@ -20,9 +20,11 @@ for kv_heads, heads, dim in [(2, 4, 64), (8, 16, 128), (4, 4, 32)]:
     tables = torch.tensor([[5, 9, 3, 0, 0], [1, 2, 0, 0, 0], [7, 8, 10, 11, 30]])
     lens = torch.tensor([40, 17, 80])
     ref = decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5)
-    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5)
-    err = (out - ref).abs().max().item()
-    assert err < 1e-5, (kv_heads, heads, dim, err)
+    for per_program, fastest in [(1, False), (2, True), (4, False), (8, True)]:
+        config = {"BLOCK_N": 32, "HEADS": per_program, "KV_HEAD_FASTEST": fastest}
+        out = paged_decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5, config)
+        err = (out - ref).abs().max().item()
+        assert err < 1e-5, (kv_heads, heads, dim, per_program, fastest, err)
 print("ok")
 """
 

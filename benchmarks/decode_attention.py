@@ -1,0 +1,123 @@
+"""The engine's paged decode-attention kernel (engine/triton_decode.py) on CUDA: its launch
+parameters swept at the Qwen3-0.6B shape (16 query heads, 8 KV heads of 128, 16-token blocks),
+bandwidth of the keys and values read, the fastest first.
+
+    python3 benchmarks/decode_attention.py                   # batch 256, context 256; the best again at 64 / 128 / 384
+    python3 benchmarks/decode_attention.py --batch 64 --context 384 --top 10
+
+Each configuration is checked against the gather + SDPA path before it is timed; the cache's
+blocks are a random permutation (as a long-running engine's are). Times are medians of
+triton.testing.do_bench.
+"""
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+HEADS, KV_HEADS, DIM, BLOCK = 16, 8, 128, 16
+
+
+def candidates() -> list[dict]:
+    """Launch parameters worth timing: more KV heads per program want more warps, fewer tokens."""
+    grids = {
+        1: dict(BLOCK_N=(32, 64, 128), num_warps=(2, 4), num_stages=(2, 3), KV_HEAD_FASTEST=(False, True)),
+        2: dict(BLOCK_N=(32, 64), num_warps=(2, 4), num_stages=(2, 3), KV_HEAD_FASTEST=(False, True)),
+        4: dict(BLOCK_N=(16, 32, 64), num_warps=(4, 8), num_stages=(2, 3), KV_HEAD_FASTEST=(False, True)),
+        8: dict(BLOCK_N=(16, 32), num_warps=(4, 8), num_stages=(1, 2), KV_HEAD_FASTEST=(False,)),
+    }
+    out = []
+    for heads, grid in grids.items():
+        for values in itertools.product(*grid.values()):
+            out.append({"HEADS": heads, **dict(zip(grid, values, strict=True))})
+    return out
+
+
+def inputs(batch: int, context: int, seed: int = 0) -> tuple:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    pages = -(-context // BLOCK)
+    blocks = batch * pages + 1
+    k_cache, v_cache = torch.randn(
+        2, blocks, BLOCK, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen
+    )
+    q = torch.randn(batch, HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+    tables = (torch.randperm(blocks - 1, device="cuda", generator=gen) + 1).view(batch, pages)
+    lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    return q, k_cache, v_cache, tables, lens
+
+
+def time_configs(configs: list[dict], batch: int, context: int) -> list[dict]:
+    import triton
+
+    from tandem.inference.engine.attention import decode_attention
+    from tandem.inference.engine.triton_decode import paged_decode_attention
+
+    q, k_cache, v_cache, tables, lens = inputs(batch, context)
+    scale = DIM**-0.5
+    ref = decode_attention(q[:8].float(), k_cache.float(), v_cache.float(), tables[:8], lens[:8], scale)
+    gigabytes = 2 * batch * context * KV_HEADS * DIM * 2 / 1e9
+    rows = []
+    for config in configs:
+        try:
+            out = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, config)
+            err = (out[:8].float() - ref).abs().max().item()
+            if err > 2e-2:
+                print(f"wrong: {config} max error {err:.3g}", flush=True)
+                continue
+            us = 1e3 * triton.testing.do_bench(
+                lambda c=config: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, c),
+                warmup=20, rep=60, return_mode="median",
+            )  # fmt: skip
+        except Exception as e:  # a configuration the compiler or the device refuses
+            print(f"skip {config}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            continue
+        rows.append({**config, "us": us, "TB/s": gigabytes / us * 1e3})
+    rows.sort(key=lambda r: r["us"])
+    return rows
+
+
+def show(rows: list[dict], title: str, top: int) -> None:
+    print(f"\n{title}")
+    print("| HEADS | KV_HEAD_FASTEST | BLOCK_N | warps | stages | µs | TB/s |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows[:top]:
+        print(
+            f"| {r['HEADS']} | {r['KV_HEAD_FASTEST']} | {r['BLOCK_N']} | {r['num_warps']} | {r['num_stages']} "
+            f"| {r['us']:.1f} | {r['TB/s']:.2f} |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--top", type=int, default=8)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("decode_attention.py times a CUDA kernel: no GPU here")
+        return
+    from tandem.inference.engine.triton_decode import CONFIG
+
+    default = dict(CONFIG)
+    rows = time_configs(candidates(), args.batch, args.context)
+    show(rows, f"batch {args.batch}, context {args.context} (default {default})", args.top)
+    results = {"sweep": rows}
+    best = [{k: v for k, v in r.items() if k not in ("us", "TB/s")} for r in rows[:3]]
+    for batch, context in ((args.batch, 128), (args.batch, 384), (64, args.context)):
+        again = time_configs([default, *best], batch, context)
+        show(again, f"batch {batch}, context {context}: the default and the best three", 4)
+        results[f"{batch}x{context}"] = again
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
