@@ -6,9 +6,9 @@ lengths, feed rows, then the block tables): one host→device copy, built with n
 block manager's table array. A sequence whose input token is still on the device (drawn by the
 step before, not yet read back: core.py) takes it from `sampled`, the buffer every step's draws
 are written to, by an index into it; that gather is part of the step (and of its graph), so
-nothing waits for the host. Decode graphs are captured lazily for (batch bucket, block-table
-width bucket) pairs; padded rows write into block 0 (never handed out) and attend to one slot
-of it. On CPU a decode step and the output head run at least MIN_CPU_ROWS rows (padded the
+nothing waits for the host. Decode graphs are captured lazily, per block-table width bucket:
+the first step at a width captures every batch bucket's graph for it. Padded rows write into
+block 0 (never handed out) and attend to one slot of it. On CPU a decode step and the output head run at least MIN_CPU_ROWS rows (padded the
 same way): CPU matrix products of 1–3 rows round differently from larger ones (measured with
 MKL), which would make a sequence's logits depend on how many others share its step.
 
@@ -20,6 +20,7 @@ prompts skip the padded batch: one variable-length flash call over their rows.
 
 import logging
 import math
+import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -368,7 +369,7 @@ class ModelRunner:
                 host[FEED, fed_rows] = [_feed_row(feed, seqs[i]) for i in fed_rows]
         cols = min(width, blocks.tables.shape[1])
         tables[:real, :cols] = blocks.tables[table_rows, :cols]
-        graph = (self.graphs.get((size, width)) or self._capture(size, width)) if graphed else None
+        graph = (self.graphs.get((size, width)) or self._capture_width(size, width)) if graphed else None
         if graph is not None:
             copy_to(graph.packed, torch.from_numpy(packed))
             if self.replay_events is not None:
@@ -390,6 +391,24 @@ class ModelRunner:
         ids = self._feed(inputs[ID], inputs[FEED])
         meta = AttentionMetadata(slot_mapping=inputs[SLOT], decodes=Decodes(None, tables, inputs[CONTEXT]))
         return self.model(ids, inputs[POSITION], self.kv_caches, meta)
+
+    def _capture_width(self, size: int, width: int) -> _DecodeGraph | None:
+        """The graph for (`size`, `width`), with those of every other batch bucket at `width`
+        (largest first: the pool grows once). A run pays its captures the first time a step
+        needs a width, not again whenever a new batch size turns up at it (each capture then
+        held up a step by tens to hundreds of ms, as requests finished)."""
+        start = time.perf_counter()
+        buckets = [b for b in BATCH_BUCKETS if b <= self.max_graph_batch and (b, width) not in self.graphs]
+        for bucket in sorted(buckets, reverse=True):
+            if self._capture(bucket, width) is None:
+                return None
+        log.info(
+            "decode graphs for contexts up to %d tokens: %d batch sizes captured in %.2f s",
+            width * self.block_size,
+            len(buckets),
+            time.perf_counter() - start,
+        )
+        return self.graphs[(size, width)]
 
     def _capture(self, size: int, width: int) -> _DecodeGraph | None:
         """A new decode graph; None (and no graphs from now on, with a warning) if the model's
