@@ -112,6 +112,71 @@ def test_fused_sampler_draws_what_the_torch_sampler_draws(tmp_path) -> None:  # 
     run_interpreted(SAMPLER_SCRIPT, timeout=300)
 
 
+RACE_SCRIPT = """
+import numpy as np
+import torch
+from tandem.inference.engine import triton_sample
+from tandem.inference.engine.sampler import fmix32, sample_key, uniform_noise
+
+
+def race(logits, temps, keys, positions, step_seed):
+    # every column's score, in float32 like the kernel (numpy's log, as the interpreter's)
+    rows, vocab = logits.shape
+    greedy = temps <= 0
+    x = logits.float() / torch.where(greedy, 1.0, temps)[:, None]
+    unseeded = fmix32(step_seed ^ fmix32(torch.arange(rows) + 0x2545F491))
+    u = uniform_noise(torch.where(keys >= 0, keys, unseeded), positions, vocab).numpy()
+    noise = torch.from_numpy(-np.log(-np.log(u)))
+    score = torch.where(greedy[:, None], x, x + noise)
+    tokens = score.argmax(-1)  # the first column of the maximum
+    logprobs = torch.log_softmax(x.double(), -1).gather(1, tokens[:, None])[:, 0]
+    return tokens, logprobs, noise
+
+
+torch.manual_seed(0)
+rows, vocab, step_seed = 32, 3000, 5
+temps = torch.tensor([0.0, 1.0, 0.7, 1.3, 0.0, 1.0, 2.0, 0.5, 1.0, 0.0, 0.9, 1.0, 0.0] + [1.0] * 8 + [1.0, 0.8] * 5 + [0.0])
+keys = torch.tensor([sample_key(3, i) if i % 3 else -1 for i in range(rows)])
+positions = torch.randint(0, 5000, (rows,))
+base = torch.randn(rows, vocab) * 3
+noise = race(base, temps, keys, positions, step_seed)[2]
+base[4] = torch.randint(0, 4, (vocab,)).float()  # greedy, many exact ties: the first maximum
+base[9, :-1] = 0.0  # greedy, the maximum in the last (partial) block
+base[9, -1] = 1.0
+base[10, ::7] = float("-inf")
+base[11] = 1536.0 - noise[11]  # T = 1: every fp32 score exactly 1536, column 0 draws
+base[12] = float("-inf")  # every score -inf: column 0
+# T = 1, a later column beats column 5 by 2**-10 (exact at 1536), every other column far behind:
+# its step, in 5's chunk, must not be skipped. The largest noise of its range: a tight bound
+narrow = torch.arange(13, 21)
+late = 512 + noise[narrow, 512:768].argmax(1)
+base[narrow] = -100.0
+base[narrow, 5] = 1536.0 - noise[narrow, 5]
+base[narrow, late] = 1536.0 + 2**-10 - noise[narrow, late]
+ordinary = [i for i in range(rows) if not 11 <= i < 21]
+for block, programs in [(256, 8192), (128, 128), (64, 64)]:  # steps per chunk: 1, 6, 24
+    triton_sample.BLOCK, triton_sample.PROGRAMS = block, programs
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = base.to(dtype)
+        want, want_lp, _ = race(logits, temps, keys, positions, step_seed)
+        tokens = torch.empty(rows, dtype=torch.int64)
+        got = triton_sample.fused_sample(logits, temps, keys, positions, step_seed, tokens)
+        case = (block, programs, dtype)
+        assert got[0].long().tolist() == want.tolist() == tokens.tolist(), (case, got[0], want)
+        err = (got[1] - want_lp)[ordinary].abs().max().item()
+        assert err < 1e-5, (case, err)
+print("ok")
+"""
+
+
+def test_fused_sampler_is_the_race_written_out_in_torch() -> None:
+    """Every column's score computed in torch (hash, noise, argmax, log_softmax) against the
+    kernel, with several chunks per row and several steps per chunk: greedy, seeded and unseeded
+    rows, fp32 and bf16 logits, exact ties (first column), -inf columns and rows. Same ids,
+    logprobs to 1e-5."""
+    run_interpreted(RACE_SCRIPT, timeout=300)
+
+
 QK_NORM_ROPE_SCRIPT = """
 import torch
 from tandem.inference.engine.attention import write_kv
