@@ -55,9 +55,11 @@ FP8_KERNELS = ("triton", "w8a8", "blockwise", "rowwise")
 PREFILL_ROWS = 512
 # rowwise up to this many rows: `_scaled_mm` with unit (tensor-wise) scales, which cuBLAS runs
 # 1.6-1.9x faster than its row-wise-scaled kernel at 16-128 rows (Qwen3-8B's layers, H200,
-# 2026-12-04), and the scales applied after; at 256 concurrent requests the engine was faster
-# with the row-wise kernel (1.19x bf16 against 1.08x), at 64 with this one (1.20x against 0.99x)
-UNIT_SCALED_ROWS = 128
+# 2026-12-04), and the scales applied after, by the kernels that read the product (fused
+# launches). With those, decode at 256 concurrent requests ran 1.26x bf16 up to 256 rows against
+# 1.23x up to 128 (and 1.22x against 1.21x in an earlier call); before them the row-wise kernel
+# was the faster one at 256 (1.19x against 1.08x). Prefill batches take the row-wise kernel.
+UNIT_SCALED_ROWS = 256
 
 
 class Quantized(NamedTuple):
