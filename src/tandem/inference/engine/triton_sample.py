@@ -43,7 +43,7 @@ import triton.language as tl
 BLOCK = 512  # lanes: columns per step (a power of two)
 NUM_WARPS = 1  # one warp: a step's max is warp shuffles, no shared memory, no barrier
 PROGRAMS = 2048  # programs a launch aims at: splits per row = PROGRAMS / rows, capped
-MAX_SPLITS = 64  # most programs per row
+MAX_SPLITS = 64  # most programs per row (a power of two: the combining program's width)
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 SLACK: tl.constexpr = tl.constexpr(1e-3)  # absolute rounding margin of the skip test
@@ -158,7 +158,7 @@ def _partial_kernel(
     tl.store(index_ptr + out, column_all)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows", "splits"])  # one compile for every batch (none mid-run)
 def _combine_kernel(
     logits_ptr, stride, temps_ptr, ref_ptr, sum_ptr, best_ptr, index_ptr, tokens_ptr, result_ptr, rows,
     splits, SPLITS: tl.constexpr,
@@ -213,6 +213,6 @@ def fused_sample(
     )  # fmt: skip
     _combine_kernel[(rows,)](
         logits, logits.stride(0), temperatures, partial[0], partial[1], partial[2], index,
-        tokens_out, result, rows, splits, SPLITS=triton.next_power_of_2(splits),
+        tokens_out, result, rows, splits, SPLITS=MAX_SPLITS,
     )  # fmt: skip
     return result
