@@ -8,9 +8,10 @@ step before, not yet read back: core.py) takes it from `sampled`, the buffer eve
 are written to, by an index into it; that gather is part of the step (and of its graph), so
 nothing waits for the host. Decode graphs are captured lazily, per block-table width bucket:
 the first step at a width captures every batch bucket's graph for it. Padded rows write into
-block 0 (never handed out) and attend to one slot of it. On CPU a decode step and the output head run at least MIN_CPU_ROWS rows (padded the
-same way): CPU matrix products of 1–3 rows round differently from larger ones (measured with
-MKL), which would make a sequence's logits depend on how many others share its step.
+block 0 (never handed out) and attend to one slot of it. On CPU a decode step and the output
+head run at least MIN_CPU_ROWS rows (padded the same way): CPU matrix products of 1–3 rows
+round differently from larger ones (measured with MKL), which would make a sequence's logits
+depend on how many others share its step.
 
 Prompt steps can run their SDPA calls under a chosen set of kernels (`prompt_attention`):
 PyTorch's cuDNN attention keeps the execution graph it builds for each input shape in a
