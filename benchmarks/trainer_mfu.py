@@ -13,7 +13,8 @@ drawn once with a fixed seed), random-init weights, one optimizer step per itera
   `tandem_bf16`: weights and AdamW state in bf16; `tandem_keep`: FSDP keeps each block's
   gathered bf16 weights from forward to backward (`reshard_after_forward = false`);
   `tandem_master`: bf16 parameters, the fp32 master weights and AdamW state in the optimizer
-  (`optim.master_weights = "optimizer"`, trainer/master_weights.py). Suffixes combine:
+  (`optim.master_weights = "optimizer"`, trainer/master_weights.py); `tandem_logits`: the head
+  keeps its logits for the backward (`model.head_logits = "keep"`). Suffixes combine:
   `tandem_master_keep`.
 - `hf`, `hf_compiled`: transformers' model in bf16 (weights, grads and AdamW state), SDPA with
   the mask transformers derives from the restarting position ids, its own loss over full
@@ -211,6 +212,7 @@ def run_tandem(
     weights: str,
     keep: bool = False,
     master: bool = False,
+    keep_logits: bool = False,
 ) -> dict:
     from tandem.config.base import ModelConfig
     from tandem.trainer.config import OptimConfig, ParallelConfig
@@ -222,7 +224,8 @@ def run_tandem(
     world = init_distributed("cuda")
     with tempfile.TemporaryDirectory() as tmp:
         name = str(write_config_dir(config, Path(tmp)))
-        model_cfg = ModelConfig(name=name, attention=attention, dtype=weights)
+        head = "keep" if keep_logits else "recompute"
+        model_cfg = ModelConfig(name=name, attention=attention, dtype=weights, head_logits=head)
         parallel = ParallelConfig(reshard_after_forward=not keep)
         master_weights = "optimizer" if master else "model"
         model = build_trainer_model(
@@ -241,7 +244,7 @@ def run_tandem(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    flags = ("_master" if master else "") + ("_keep" if keep else "")
+    flags = ("_master" if master else "") + ("_keep" if keep else "") + ("_logits" if keep_logits else "")
     times, warm = timed_steps(step, steps, warmup, f"{shape}:tandem{flags}-{attention}")
     return summary(config, docs, times, warm, backend=model.attention_backend)
 
@@ -432,9 +435,11 @@ def run_one(variant: str, steps: int, warmup: int) -> list[dict]:
         return [{"variant": variant, **run_rl(impl, steps, warmup)}]
     if impl.startswith("tandem"):
         backend = impl.split("-", 1)[1] if "-" in impl else "auto"
-        flags = set(impl.split("-", 1)[0].split("_")[1:])  # tandem_<flag>_<flag>: bf16, keep, master
+        flags = set(impl.split("-", 1)[0].split("_")[1:])  # tandem_<flag>_<flag>: bf16, keep, master, logits
         weights = "bfloat16" if "bf16" in flags else FAMILY_WEIGHTS.get(shape, "auto")
-        run = run_tandem(shape, backend, steps, warmup, weights, "keep" in flags, "master" in flags)
+        run = run_tandem(
+            shape, backend, steps, warmup, weights, "keep" in flags, "master" in flags, "logits" in flags
+        )
         return [{"variant": variant, **run}]
     return [{"variant": variant, **run_hf(shape, impl == "hf_compiled", steps, warmup)}]
 

@@ -9,7 +9,10 @@ from tandem.config import ModelConfig
 from tandem.models.layers.chunked_head import chunked_logprobs
 from tandem.models.loading import load_model
 from tandem.models.tiny import build_tiny_model
+from tandem.trainer.config import ParallelConfig
 from tandem.trainer.logprobs import sequence_logprobs
+from tandem.trainer.model import build_trainer_model
+from tandem.trainer.parallel import init_distributed, shutdown
 
 
 def naive(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float):
@@ -45,6 +48,31 @@ def test_gradcheck_float64() -> None:
     weight = torch.randn(9, 6, dtype=torch.float64, generator=gen, requires_grad=True)
     targets = torch.randint(0, 9, (5,), generator=gen)
     assert torch.autograd.gradcheck(lambda h, w: chunked_logprobs(h, w, targets, 0.9, 2), (hidden, weight))
+
+
+@pytest.mark.parametrize("chunk_size", [5, 64])
+def test_kept_logits_give_the_recomputed_gradients_bit_for_bit(chunk_size: int) -> None:
+    gen = torch.Generator().manual_seed(chunk_size)
+    hidden = torch.randn(2, 19, 32, generator=gen, requires_grad=True)
+    weight = (torch.randn(101, 32, generator=gen) * 0.3).requires_grad_()
+    targets = torch.randint(0, 101, (2, 19), generator=gen)
+    w_lp, w_ent = torch.randn(2, 19, generator=gen), torch.randn(2, 19, generator=gen)
+    results = []
+    for keep in (False, True):
+        lp, ent = chunked_logprobs(hidden, weight, targets, 0.8, chunk_size, keep_logits=keep)
+        kept = lp.grad_fn.next_functions[0][0].kept  # (ChunkedLogprobs' ctx): the logits it holds
+        assert len(kept) == (-(-38 // chunk_size) if keep else 0)
+        (lp * w_lp + ent * w_ent).sum().backward(retain_graph=True)
+        assert all(chunk is None for chunk in kept)  # consumed
+        results.append((lp.detach(), ent.detach(), hidden.grad.clone(), weight.grad.clone()))
+        if keep:  # a second backward through the same graph recomputes what the first consumed
+            hidden.grad = weight.grad = None
+            (lp * w_lp + ent * w_ent).sum().backward()
+            results.append((lp.detach(), ent.detach(), hidden.grad.clone(), weight.grad.clone()))
+        hidden.grad = weight.grad = None
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert torch.equal(a, b)
 
 
 def test_only_weight_needs_grad() -> None:
@@ -83,3 +111,27 @@ def test_packed_rows_match_separate_sequences(tmp_path: Path) -> None:
             ent[0, start + 1 : start + len(seq)].detach(), ref_ent, atol=1e-5, rtol=1e-5
         )
     assert lp[0, 0] == 0
+
+
+@pytest.mark.parametrize("impl", ["tandem", "hf"])
+def test_head_logits_keep_reaches_the_trainer_model(tmp_path: Path, impl: str) -> None:
+    """`model.head_logits = "keep"` switches the trainer model's head (tandem's and transformers')
+    to the kept logits, with the recomputed path's gradients."""
+    path = build_tiny_model(out=tmp_path / "tiny", num_layers=1)
+    world = init_distributed("cpu")
+    try:
+        grads = {}
+        for mode in ("recompute", "keep"):
+            cfg = ModelConfig(name=str(path), device="cpu", impl=impl, head_logits=mode)
+            model = build_trainer_model(cfg, world, ParallelConfig(compile="off"))
+            assert model.keep_head_logits is (mode == "keep")
+            ids = torch.randint(
+                0, model.hf_config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)
+            )
+            logprobs, _ = model.sequence_logprobs(ids, torch.arange(12).repeat(2, 1))
+            logprobs.sum().backward()
+            grads[mode] = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+        for name, grad in grads["recompute"].items():
+            torch.testing.assert_close(grads["keep"][name], grad, rtol=0, atol=0, msg=name)
+    finally:
+        shutdown()

@@ -33,7 +33,8 @@ def sequence_logprobs(
     if getattr(head, "bias", None) is not None:
         raise ValueError(f"{type(model).__name__}: output heads with a bias are not supported")
     out = model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-    return next_token_logprobs(out.last_hidden_state, head.weight, input_ids, temperature, chunk_size)
+    keep = getattr(model, "keep_head_logits", False)  # model.head_logits = "keep"
+    return next_token_logprobs(out.last_hidden_state, head.weight, input_ids, temperature, chunk_size, keep)
 
 
 def attach_sequence_logprobs(model: nn.Module) -> None:

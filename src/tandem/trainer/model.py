@@ -125,6 +125,7 @@ def build_trainer_model(
         if lora is not None:
             init_lora(model, seed, _fill_local)
         attach_sequence_logprobs(model)
+        model.keep_head_logits = cfg.head_logits == "keep"
         model.hf_config = model.config
         model.train()
         return model
@@ -164,6 +165,7 @@ def build_trainer_model(
     if lora is not None:
         init_lora(model, seed, _fill_local)
     register_fsdp_forward_method(model, "sequence_logprobs")
+    model.keep_head_logits = cfg.head_logits == "keep"
     model.hf_config = config
     model.train()
     return model

@@ -9,7 +9,10 @@ each chunk's logits and forms the gradient directly, elementwise given the saved
     z = h Wᵀ / T,  p = softmax(z),  ℓ = log p[target],  H = −Σ p log p
     ∂ℓ/∂z = onehot(target) − p          ∂H/∂z = −p ⊙ (log p + H)
 
-so peak memory is one chunk of logits in either direction. On CUDA each direction's per-chunk
+so peak memory is one chunk of logits in either direction. With `keep_logits` the forward keeps
+every chunk's logits (tokens × vocabulary in the logits' dtype: 5 GB for 16,384 tokens of a
+152k vocabulary in bf16) and the backward reads them instead of recomputing them, which saves one
+of the head's four matmuls. On CUDA each direction's per-chunk
 arithmetic is one Triton kernel that reads the chunk's logits once (triton_head.py), and the
 backward writes the logit gradient over the recomputed logits. Measured on one H200 for a chunk of
 4,096 × 151,936 bf16 logits (benchmarks/head_kernels.py): 0.58 + 0.71 ms against 2.48 + 3.14 ms
@@ -78,25 +81,29 @@ class ChunkedLogprobs(torch.autograd.Function):
         targets: torch.Tensor,
         temperature: float,
         chunk_size: int,
+        keep_logits: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
         dtype = torch.promote_types(weight.dtype, torch.float32)
         logprobs, entropy, lse = (torch.empty(n, dtype=dtype, device=hidden.device) for _ in range(3))
         stats = _kernels(hidden, weight)[0]
+        kept: list[torch.Tensor | None] = []
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
             logits = hidden[start:end] @ weight.T
             logprobs[start:end], entropy[start:end], lse[start:end] = stats(
                 logits, targets[start:end], temperature
             )
+            if keep_logits:
+                kept.append(logits)
         ctx.save_for_backward(hidden, weight, targets, entropy, lse)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature, ctx.chunk_size, ctx.kept = temperature, chunk_size, kept
         return logprobs, entropy
 
     @staticmethod
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None]:
         hidden, weight, targets, entropy, lse = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -105,10 +112,14 @@ class ChunkedLogprobs(torch.autograd.Function):
             torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
         )
         gradient = _kernels(hidden, weight)[1]
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
+        kept = ctx.kept
+        for chunk, start in enumerate(range(0, hidden.shape[0], ctx.chunk_size)):
             end = min(start + ctx.chunk_size, hidden.shape[0])
             rows = slice(start, end)
-            logits = hidden[rows] @ weight.T
+            # a kept chunk is used once: the gradient overwrites it (a second backward recomputes)
+            logits = kept[chunk] if chunk < len(kept) and kept[chunk] is not None else hidden[rows] @ weight.T
+            if chunk < len(kept):
+                kept[chunk] = None
             grad_z = gradient(
                 logits,
                 targets[rows],
@@ -124,7 +135,7 @@ class ChunkedLogprobs(torch.autograd.Function):
                 grad_weight += grad_z.T @ hidden[rows]
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def chunked_logprobs(
@@ -133,10 +144,13 @@ def chunked_logprobs(
     targets: torch.Tensor,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    keep_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log softmax(hidden Wᵀ / T)[target] and the entropy of that distribution, per row.
 
     `hidden` [..., H] and `targets` [...] are flattened; results have the shape of `targets`.
+    `keep_logits`: the backward reads the forward's logits instead of recomputing them (module
+    docstring); the same result, one matmul less, the logits' memory held until the backward.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to compute logprobs (got {temperature})")
@@ -145,8 +159,14 @@ def chunked_logprobs(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1 (got {chunk_size})")
     shape = targets.shape
+    keep_logits = keep_logits and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     logprobs, entropy = ChunkedLogprobs.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), float(temperature), chunk_size
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        targets.reshape(-1),
+        float(temperature),
+        chunk_size,
+        keep_logits,
     )
     return logprobs.view(shape), entropy.view(shape)
 
@@ -157,10 +177,13 @@ def next_token_logprobs(
     input_ids: torch.Tensor,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    keep_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """From the final hidden states [rows, width, H] of `input_ids` [rows, width]: the logprob of
     every token given those before it and the entropy there, [rows, width], aligned with the
     tokens (entry t predicts token t from positions < t; column 0 has no prediction and is 0)."""
-    logprobs, entropy = chunked_logprobs(hidden[:, :-1], weight, input_ids[:, 1:], temperature, chunk_size)
+    logprobs, entropy = chunked_logprobs(
+        hidden[:, :-1], weight, input_ids[:, 1:], temperature, chunk_size, keep_logits
+    )
     zero = logprobs.new_zeros(logprobs.shape[0], 1)
     return torch.cat([zero, logprobs], 1), torch.cat([zero, entropy], 1)

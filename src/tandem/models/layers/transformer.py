@@ -113,6 +113,7 @@ class CausalLM(nn.Module):
         self.attention_backend = attention_backend
         self.context_parallel = None  # a ContextParallel when the rows are split over ranks
         self.shared_prompts = False  # the rows may hold shared prompts (layers/attention.py); set per batch
+        self.keep_head_logits = False  # model.head_logits = "keep" (layers/chunked_head.py)
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -168,9 +169,13 @@ class CausalLM(nn.Module):
         same entries of any tensor aligned with the tokens (loss mask, sampler logprobs...)."""
         hidden = self.hidden_states(input_ids, position_ids)
         if self.context_parallel is None:
-            return next_token_logprobs(hidden, self.head_weight, input_ids, temperature, chunk_size)
+            return next_token_logprobs(
+                hidden, self.head_weight, input_ids, temperature, chunk_size, self.keep_head_logits
+            )
         targets = self.context_parallel.tokens(input_ids)
-        logprobs, entropy = chunked_logprobs(hidden, self.head_weight, targets, temperature, chunk_size)
+        logprobs, entropy = chunked_logprobs(
+            hidden, self.head_weight, targets, temperature, chunk_size, self.keep_head_logits
+        )
         return logprobs.clone(), entropy.clone()  # not views: FSDP's backward hook must see them
 
     @torch.no_grad()
