@@ -35,8 +35,8 @@ class ModelConfig(Section):
     head_logits: Literal["recompute", "keep"] = Field(
         "recompute",
         description="The trainer's output head: recompute each chunk's logits in the backward, or keep "
-        "them from the forward (one of the head's four matmuls less; costs tokens x "
-        "vocabulary x 2 bytes, 5 GB for 16,384 tokens of a 152k vocabulary).",
+        "them from the forward (one of the head's four matmuls less: +5.7 % tok/s at 1.7B on an H200; costs "
+        "tokens x vocabulary x 2 bytes, 5 GB for 16,384 tokens of a 152k vocabulary).",
     )
     attn_implementation: Literal["sdpa", "eager", "flex_attention"] = Field(
         "sdpa", description="Attention implementation transformers uses for this model (model.impl = hf)."
