@@ -14,8 +14,10 @@ drawn once with a fixed seed), random-init weights, one optimizer step per itera
   gathered bf16 weights from forward to backward (`reshard_after_forward = false`);
   `tandem_master`: bf16 parameters, the fp32 master weights and AdamW state in the optimizer
   (`optim.master_weights = "optimizer"`, trainer/master_weights.py); `tandem_logits`: the head
-  keeps its logits for the backward (`model.head_logits = "keep"`). Suffixes combine:
-  `tandem_master_keep`.
+  keeps its logits for the backward (`model.head_logits = "keep"`); `tandem_master_bf16moments`:
+  AdamW's moments in bf16 with stochastic rounding (`optim.moments_dtype = "bfloat16"`, needs
+  `master`; `bf16moments` is its own flag, not `bf16`). Suffixes combine:
+  `tandem_master_keep`, `moe:tandem_master_keep_logits_bf16moments`.
 - `hf`, `hf_compiled`: transformers' model in bf16 (weights, grads and AdamW state), SDPA with
   the mask transformers derives from the restarting position ids, its own loss over full
   logits, fused AdamW; `hf_compiled` is the same under torch.compile.
@@ -213,6 +215,7 @@ def run_tandem(
     keep: bool = False,
     master: bool = False,
     keep_logits: bool = False,
+    bf16_moments: bool = False,
 ) -> dict:
     from tandem.config.base import ModelConfig
     from tandem.trainer.config import OptimConfig, ParallelConfig
@@ -232,7 +235,9 @@ def run_tandem(
             model_cfg, world, parallel, load_weights=False, master_weights=master_weights
         )
     model.init_weights()
-    optimizer = build_optimizer(model, OptimConfig(lr=1e-5, master_weights=master_weights))
+    moments = "bfloat16" if bf16_moments else "float32"
+    optim_cfg = OptimConfig(lr=1e-5, master_weights=master_weights, moments_dtype=moments)
+    optimizer = build_optimizer(model, optim_cfg)
     ids, positions, docs = packed_batch(config.vocab_size, world.device)
     mask = positions > 0
     tokens = int(mask.sum())
@@ -244,7 +249,16 @@ def run_tandem(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    flags = ("_master" if master else "") + ("_keep" if keep else "") + ("_logits" if keep_logits else "")
+    flags = "".join(
+        f"_{flag}"
+        for flag, on in (
+            ("master", master),
+            ("keep", keep),
+            ("logits", keep_logits),
+            ("bf16moments", bf16_moments),
+        )
+        if on
+    )
     times, warm = timed_steps(step, steps, warmup, f"{shape}:tandem{flags}-{attention}")
     return summary(config, docs, times, warm, backend=model.attention_backend)
 
@@ -435,11 +449,16 @@ def run_one(variant: str, steps: int, warmup: int) -> list[dict]:
         return [{"variant": variant, **run_rl(impl, steps, warmup)}]
     if impl.startswith("tandem"):
         backend = impl.split("-", 1)[1] if "-" in impl else "auto"
-        flags = set(impl.split("-", 1)[0].split("_")[1:])  # tandem_<flag>_<flag>: bf16, keep, master, logits
+        # tandem_<flag>_<flag>: bf16, keep, master, logits, bf16moments (whole tokens of a set)
+        flags = set(impl.split("-", 1)[0].split("_")[1:])
+        unknown = flags - {"bf16", "keep", "master", "logits", "bf16moments"}
+        if unknown:
+            raise ValueError(f"unknown tandem flags {sorted(unknown)} in {variant}")
         weights = "bfloat16" if "bf16" in flags else FAMILY_WEIGHTS.get(shape, "auto")
         run = run_tandem(
-            shape, backend, steps, warmup, weights, "keep" in flags, "master" in flags, "logits" in flags
-        )
+            shape, backend, steps, warmup, weights, "keep" in flags, "master" in flags, "logits" in flags,
+            "bf16moments" in flags,
+        )  # fmt: skip
         return [{"variant": variant, **run}]
     return [{"variant": variant, **run_hf(shape, impl == "hf_compiled", steps, warmup)}]
 

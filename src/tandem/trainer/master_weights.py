@@ -3,10 +3,16 @@
 With `[optim] master_weights = "optimizer"` the model's sharded parameters (FSDP2 DTensor shards)
 are held in the compute dtype, so FSDP gathers them without casting, and `MasterAdamW` keeps,
 per parameter shard, state {"step", "master", "exp_avg", "exp_avg_sq"}: the fp32 master copy and
-AdamW's fp32 moments, sharded like the parameter. Its step updates master and moments and writes
+AdamW's moments, sharded like the parameter. Its step updates master and moments and writes
 the parameter, rounded to its dtype, in one pass per tensor (trainer/adamw_kernel.py on CUDA; the
 same arithmetic in torch elsewhere). Megatron's recipe: bf16 model parameters, fp32 main
 parameters in the optimizer.
+
+The moments are fp32, or with `[optim] moments_dtype = "bfloat16"` bf16: 8 bytes of state a
+parameter instead of 12. They are still computed in fp32 and only stored in bf16, rounded
+stochastically (trainer/stochastic_round.py: rounded to nearest, exp_avg_sq's 0.1 % steps would
+vanish below bf16's resolution), with noise that depends on the step, the tensor (shard) and the
+element only, so a run and its resume take the same steps. The masters stay fp32.
 
 Why one Triton pass rather than torch's fused AdamW or a compiled foreach step: fused AdamW
 updates its parameters in place and has no second output, so the bf16 parameter would cost a
@@ -42,6 +48,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from tandem.trainer import stochastic_round
+
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (the tensor itself otherwise)."""
@@ -71,15 +79,33 @@ def adamw_torch_(
     eps: float,
     weight_decay: float,
     step: int,
+    seed: int = 0,
 ) -> None:
-    """adamw_kernel.adamw_ in torch ops (torch.optim.adamw's single-tensor arithmetic)."""
+    """adamw_kernel.adamw_ in torch ops, operation for operation in fp32 (so the two agree bit for
+    bit, bf16 moments' stochastic rounding included; the square root is taken in fp64, which
+    rounds it correctly like the kernel's, where torch's fp32 one on CPU is off by an ulp)."""
     grad = grad.float() * scale
     master.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
-    master.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
+    avg, avg_sq = exp_avg.float(), exp_avg_sq.float()  # copies if bf16: stored below
+    avg.add_((grad - avg).mul_(1 - beta1))
+    avg_sq.mul_(beta2).add_(grad.mul(1 - beta2).mul_(grad))
+    denom = avg_sq.double().sqrt_().float().div_((1 - beta2**step) ** 0.5).add_(eps)
+    master.sub_(avg.div(denom).mul_(lr / (1 - beta1**step)))
     param.copy_(master)
+    if exp_avg.dtype == torch.bfloat16:
+        bits = stochastic_round.noise(seed, grad.numel(), grad.device).view(grad.shape)
+        exp_avg.copy_(stochastic_round.round_stochastic(avg, bits & 0xFFFF))
+        exp_avg_sq.copy_(stochastic_round.round_stochastic(avg_sq, bits >> 16))
+
+
+def _shard_coordinates(param: torch.Tensor) -> list[int]:
+    """This rank's coordinates on the mesh dimensions `param` is sharded over (none if not a DTensor)."""
+    if not isinstance(param, DTensor):
+        return []
+    coordinate = param.device_mesh.get_coordinate()
+    if coordinate is None:  # this rank holds no shard
+        return []
+    return [c for c, placement in zip(coordinate, param.placements, strict=True) if placement.is_shard()]
 
 
 def _update_fn(device: torch.device) -> Callable[..., None]:
@@ -100,11 +126,15 @@ class MasterAdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
+        moments_dtype: torch.dtype = torch.float32,
     ) -> None:
+        if moments_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"moments_dtype must be torch.float32 or torch.bfloat16, got {moments_dtype}")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.grads: dict[nn.Parameter, torch.Tensor] = {}  # this rank's shards, bf16 or fp32
         self._scale: torch.Tensor | None = None
-        for param in self._params():
+        self._noise_keys: dict[nn.Parameter, int] = {}  # per shard: its bf16 moments' rounding noise
+        for index, param in enumerate(self._params()):
             if not param.is_contiguous():
                 raise ValueError(
                     f"MasterAdamW needs contiguous parameter shards, got strides {param.stride()}"
@@ -112,9 +142,10 @@ class MasterAdamW(torch.optim.Optimizer):
             self.state[param] = {
                 "step": torch.tensor(0.0),
                 "master": param.detach().to(torch.float32, copy=True),
-                "exp_avg": torch.zeros_like(param, dtype=torch.float32),
-                "exp_avg_sq": torch.zeros_like(param, dtype=torch.float32),
+                "exp_avg": torch.zeros_like(param, dtype=moments_dtype),
+                "exp_avg_sq": torch.zeros_like(param, dtype=moments_dtype),
             }
+            self._noise_keys[param] = stochastic_round.noise_key(index, _shard_coordinates(param))
             previous = getattr(param, "_master_weights_hook", None)
             if previous is not None:  # an earlier MasterAdamW over the same parameters: this one takes over
                 previous.remove()
@@ -167,16 +198,21 @@ class MasterAdamW(torch.optim.Optimizer):
                 if self._scale is None or self._scale.device != grad.device:
                     self._scale = torch.ones((), device=grad.device)
                 update = _update_fn(grad.device)
+                step = int(state["step"].item())
                 update(
                     local(param), grad, local(state["master"]), local(state["exp_avg"]),
                     local(state["exp_avg_sq"]), self._scale, float(group["lr"]), beta1, beta2,
-                    group["eps"], group["weight_decay"], int(state["step"].item()),
+                    group["eps"], group["weight_decay"], step,
+                    stochastic_round.noise_seed(step, self._noise_keys[param]),
                 )  # fmt: skip
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Copy the saved state into this optimizer's fp32 tensors (torch's would cast them to the
-        parameters' bf16) and write every parameter from its master."""
+        """Copy the saved state into this optimizer's tensors (torch's would cast them to the
+        parameters' bf16) and write every parameter from its master. The moments keep this
+        optimizer's dtype whatever the saved one: fp32 moments load into bf16 rounded to nearest
+        (once; the steps after round stochastically), bf16 ones into fp32 exactly. (A resume
+        through DCP, trainer/checkpoint.py, reads into these tensors in place, converting alike.)"""
         saved_groups = state_dict["param_groups"]
         if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.param_groups]:
             raise ValueError("the saved optimizer state has other parameter groups than this optimizer")

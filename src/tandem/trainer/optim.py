@@ -21,7 +21,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     parameter lives on one device mesh; foreach otherwise: fused AdamW takes a single mesh per
     call, and expert-parallel weights live on another mesh than the dense ones
     (models/parallelism.py). "optimizer": MasterAdamW (trainer/master_weights.py) over a model
-    built with the same setting (trainer/model.py), which holds the fp32 masters."""
+    built with the same setting (trainer/model.py), which holds the fp32 masters and the moments in
+    cfg.moments_dtype."""
     keeps_gathered = getattr(model, "keeps_gathered_weights", False)  # (reshard_after_forward = false)
     if keeps_gathered:  # a forward may have left the gathered weights registered in the shards' place
         drop_gathered_weights(model)
@@ -32,7 +33,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     ]
     groups = [g for g in groups if g["params"]]
     if cfg.master_weights == "optimizer":
-        optimizer: torch.optim.Optimizer = MasterAdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+        moments = getattr(torch, cfg.moments_dtype)
+        optimizer: torch.optim.Optimizer = MasterAdamW(
+            groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, moments_dtype=moments
+        )
     else:
         meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}
         fused = all(p.is_cuda for p in params) and len(meshes) <= 1
