@@ -147,7 +147,7 @@ def decode_throughput(
         while core.has_work():
             decoding = not core.scheduler.waiting and all(s.num_uncached <= 1 for s in core.scheduler.running)
             step_start = time.perf_counter()
-            count = sum(len(u.tokens) for _, updates in core.step() for u in updates)
+            count = sum(len(u.token_ids) for _, updates in core.step() for u in updates)
             tokens += count
             if decoding:
                 decode_tokens += count

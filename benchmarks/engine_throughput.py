@@ -38,7 +38,7 @@ from transformers import AutoModelForCausalLM
 
 from tandem.inference.cli import freeze_heap
 from tandem.inference.config import EngineConfig, InferenceConfig
-from tandem.inference.engine.api import SamplingParams
+from tandem.inference.engine.api import SampleUpdate, SamplingParams
 from tandem.inference.engine.core import EngineCore
 from tandem.inference.engine.engine import AsyncEngine
 from tandem.inference.engine.model_runner import PROMPT_KERNELS
@@ -120,7 +120,7 @@ def run_core(core: EngineCore, prompts: list[list[int]], output_len: int, tag: s
         while core.has_work():
             t = time.perf_counter()
             for _, updates in core.step():
-                tokens += sum(len(u.tokens) for u in updates)
+                tokens += sum(len(u.token_ids) for u in updates)
             times.append(time.perf_counter() - t)
         result["output_tokens"] = tokens
     result["step_ms"] = step_spread(times)
@@ -178,7 +178,7 @@ def run_async(engine: AsyncEngine, prompts: list[list[int]], output_len: int, st
 
     async def one(i: int, ids: list[int]) -> int:
         updates = engine.generate(f"a{i}", ids, params, stream=stream)
-        return sum([len(u.tokens) async for u in updates])
+        return sum([len(u.token_ids) async for u in updates])
 
     async def main() -> int:
         return sum(await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts))))
@@ -356,7 +356,7 @@ def check_device(args: argparse.Namespace, device: torch.device, work: Path, ben
     while core.has_work():
         for rid, updates in core.step():
             for u in updates:
-                got.setdefault(f"{rid}/{u.index}", []).extend(t.token_id for t in u.tokens)
+                got.setdefault(f"{rid}/{u.index}", []).extend(u.token_ids)
     hf = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).to(device)
     matches = 0
     for i, ids in enumerate(prompts):
@@ -374,20 +374,19 @@ def check_device(args: argparse.Namespace, device: torch.device, work: Path, ben
     core = EngineCore(engine_config(bench_model, "bfloat16", args, max_num_seqs=8, kv_cache_memory_gb=2.0))
     ids = random_prompts(1, 64, core.vocab_size, seed=101)[0]
     core.add_request("lp", ids, SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True, seed=1), 1)
-    tokens = []
+    tokens = SampleUpdate(0)
     while core.has_work():
         for _, updates in core.step():
-            tokens += [t for u in updates for t in u.tokens]
+            for u in updates:
+                tokens.extend(u)
     del core
     hf = AutoModelForCausalLM.from_pretrained(bench_model, dtype=torch.float32).to(device)
     with torch.no_grad():
-        logits = hf(torch.tensor([ids + [t.token_id for t in tokens]], device=device)).logits[
-            0, len(ids) - 1 : -1
-        ]
+        logits = hf(torch.tensor([ids + tokens.token_ids], device=device)).logits[0, len(ids) - 1 : -1]
     ref = torch.log_softmax(logits.double(), -1).gather(
-        1, torch.tensor([[t.token_id] for t in tokens], device=device)
+        1, torch.tensor(tokens.token_ids, device=device)[:, None]
     )
-    diff = (torch.tensor([t.logprob for t in tokens], device=device, dtype=torch.float64) - ref[:, 0]).abs()
+    diff = (torch.tensor(tokens.logprobs, device=device, dtype=torch.float64) - ref[:, 0]).abs()
     results["bf16_logprob_vs_fp32_mean_abs_diff"] = diff.mean().item()
     results["bf16_logprob_vs_fp32_max_abs_diff"] = diff.max().item()
     del hf

@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM
 
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine import fp8 as fp8_module
-from tandem.inference.engine.api import SamplingParams
+from tandem.inference.engine.api import SampleUpdate, SamplingParams
 from tandem.inference.engine.core import EngineCore
 from tandem.inference.engine.fp8 import FP8_KERNELS, Fp8Weight
 from tandem.inference.engine.triton_fp8 import config_for
@@ -128,21 +128,22 @@ def engine(path: Path, args: argparse.Namespace, **engine: object) -> EngineCore
 
 def sample_with_logprobs(
     core: EngineCore, count: int, args: argparse.Namespace
-) -> list[tuple[list[int], list]]:
+) -> list[tuple[list[int], SampleUpdate]]:
     vocab = min(core.vocab_size, len(core.tokenizer))
     gen = torch.Generator().manual_seed(7)
     prompts = torch.randint(3, vocab, (count, args.prompt_len), generator=gen).tolist()
     params = SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True, seed=11)
     for i, ids in enumerate(prompts):
         core.add_request(f"kl{i}", ids, params, 1)
-    got: dict[str, list] = {}
+    got: dict[str, SampleUpdate] = {}
     while core.has_work():
         for rid, updates in core.step():
-            got.setdefault(rid, []).extend(t for u in updates for t in u.tokens)
+            for u in updates:
+                got.setdefault(rid, SampleUpdate(0)).extend(u)
     return [(prompts[i], got[f"kl{i}"]) for i in range(count)]
 
 
-def mismatch(path: Path, samples: dict[str, list[tuple[list[int], list]]]) -> dict[str, dict]:
+def mismatch(path: Path, samples: dict[str, list[tuple[list[int], SampleUpdate]]]) -> dict[str, dict]:
     """KL(sampler ‖ bf16 transformers) per sampler, on the tokens it drew."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
@@ -150,11 +151,11 @@ def mismatch(path: Path, samples: dict[str, list[tuple[list[int], list]]]) -> di
     for name, rows in samples.items():
         diffs = []
         for prompt, tokens in rows:
-            ids = torch.tensor([prompt + [t.token_id for t in tokens]], device=device)
+            ids = torch.tensor([prompt + tokens.token_ids], device=device)
             with torch.no_grad():
                 logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
             trainer = logits.log_softmax(-1).gather(1, ids[0, len(prompt) :, None])[:, 0].double()
-            sampler = torch.tensor([t.logprob for t in tokens], device=device, dtype=torch.float64)
+            sampler = torch.tensor(tokens.logprobs, device=device, dtype=torch.float64)
             diffs.append(sampler - trainer)
         d = torch.cat(diffs)
         out[name] = {

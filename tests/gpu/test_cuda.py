@@ -44,7 +44,7 @@ def test_engine_greedy_on_cuda_equals_transformers(tiny: Path) -> None:
     while core.has_work():
         for rid, updates in core.step():
             for u in updates:
-                outputs.setdefault((rid, u.index), []).extend(t.token_id for t in u.tokens)
+                outputs.setdefault((rid, u.index), []).extend(u.token_ids)
     hf = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).cuda().eval()
     for i, ids in enumerate(prompts):
         with torch.no_grad():

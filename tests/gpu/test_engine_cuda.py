@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine import AsyncEngine
-from tandem.inference.engine.api import SamplingParams, WeightLoadError
+from tandem.inference.engine.api import SampleUpdate, SamplingParams, WeightLoadError
 from tandem.inference.engine.core import EngineCore
 from tandem.inference.engine.fp8 import FP8_KERNELS, Fp8Weight
 from tandem.inference.engine.sampler import SamplingBatch, sample, sample_key, sampling_rows
@@ -61,13 +61,14 @@ def engine_config(path: Path, **engine: object) -> InferenceConfig:
     )
 
 
-def run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> dict[str, list]:
+def run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> dict[str, SampleUpdate]:
     for i, ids in enumerate(prompts):
         core.add_request(str(i), ids, params, 1)
-    out: dict[str, list] = {}
+    out: dict[str, SampleUpdate] = {}
     while core.has_work():
         for rid, updates in core.step():
-            out.setdefault(rid, []).extend(t for u in updates for t in u.tokens)
+            for u in updates:
+                out.setdefault(rid, SampleUpdate(0)).extend(u)
     return out
 
 
@@ -140,22 +141,22 @@ def test_fp8_engine_follows_bf16_and_refuses_a_mismatched_update(
             # fp8's greedy token is among bf16's top 5 and most of the two top-10 lists agree
             # (unrelated distributions over this vocabulary would share less than one token)
             for i, ids in enumerate(PROMPTS):
-                [got] = [t async for u in engine.generate(f"g{i}", ids, first) for t in u.tokens]
-                want = dict(bf16[str(i)][0].top_logprobs)
-                shared = [t for t, _ in got.top_logprobs if t in want]
-                assert got.token_id in sorted(want, key=want.get)[-5:], (kernel, i, got, want)
+                [got] = [u async for u in engine.generate(f"g{i}", ids, first)]
+                want = dict(bf16[str(i)].top_logprobs[0])
+                shared = [t for t, _ in got.top_logprobs[0] if t in want]
+                assert got.token_ids[0] in sorted(want, key=want.get)[-5:], (kernel, i, got, want)
                 assert len(shared) >= 6, (kernel, i, got.top_logprobs, want)
-            before = [t.token_id async for u in engine.generate("s", PROMPTS[1], params) for t in u.tokens]
+            before = [t async for u in engine.generate("s", PROMPTS[1], params) for t in u.token_ids]
             wide = build_tiny_model(
                 out=tmp_path / "wide", num_layers=2, **{**widths, "intermediate_size": 2048}
             )
             with pytest.raises(WeightLoadError, match="has shape"):
                 await engine.update_weights(wide)
-            after = [t.token_id async for u in engine.generate("t", PROMPTS[1], params) for t in u.tokens]
+            after = [t async for u in engine.generate("t", PROMPTS[1], params) for t in u.token_ids]
             assert after == before and engine.weight_version == 0  # the old weights stay live
             other = build_tiny_model(out=tmp_path / "step_3", num_layers=2, seed=3, **widths)
             assert await engine.update_weights(other) == 3
-            moved = [t.token_id async for u in engine.generate("u", PROMPTS[1], params) for t in u.tokens]
+            moved = [t async for u in engine.generate("u", PROMPTS[1], params) for t in u.token_ids]
             assert moved != before
         finally:
             await engine.shutdown()
@@ -175,7 +176,7 @@ def test_moe_engine_with_graphs_and_grouped_gemm_matches_transformers(tmp_path: 
             ref = hf.generate(
                 torch.tensor([ids], device="cuda"), max_new_tokens=8, min_new_tokens=8, do_sample=False
             )
-        agree += [t.token_id for t in got[str(i)]][:2] == ref[0, len(ids) : len(ids) + 2].tolist()
+        agree += got[str(i)].token_ids[:2] == ref[0, len(ids) : len(ids) + 2].tolist()
     assert agree >= 3  # bf16 on both sides, different kernels: the first tokens agree
     assert core.runner.graphs
 
@@ -195,13 +196,13 @@ def test_glm_and_minimax_engines_capture_graphs_and_follow_transformers(tmp_path
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
     gaps = []
     for i, ids in enumerate(prompts):
-        completion = [t.token_id for t in got[str(i)]]
+        completion = got[str(i)].token_ids
         with torch.no_grad():
             logits = hf(torch.tensor([ids + completion], device="cuda")).logits[0, len(ids) - 1 : -1]
         want = (
             logits.double().log_softmax(-1).gather(1, torch.tensor(completion, device="cuda")[:, None])[:, 0]
         )
-        gaps.append((torch.tensor([t.logprob for t in got[str(i)]], device="cuda") - want).abs().mean())
+        gaps.append((torch.tensor(got[str(i)].logprobs, device="cuda") - want).abs().mean())
     assert float(torch.stack(gaps).mean()) < 0.05, gaps
 
 
@@ -218,7 +219,7 @@ def test_overlapped_graph_steps_equal_plain_steps(tiny: Path) -> None:
         out: dict[str, list[int]] = {}
         while core.has_work():
             for rid, updates in core.step(lookahead=lookahead):
-                out.setdefault(rid, []).extend(t.token_id for u in updates for t in u.tokens)
+                out.setdefault(rid, []).extend(t for u in updates for t in u.token_ids)
         assert core.runner.graphs and core.blocks.num_free == core.blocks.num_usable
         results.append(out)
     assert results[0] == results[1]
@@ -244,7 +245,7 @@ def test_prompt_attention_without_cudnn_matches_auto(tiny: Path) -> None:
                 done = core.step()
             found |= {e.key for e in prof.key_averages()}
             for rid, updates in done:
-                tops[attention, rid] = dict(updates[0].tokens[0].top_logprobs)
+                tops[attention, rid] = dict(updates[0].top_logprobs[0])
         ops[attention] = found
 
     def ran(attention: str, kernel: str) -> bool:

@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from tandem.cli import UserError
 from tandem.inference.config import InferenceConfig
-from tandem.inference.engine.api import SamplingParams
+from tandem.inference.engine.api import SampleUpdate, SamplingParams
 from tandem.inference.engine.core import EngineCore
 from tandem.models.tiny import build_tiny_model
 
@@ -53,14 +53,14 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     return path
 
 
-def run(core: EngineCore, params: SamplingParams) -> dict[str, list]:
+def run(core: EngineCore, params: SamplingParams) -> dict[str, SampleUpdate]:
     for i, ids in enumerate(PROMPTS):
         core.add_request(str(i), ids, params, 2 if i == 1 else 1)
-    out: dict[str, list] = {}
+    out: dict[str, SampleUpdate] = {}
     while core.has_work():
         for rid, updates in core.step():
             for u in updates:
-                out.setdefault(f"{rid}.{u.index}", []).extend(u.tokens)
+                out.setdefault(f"{rid}.{u.index}", SampleUpdate(u.index)).extend(u)
     return out
 
 
@@ -78,7 +78,7 @@ def test_greedy_and_logprobs_equal_transformers(model: Path) -> None:
     sampled = run(core, SamplingParams(temperature=1.0, max_tokens=NEW, ignore_eos=True, seed=3))
     for kind, samples in (("greedy", greedy), ("sampled", sampled)):
         for key, tokens in samples.items():
-            ids, completion = PROMPTS[int(key.split(".")[0])], [t.token_id for t in tokens]
+            ids, completion = PROMPTS[int(key.split(".")[0])], tokens.token_ids
             with torch.no_grad():
                 logprobs = (
                     hf(torch.tensor([ids + completion])).logits[0, len(ids) - 1 : -1].double().log_softmax(-1)
@@ -86,7 +86,7 @@ def test_greedy_and_logprobs_equal_transformers(model: Path) -> None:
             if kind == "greedy":  # each token transformers' argmax after the ones before: its greedy output
                 assert logprobs.argmax(-1).tolist() == completion, key
             want = logprobs.gather(1, torch.tensor(completion)[:, None])[:, 0]
-            got = torch.tensor([t.logprob for t in tokens], dtype=torch.float64)
+            got = torch.tensor(tokens.logprobs, dtype=torch.float64)
             assert torch.allclose(got, want, atol=1e-4, rtol=0), (kind, key, (got - want).abs().max())
     assert core.blocks.num_free == core.blocks.num_usable
 

@@ -52,7 +52,7 @@ async def collect(engine: AsyncEngine, rid: str, ids: list[int], params: Samplin
 
 
 def token_ids(updates: list[SampleUpdate]) -> list[int]:
-    return [t.token_id for u in updates for t in u.tokens]
+    return [t for u in updates for t in u.token_ids]
 
 
 async def wait_until(condition, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
@@ -100,7 +100,7 @@ def test_abort_pause_resume_and_finish_sample(tiny_model: Path) -> None:
             ids = engine.tokenizer.encode("abort me")
             async with contextlib.aclosing(engine.generate("long", ids, long, n=2)) as stream:
                 async for u in stream:
-                    if u.index == 0 and len(u.tokens) and engine.stats().generated_tokens_total > 6:
+                    if u.index == 0 and u.token_ids and engine.stats().generated_tokens_total > 6:
                         break
             await wait_until(lambda: engine.stats().kv_blocks_used == 0 and engine.stats().running == 0)
 
@@ -127,7 +127,7 @@ def test_abort_pause_resume_and_finish_sample(tiny_model: Path) -> None:
             updates = [first] + [u async for u in stream]
             reasons = {u.index: u.finish_reason for u in updates if u.finish_reason}
             assert reasons == {1 - first.index: "stop", first.index: "length"}
-            stopped = [t for u in updates if u.index != first.index for t in u.tokens]
+            stopped = [t for u in updates if u.index != first.index for t in u.token_ids]
             assert len(stopped) < 40
             await engine.finish_sample("f", first.index, "abort")  # request gone: a no-op
         finally:
@@ -187,12 +187,12 @@ def test_weight_update_finish_old_and_bad_checkpoints(
             first = await anext(stream)
             assert await engine.update_weights(other_model) == 5  # version from step_5
             rest = [u async for u in stream]
-            versions = [t.weight_version for u in [first, *rest] for t in u.tokens]
+            versions = [v for u in [first, *rest] for v in u.weight_versions]
             assert versions[0] == 0 and versions[-1] == 5 and versions == sorted(versions)
 
             updates = await collect(engine, "y", ids, GREEDY)
             assert token_ids(updates[0]) == new_expected
-            assert {t.weight_version for u in updates[0] for t in u.tokens} == {5}
+            assert {v for u in updates[0] for v in u.weight_versions} == {5}
         finally:
             await engine.shutdown()
 
@@ -219,9 +219,9 @@ def test_weight_update_wait_mode_lets_running_requests_finish(tiny_model: Path, 
             await stopped.aclose()
             old_updates = await asyncio.wait_for(running, 60)
             assert await asyncio.wait_for(update, 60) == 3
-            assert {t.weight_version for u in old_updates[0] for t in u.tokens} == {0}
+            assert {v for u in old_updates[0] for v in u.weight_versions} == {0}
             new_updates = await asyncio.wait_for(later, 60)
-            assert {t.weight_version for u in new_updates[0] for t in u.tokens} == {3}
+            assert {v for u in new_updates[0] for v in u.weight_versions} == {3}
         finally:
             await engine.shutdown()
 
@@ -238,7 +238,7 @@ def test_context_is_capped_by_the_cache_so_a_lone_sequence_always_fits(tiny_mode
     tokens, reason = 0, None
     for _ in range(400):
         for _, updates in core.step():
-            tokens += sum(len(u.tokens) for u in updates)
+            tokens += sum(len(u.token_ids) for u in updates)
             reason = updates[-1].finish_reason or reason
         if not core.has_work():
             break
@@ -267,9 +267,9 @@ def test_whole_response_requests_arrive_once_with_the_same_tokens(tiny_model: Pa
         for index, updates in whole.items():
             assert len(updates) == 1 and updates[0].finish_reason == "length"
             assert token_ids(updates) == token_ids(streamed[index])
-            streamed_logprobs = [t.logprob for u in streamed[index] for t in u.tokens]
+            streamed_logprobs = [lp for u in streamed[index] for lp in u.logprobs]
             # (another batch composition: equal up to float32 rounding)
-            assert [t.logprob for t in updates[0].tokens] == pytest.approx(streamed_logprobs, abs=1e-5)
+            assert updates[0].logprobs == pytest.approx(streamed_logprobs, abs=1e-5)
 
     asyncio.run(main())
 
@@ -284,8 +284,8 @@ def test_a_slow_consumer_gets_the_steps_it_missed_merged(tiny_model: Path) -> No
             sizes, got = [], []
             total = engine.stats().generated_tokens_total + 40
             async for u in engine.generate("slow", [5, 6, 7], params):
-                sizes.append(len(u.tokens))
-                got += [t.token_id for t in u.tokens]
+                sizes.append(len(u.token_ids))
+                got += u.token_ids
                 if len(sizes) == 1:  # all steps queued meanwhile (the last one handed over too)
                     await wait_until(lambda: engine.stats().generated_tokens_total >= total)
                     await asyncio.sleep(0.1)

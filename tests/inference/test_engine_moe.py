@@ -48,7 +48,7 @@ def greedy(core: EngineCore, ids: list[int]) -> list[int]:
     core.add_request("g", ids, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), 1)
     out = []
     while core.has_work():
-        out += [t.token_id for _, updates in core.step() for u in updates for t in u.tokens]
+        out += [t for _, updates in core.step() for u in updates for t in u.token_ids]
     return out
 
 

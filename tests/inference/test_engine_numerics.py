@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine import AsyncEngine
-from tandem.inference.engine.api import SampleUpdate, SamplingParams, TokenOutput
+from tandem.inference.engine.api import SampleUpdate, SamplingParams
 from tandem.inference.engine.core import EngineCore
 from tandem.inference.engine.model_runner import kv_bytes_per_block
 from tandem.inference.engine.models import ARCHITECTURES
@@ -30,17 +30,17 @@ def engine_config(model: Path, **engine: object) -> InferenceConfig:
 
 
 def run_sync(core: EngineCore, requests: dict[str, tuple[list[int], SamplingParams, int]]) -> dict:
-    """Add all requests, step until done; {request_id: {index: [TokenOutput]}} and finish reasons."""
+    """Add all requests, step until done; {request_id: {index: its tokens as one SampleUpdate}} and finish reasons."""
     for rid, (ids, params, n) in requests.items():
         core.add_request(rid, ids, params, n)
-    out: dict[str, dict[int, list[TokenOutput]]] = {rid: {} for rid in requests}
+    out: dict[str, dict[int, SampleUpdate]] = {rid: {} for rid in requests}
     reasons: dict[tuple[str, int], str] = {}
     for _ in range(10_000):
         if not core.has_work():
             break
         for rid, updates in core.step():
             for u in updates:
-                out[rid].setdefault(u.index, []).extend(u.tokens)
+                out[rid].setdefault(u.index, SampleUpdate(u.index)).extend(u)
                 if u.finish_reason:
                     reasons[(rid, u.index)] = u.finish_reason
     assert not core.has_work()
@@ -97,7 +97,7 @@ def test_greedy_matches_transformers_batched_with_shared_prompts(core, hf_model)
         expected = hf_greedy(hf_model, ids, 24)
         assert sorted(result[rid]) == list(range(n))
         for index in range(n):
-            assert [t.token_id for t in result[rid][index]] == expected, (rid, index)
+            assert result[rid][index].token_ids == expected, (rid, index)
     assert core.blocks.num_free == core.blocks.num_usable  # everything freed
 
 
@@ -110,12 +110,12 @@ def test_logprobs_match_transformers_forward(core, hf_model, temperature: float)
     for rid, (ids, _, n) in requests.items():
         for index in range(n):
             tokens = result[rid][index]
-            completion = [t.token_id for t in tokens]
+            completion = tokens.token_ids
             reference = hf_logprobs(hf_model, ids, completion, temperature or 1.0)
-            got = torch.tensor([t.logprob for t in tokens], dtype=torch.float64)
+            got = torch.tensor(tokens.logprobs, dtype=torch.float64)
             assert torch.allclose(got, reference, atol=1e-4, rtol=0), (got - reference).abs().max()
             # alternatives: the 3 best tokens of the same distribution, best first
-            first = tokens[0].top_logprobs
+            first = tokens.top_logprobs[0]
             assert len(first) == 3 and first[0][1] >= first[1][1] >= first[2][1]
             if temperature == 0.0:
                 assert first[0][0] == completion[0]
@@ -137,7 +137,7 @@ def test_chunked_prefill_and_preemption_keep_greedy_outputs(family_model, hf_mod
     for rid, (ids, _, n) in requests.items():
         expected = hf_greedy(hf_model, ids, 40)
         for index in range(n):
-            assert [t.token_id for t in result[rid][index]] == expected, (rid, index)
+            assert result[rid][index].token_ids == expected, (rid, index)
     assert core.blocks.num_free == core.blocks.num_usable
 
 
@@ -161,7 +161,7 @@ def test_async_engine_streams_and_stops(family_model, hf_model) -> None:
     updates, expected = asyncio.run(main())
     stop = expected.index(expected[5]) + 1
     for index in (0, 1):
-        tokens = [t.token_id for u in updates[index] for t in u.tokens]
+        tokens = [t for u in updates[index] for t in u.token_ids]
         assert tokens == expected[:stop]
         assert updates[index][-1].finish_reason == "stop"
         assert all(u.finish_reason is None for u in updates[index][:-1])
@@ -179,7 +179,7 @@ def test_a_one_token_prompt_chunk_next_to_decodes(family_model, hf_model) -> Non
 
     def step() -> None:
         for rid, updates in core.step(lookahead=False):
-            got.setdefault(rid, []).extend(t.token_id for u in updates for t in u.tokens)
+            got.setdefault(rid, []).extend(t for u in updates for t in u.token_ids)
 
     for _ in range(4):
         step()
@@ -210,5 +210,5 @@ def test_varlen_prompts_match_the_padded_batch(family_model: Path) -> None:
     for padded, varlen in zip(runs["auto"], runs["varlen"], strict=True):
         for rid, samples in padded.items():
             want, got = samples[0], varlen[rid][0]
-            assert [t.token_id for t in got] == [t.token_id for t in want], rid
-            assert max(abs(a.logprob - b.logprob) for a, b in zip(got, want, strict=True)) < 1e-4, rid
+            assert got.token_ids == want.token_ids, rid
+            assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True)) < 1e-4, rid

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tandem.inference.config import InferenceConfig
-from tandem.inference.engine.api import SamplingParams, TokenOutput
+from tandem.inference.engine.api import SampleUpdate, SamplingParams
 from tandem.inference.engine.core import EngineCore
 from tandem.inference.engine.sequence import PLACEHOLDER
 
@@ -24,7 +24,7 @@ def run(core: EngineCore, requests: Requests, lookahead: bool) -> tuple[dict, di
     """Step until done; (tokens by (request, index), finish reasons, steps taken)."""
     for rid, (ids, params, n) in requests.items():
         core.add_request(rid, ids, params, n)
-    tokens: dict[tuple[str, int], list[TokenOutput]] = {}
+    tokens: dict[tuple[str, int], SampleUpdate] = {}
     reasons: dict[tuple[str, int], str] = {}
     steps = 0
     while core.has_work():
@@ -33,16 +33,12 @@ def run(core: EngineCore, requests: Requests, lookahead: bool) -> tuple[dict, di
         for rid, updates in core.step(lookahead=lookahead):
             for u in updates:
                 assert (rid, u.index) not in reasons, "an update after the sample finished"
-                tokens.setdefault((rid, u.index), []).extend(u.tokens)
+                tokens.setdefault((rid, u.index), SampleUpdate(u.index)).extend(u)
                 if u.finish_reason:
                     reasons[(rid, u.index)] = u.finish_reason
     assert core.blocks.num_free == core.blocks.num_usable, "blocks leaked"
     assert not core.scheduler.running and not core.scheduler.waiting and not core.requests
     return tokens, reasons, steps
-
-
-def ids_of(tokens: list[TokenOutput]) -> list[int]:
-    return [t.token_id for t in tokens]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +47,7 @@ def stop_token(tiny_model: Path) -> tuple[int, list[int]]:
     core = make_core(tiny_model)
     params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=3)
     tokens, _, _ = run(core, {"probe": ([5, 6, 7, 8], params, 1)}, lookahead=False)
-    drawn = ids_of(tokens[("probe", 0)])
+    drawn = tokens[("probe", 0)].token_ids
     return drawn[5], drawn[: drawn.index(drawn[5]) + 1]
 
 
@@ -79,15 +75,17 @@ def test_overlapped_steps_return_the_same_tokens_as_plain_steps(tiny_model: Path
     plain, plain_reasons, plain_steps = run(core, requests, lookahead=False)
     overlapped, reasons, steps = run(core, requests, lookahead=True)
     assert reasons == plain_reasons
-    assert {key: ids_of(v) for key, v in overlapped.items()} == {key: ids_of(v) for key, v in plain.items()}
+    assert {key: v.token_ids for key, v in overlapped.items()} == {
+        key: v.token_ids for key, v in plain.items()
+    }
     for key, tokens in overlapped.items():
-        assert [t.logprob for t in tokens] == pytest.approx([t.logprob for t in plain[key]], abs=1e-5)
-        assert PLACEHOLDER not in ids_of(tokens)
+        assert tokens.logprobs == pytest.approx(plain[key].logprobs, abs=1e-5)
+        assert PLACEHOLDER not in tokens.token_ids
     for (rid, _), tokens in overlapped.items():
         params = requests[rid][1]
         if rid != "stops":
-            assert len(tokens) == params.max_tokens and reasons[(rid, _)] == "length"
-    assert ids_of(overlapped[("stops", 0)]) == until_stop and reasons[("stops", 0)] == "stop"
+            assert len(tokens.token_ids) == params.max_tokens and reasons[(rid, _)] == "length"
+    assert overlapped[("stops", 0)].token_ids == until_stop and reasons[("stops", 0)] == "stop"
     assert steps <= plain_steps + 1
 
 
@@ -95,7 +93,7 @@ def test_context_length_ends_a_sample_on_time_while_overlapped(tiny_model: Path)
     core = make_core(tiny_model, max_model_len=40)
     params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
     tokens, reasons, _ = run(core, {"r": (list(range(3, 33)), params, 2)}, lookahead=True)
-    assert {k: len(v) for k, v in tokens.items()} == {("r", 0): 10, ("r", 1): 10}
+    assert {k: len(v.token_ids) for k, v in tokens.items()} == {("r", 0): 10, ("r", 1): 10}
     assert set(reasons.values()) == {"length"}
 
 
@@ -112,7 +110,7 @@ def test_abort_and_finish_sample_while_a_step_is_in_flight(tiny_model: Path) -> 
         for rid, updates in core.step():
             assert rid != "gone" or not aborted, "updates of an aborted request"
             for u in updates:
-                got.setdefault((rid, u.index), []).extend(t.token_id for t in u.tokens)
+                got.setdefault((rid, u.index), []).extend(u.token_ids)
                 if u.finish_reason:
                     reasons[(rid, u.index)] = u.finish_reason
 
@@ -139,7 +137,7 @@ def test_a_stream_interval_sends_the_first_tokens_at_once_then_waits(tiny_model:
     sizes: dict[str, list[int]] = {"every": [], "spaced": []}
     while core.has_work():
         for rid, updates in core.step():
-            sizes[rid].append(sum(len(u.tokens) for u in updates))
+            sizes[rid].append(sum(len(u.token_ids) for u in updates))
     assert sum(sizes["every"]) == sum(sizes["spaced"]) == 30
     assert len(sizes["every"]) >= 29  # a delivery per step
     assert sizes["spaced"][0] == 1 and len(sizes["spaced"]) == 2  # the first token, then the rest at the end

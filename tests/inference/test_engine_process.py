@@ -10,6 +10,7 @@ by the engine process, their errors answered as by the thread engine."""
 import itertools
 import json
 import os
+import pickle
 import signal
 import subprocess
 import threading
@@ -27,7 +28,7 @@ from weight_link_helpers import hf, send_while, server_weights, transfer_models
 from tandem.cli import UserError
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine import AsyncEngine
-from tandem.inference.engine.api import SampleUpdate, TokenOutput
+from tandem.inference.engine.api import SampleUpdate
 from tandem.inference.engine.process import ProcessEngine, _decode, _encode
 from tandem.inference.server import build_app
 from tandem.models.tiny import build_tiny_model
@@ -210,12 +211,14 @@ def test_lora_adapters_from_a_path(servers: tuple[Served, Served], tiny_model: P
 def test_updates_cross_the_pipe_unchanged() -> None:
     top = ((7, -0.5), (9, -1.5))
     updates = [
-        SampleUpdate(0, [TokenOutput(7, -0.5, 3, top)]),
-        SampleUpdate(1, [TokenOutput(4, -0.25, 3), TokenOutput(5, -2.0, 3)], "length"),
-        SampleUpdate(2, [TokenOutput(4, -0.25, 3, top), TokenOutput(5, -2.0, 4, top)], "stop"),
-        SampleUpdate(3, [], "abort"),
+        SampleUpdate(0, [7], [-0.5], [3], [top]),
+        SampleUpdate(1, [4, 5], [-0.25, -2.0], [3, 3], None, "length"),
+        SampleUpdate(2, [4, 5], [-0.25, -2.0], [3, 4], [top, top], "stop"),
+        SampleUpdate(3, finish_reason="abort"),
     ]
-    assert [_decode(*_encode(update)) for update in updates] == updates
+    wire = [_encode(update) for update in updates]
+    assert wire[1][3] == 3 and wire[2][3] == [3, 4]  # one version where all tokens share it
+    assert [_decode(*pickle.loads(pickle.dumps(w))) for w in wire] == updates
 
 
 def test_a_start_failure_in_the_engine_process_is_the_thread_engines_error(tiny_model: Path) -> None:

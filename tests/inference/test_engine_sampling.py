@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tandem.inference.config import InferenceConfig
-from tandem.inference.engine.api import SamplingParams, TokenOutput
+from tandem.inference.engine.api import SampleUpdate, SamplingParams
 from tandem.inference.engine.core import EngineCore
 from tandem.inference.engine.model_runner import rows_round_alike
 from tandem.inference.engine.sampler import SamplingBatch, sample, sample_key
@@ -71,20 +71,20 @@ def test_noise_depends_on_seed_sample_and_position_only() -> None:
     assert len(set(a)) > 2
 
 
-def _outputs(core: EngineCore, requests: dict) -> dict[str, dict[int, list[TokenOutput]]]:
+def _outputs(core: EngineCore, requests: dict) -> dict[str, dict[int, SampleUpdate]]:
     for rid, (ids, params, n) in requests.items():
         core.add_request(rid, ids, params, n)
-    out: dict[str, dict[int, list[TokenOutput]]] = {rid: {} for rid in requests}
+    out: dict[str, dict[int, SampleUpdate]] = {rid: {} for rid in requests}
     while core.has_work():
         for rid, updates in core.step():
             for u in updates:
-                out[rid].setdefault(u.index, []).extend(u.tokens)
+                out[rid].setdefault(u.index, SampleUpdate(u.index)).extend(u)
     return out
 
 
 def _tokens(core: EngineCore, requests: dict) -> dict[str, dict[int, list[int]]]:
     outputs = _outputs(core, requests)
-    return {rid: {i: [t.token_id for t in ts] for i, ts in out.items()} for rid, out in outputs.items()}
+    return {rid: {i: u.token_ids for i, u in out.items()} for rid, out in outputs.items()}
 
 
 def test_seeded_sampling_is_reproducible_across_batches(tiny_model: Path) -> None:
@@ -123,6 +123,6 @@ def test_one_cpu_thread_gives_logprobs_independent_of_the_batch(tiny_model: Path
         crowds.append({"x": (core.tokenizer.encode("many others"), other, 6), "y": (ids[:3], other, 2)})
         runs = [_outputs(core, {**crowd, "a": (ids, params, 1)})["a"][0] for crowd in crowds]
         for run in runs[1:]:
-            assert [(t.token_id, t.logprob) for t in run] == [(t.token_id, t.logprob) for t in runs[0]]
+            assert (run.token_ids, run.logprobs) == (runs[0].token_ids, runs[0].logprobs)
     finally:
         torch.set_num_threads(threads)

@@ -55,7 +55,7 @@ got = {}
 while core.has_work():
     for rid, updates in core.step():
         for u in updates:
-            got.setdefault((rid, u.index), []).extend(t.token_id for t in u.tokens)
+            got.setdefault((rid, u.index), []).extend(u.token_ids)
 hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 for i, ids in enumerate(prompts):
     ref = hf.generate(torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6, do_sample=False, eos_token_id=None)

@@ -12,7 +12,7 @@ import torch
 from test_engine_numerics import engine_config, run_sync
 from transformers import AutoModelForCausalLM
 
-from tandem.inference.engine.api import SamplingParams, TokenOutput
+from tandem.inference.engine.api import SampleUpdate, SamplingParams
 from tandem.inference.engine.core import EngineCore
 from tandem.inference.engine.model_runner import kv_bytes_per_block
 from tandem.inference.engine.weights import read_checkpoint
@@ -27,7 +27,7 @@ def prompt(seed: int, length: int) -> list[int]:
 
 def serve(
     core: EngineCore, ids: list[int], params: SamplingParams = GREEDY, n: int = 1
-) -> list[list[TokenOutput]]:
+) -> list[SampleUpdate]:
     """One request run to the end; its samples' tokens."""
     result = run_sync(core, {"r": (ids, params, n)})["tokens"]["r"]
     return [result[i] for i in range(n)]
@@ -35,13 +35,13 @@ def serve(
 
 def step_tokens(core: EngineCore) -> dict[str, list[int]]:
     """One engine step: the token ids it delivered, by request."""
-    return {rid: [t.token_id for u in updates for t in u.tokens] for rid, updates in core.step()}
+    return {rid: [t for u in updates for t in u.token_ids] for rid, updates in core.step()}
 
 
-def assert_same(got: list[list[TokenOutput]], want: list[list[TokenOutput]]) -> None:
+def assert_same(got: list[SampleUpdate], want: list[SampleUpdate]) -> None:
     for a, b in zip(got, want, strict=True):
-        assert [t.token_id for t in a] == [t.token_id for t in b]
-        assert max(abs(x.logprob - y.logprob) for x, y in zip(a, b, strict=True)) < 1e-5
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_multi_turn_prompt_reuses_the_previous_turn(engines: tuple[EngineCore, E
     assert hit == 0
     assert_same(first, serve(plain, turn0))
     # the next turn: the whole conversation so far plus the environment's reply
-    turn1 = turn0 + [t.token_id for t in first[0]] + prompt(2, 9)  # 45 + 20 + 9 = 74 tokens
+    turn1 = turn0 + first[0].token_ids + prompt(2, 9)  # 45 + 20 + 9 = 74 tokens
     hit, second = hits(cached, lambda: serve(cached, turn1))
     # the first turn computed 45 + 19 = 64 tokens' keys and values (the last sampled token was
     # never fed back): 4 full blocks are reusable
@@ -155,7 +155,7 @@ def test_eviction_under_a_small_cache_keeps_answers_right(tiny_model: Path) -> N
         want = run_sync(plain, requests)["tokens"]
         for cid in conversations:
             assert_same([got[cid][0]], [want[cid][0]])
-            conversations[cid] = conversations[cid] + [t.token_id for t in got[cid][0]] + prompt(turn, 4)
+            conversations[cid] = conversations[cid] + got[cid][0].token_ids + prompt(turn, 4)
     assert cached.blocks.hit_tokens_total > 0
     assert cached.scheduler.num_preemptions > 0
     assert cached.blocks.num_free == cached.blocks.num_usable

@@ -106,13 +106,13 @@ async def run_prompt(
             choice = choices[update.index]
             if choice.finish_reason is not None:
                 continue  # already ended by a stop string; the engine may still have sent tokens
-            used = choice.tracker.add([t.token_id for t in update.tokens])
+            used = choice.tracker.add(update.token_ids)
             on_tokens(used)
-            kept = update.tokens[:used]
             if job.logprobs:
-                choice.logprobs += [t.logprob for t in kept]
-                choice.top_logprobs += [t.top_logprobs for t in kept]
-            choice.versions += [t.weight_version for t in kept]
+                choice.logprobs += update.logprobs[:used]
+                tops = update.top_logprobs
+                choice.top_logprobs += [()] * used if tops is None else tops[:used]
+            choice.versions += update.weight_versions[:used]
             if choice.tracker.stopped_by is not None:
                 choice.finish_reason, choice.stop_reason = "stop", choice.tracker.stopped_by
                 await engine.finish_sample(job.request_id, update.index, "stop")

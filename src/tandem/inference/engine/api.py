@@ -29,23 +29,31 @@ class SamplingParams:
 
 
 @dataclass(slots=True)
-class TokenOutput:
-    """One generated token. `logprob` is log_softmax(logits / T) at the sampled id (T = 1 if greedy),
-    from the same logits the token was sampled from."""
-
-    token_id: int
-    logprob: float
-    weight_version: int
-    top_logprobs: Sequence[tuple[int, float]] = ()
-
-
-@dataclass
 class SampleUpdate:
-    """New tokens of sample `index` (0 ≤ index < n) of a request; `finish_reason` set on its last update."""
+    """New tokens of sample `index` (0 ≤ index < n) of a request, as columns: token `token_ids[i]`
+    came from weights `weight_versions[i]` with logprob `logprobs[i]` = log_softmax(logits / T) at
+    the sampled id (T = 1 if greedy), from the same logits it was sampled from; `top_logprobs[i]` are
+    its alternatives (None when the request asked for none). `finish_reason` is set on the sample's
+    last update. Columns, not an object per token: a finished sample of a few hundred tokens goes
+    from the engine to the response as a few lists. An update belongs to whoever received it."""
 
     index: int
-    tokens: list[TokenOutput]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    top_logprobs: list[Sequence[tuple[int, float]]] | None = None
     finish_reason: FinishReason | None = None
+
+    def extend(self, later: "SampleUpdate") -> None:
+        """Append the tokens of a `later` update of the same sample and take its finish reason."""
+        self.token_ids += later.token_ids
+        self.logprobs += later.logprobs
+        self.weight_versions += later.weight_versions
+        if later.top_logprobs is not None:
+            if self.top_logprobs is None:
+                self.top_logprobs = []
+            self.top_logprobs += later.top_logprobs
+        self.finish_reason = later.finish_reason
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,6 @@ from tandem.inference.engine.api import (
     RequestLimits,
     SampleUpdate,
     SamplingParams,
-    TokenOutput,
 )
 from tandem.inference.engine.block_manager import BlockManager
 from tandem.inference.engine.fp8 import check_device as check_fp8_device
@@ -323,11 +322,11 @@ class EngineCore:
         stops = plan.eos_rows & self.eos_table[np.asarray(tokens)]
         for i in plan.stop_rows:
             stops[i] = stops[i] or tokens[i] in seqs[i].params.stop_token_ids
-        tops = itertools.repeat(())
+        tops: Iterable[tuple[tuple[int, float], ...] | None] = itertools.repeat(None)
         if result.top_ids is not None:  # alternatives, for the rows that asked for them
             ks = [seq.params.top_logprobs for seq in seqs]
             tops = [
-                tuple(zip(ids[:k], lps[:k], strict=True))
+                tuple(zip(ids[:k], lps[:k], strict=True)) if k else None
                 for ids, lps, k in zip(result.top_ids, result.top_logprobs, ks, strict=True)
             ]
         touched = self._touched
@@ -341,10 +340,14 @@ class EngineCore:
             request = seq.request
             pending = request.pending.get(seq.index)
             if pending is None:
-                pending = request.pending[seq.index] = []
+                pending = request.pending[seq.index] = _pending(seq)
                 if request.stream:
                     touched[request.request_id] = request
-            pending.append(TokenOutput(token, logprob, version, top))
+            pending.token_ids.append(token)
+            pending.logprobs.append(logprob)
+            pending.weight_versions.append(version)
+            if top is not None:
+                pending.top_logprobs.append(top)  # type: ignore[union-attr]
             delivered += 1
         self.generated_tokens_total += delivered
         for i in np.flatnonzero(stops):
@@ -364,18 +367,18 @@ class EngineCore:
         for i, (seq, target) in enumerate(zip(launched.seqs, owners, strict=True)):
             if target is None or target.finish_reason is not None:
                 continue  # finished or aborted while this step ran: the token is dropped
-            top: tuple[tuple[int, float], ...] = ()
+            top = None
             if top_ids is not None and seq.params.top_logprobs > 0:
                 k = seq.params.top_logprobs
                 top = tuple(zip(top_ids[i][:k], result.top_logprobs[i][:k], strict=True))
-            token = TokenOutput(result.token_ids[i], result.logprobs[i], version, top)
+            token = result.token_ids[i]
             position = launched.positions[i]
             if position < 0:  # a new fork: its token is the first after the prompt
-                target.token_ids.append(token.token_id)
+                target.token_ids.append(token)
                 position = len(target.token_ids) - 1
             else:
-                target.token_ids[position] = token.token_id
-            self._append(target, token, position)
+                target.token_ids[position] = token
+            self._append(target, token, result.logprobs[i], version, top, position)
         if launched.forks:
             for seq in launched.seqs:
                 seq.fan_out = 1
@@ -401,7 +404,15 @@ class EngineCore:
             self.scheduler.add(child)
         return child
 
-    def _append(self, seq: Sequence, token: TokenOutput, position: int) -> None:
+    def _append(
+        self,
+        seq: Sequence,
+        token: int,
+        logprob: float,
+        version: int,
+        top: tuple[tuple[int, float], ...] | None,
+        position: int,
+    ) -> None:
         """`token` (already in `seq.token_ids` at `position`) is delivered; finish the sample if it ends here."""
         request = seq.request
         if seq.index in request.cancelled:
@@ -409,15 +420,17 @@ class EngineCore:
             return
         pending = request.pending.get(seq.index)
         if pending is None:
-            pending = request.pending[seq.index] = []
+            pending = request.pending[seq.index] = _pending(seq)
             if request.stream:
                 self._touched[request.request_id] = request
-        pending.append(token)
+        pending.token_ids.append(token)
+        pending.logprobs.append(logprob)
+        pending.weight_versions.append(version)
+        if top is not None:
+            pending.top_logprobs.append(top)  # type: ignore[union-attr]
         self.generated_tokens_total += 1
         params = seq.params
-        if token.token_id in params.stop_token_ids or (
-            not params.ignore_eos and token.token_id in self.eos_token_ids
-        ):
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             self._finish(seq, "stop")
         elif self._reaches_length(seq, position + 1):
             self._finish(seq, "length")
@@ -431,7 +444,8 @@ class EngineCore:
 
     def _mark_finished(self, request: Request, index: int, reason: FinishReason) -> None:
         request.finished[index] = reason
-        request.pending.setdefault(index, [])
+        if index not in request.pending:
+            request.pending[index] = SampleUpdate(index)
         self._touched[request.request_id] = request
 
     def _collect_updates(self) -> list[tuple[str, list[SampleUpdate]]]:
@@ -453,14 +467,9 @@ class EngineCore:
                     continue
                 request.next_delivery = now + request.stream_interval
             pending = request.pending
-            if len(pending) == 1:
-                ((index, tokens),) = pending.items()
-                updates = [SampleUpdate(index, tokens, finished.get(index))]
-            else:
-                updates = [
-                    SampleUpdate(index, tokens, finished.get(index))
-                    for index, tokens in sorted(pending.items())
-                ]
+            updates = list(pending.values()) if len(pending) == 1 else [pending[i] for i in sorted(pending)]
+            for update in updates:
+                update.finish_reason = finished.get(update.index)
             request.pending = {}
             out.append((request_id, updates))
             if done:
@@ -519,3 +528,8 @@ class _Launched:
         return Feed(
             [seq if index == seq.index else None for seq, index in zip(self.seqs, self.indices, strict=True)]
         )
+
+
+def _pending(seq: Sequence) -> SampleUpdate:
+    """An empty update for `seq`'s next tokens (with room for alternatives if its request asked)."""
+    return SampleUpdate(seq.index, top_logprobs=[] if seq.params.top_logprobs > 0 else None)

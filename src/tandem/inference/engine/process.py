@@ -45,7 +45,6 @@ import time
 import traceback
 from concurrent.futures import Future
 from functools import partial
-from itertools import repeat
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,7 +56,6 @@ from tandem.inference.engine.api import (
     FinishReason,
     SampleUpdate,
     SamplingParams,
-    TokenOutput,
 )
 from tandem.inference.engine.streams import GIL_SWITCH_INTERVAL_S, EngineFront
 from tandem.models.loading import load_tokenizer
@@ -71,8 +69,8 @@ EXIT_WAIT_S = 30.0  # for the engine process to exit once stopped, or once its p
 
 log = logging.getLogger("tandem.inference")
 
-# one sample's update on the wire: index, token ids, logprobs, weight version (one for all tokens,
-# or one per token), top logprobs per token (None: none asked for), finish reason
+# one sample's update on the wire: SampleUpdate's columns, with one weight version for all tokens
+# where they share it
 WireUpdate = tuple[int, list[int], list[float], int | list[int], list | None, FinishReason | None]
 
 
@@ -300,17 +298,17 @@ class EngineTraceback(Exception):
 
 
 def _encode(update: SampleUpdate) -> WireUpdate:
-    tokens = update.tokens
-    if len(tokens) == 1:  # a step's one token (streams, stop strings): half the time of the general case
-        t = tokens[0]
-        tops1 = [t.top_logprobs] if t.top_logprobs else None
-        return update.index, [t.token_id], [t.logprob], t.weight_version, tops1, update.finish_reason
-    versions: int | list[int] = [t.weight_version for t in tokens]
+    versions: int | list[int] = update.weight_versions
     if versions and versions.count(versions[0]) == len(versions):
-        versions = versions[0]
-    tops = [t.top_logprobs for t in tokens] if tokens and tokens[0].top_logprobs else None
-    ids, logprobs = [t.token_id for t in tokens], [t.logprob for t in tokens]
-    return update.index, ids, logprobs, versions, tops, update.finish_reason
+        versions = versions[0]  # one version for all tokens, the usual case
+    return (
+        update.index,
+        update.token_ids,
+        update.logprobs,
+        versions,
+        update.top_logprobs,
+        update.finish_reason,
+    )
 
 
 def _decode(
@@ -321,13 +319,8 @@ def _decode(
     tops: list | None,
     reason: FinishReason | None,
 ) -> SampleUpdate:
-    if len(ids) == 1:  # (as in _encode)
-        version = versions if isinstance(versions, int) else versions[0]
-        return SampleUpdate(
-            index, [TokenOutput(ids[0], logprobs[0], version, tops[0] if tops else ())], reason
-        )
-    per_token = repeat(versions) if isinstance(versions, int) else versions
-    return SampleUpdate(index, list(map(TokenOutput, ids, logprobs, per_token, tops or repeat(()))), reason)
+    per_token = [versions] * len(ids) if isinstance(versions, int) else versions
+    return SampleUpdate(index, ids, logprobs, per_token, tops, reason)
 
 
 # ---- the engine process ------------------------------------------------------------------------

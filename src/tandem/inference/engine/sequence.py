@@ -4,7 +4,7 @@ import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 
-from tandem.inference.engine.api import FinishReason, SamplingParams, TokenOutput
+from tandem.inference.engine.api import FinishReason, SampleUpdate, SamplingParams
 
 _ids = itertools.count()
 PLACEHOLDER = -1  # a sampled token that is still on its way from the device (core.py)
@@ -75,7 +75,7 @@ class Request:
     sequences: dict[int, Sequence] = field(default_factory=dict)  # live sequences by sample index
     finished: dict[int, FinishReason] = field(default_factory=dict)
     cancelled: dict[int, FinishReason] = field(default_factory=dict)  # finish once forked
-    pending: dict[int, list[TokenOutput]] = field(default_factory=dict)  # tokens not yet delivered
+    pending: dict[int, SampleUpdate] = field(default_factory=dict)  # tokens not yet delivered
 
     @property
     def done(self) -> bool:

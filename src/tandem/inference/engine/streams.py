@@ -193,14 +193,14 @@ class _Stream:
 
 
 def _merge_into(merged: dict[int, SampleUpdate], updates: list[SampleUpdate]) -> None:
-    """Append `updates` to the per-sample updates in `merged` (each sample's tokens in order)."""
+    """Append `updates` to the per-sample updates in `merged` (each sample's tokens in order); the
+    first update of a sample becomes its merged one (updates belong to their receiver)."""
     for update in updates:
         known = merged.get(update.index)
         if known is None:
-            merged[update.index] = SampleUpdate(update.index, list(update.tokens), update.finish_reason)
+            merged[update.index] = update
         else:
-            known.tokens.extend(update.tokens)
-            known.finish_reason = update.finish_reason
+            known.extend(update)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, Delivery]]) -> None:
