@@ -87,6 +87,36 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(out=tmp_path_factory.mktemp("moe") / "m", num_experts=8, moe_intermediate_size=64)
 
 
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16], ids=["fp32-moments", "bf16-moments"])
+def test_adamw_kernel_follows_its_torch_form_on_cuda(moments: torch.dtype) -> None:
+    """The Triton AdamW pass on the GPU against its torch form on the GPU over 5 steps: the masters
+    agree to fp32 rounding; bf16 moments, rounded with the same noise, are the same bf16 numbers
+    but where fp32 rounding moved a value across a rounding threshold (one bf16 step apart)."""
+    from tandem.trainer.adamw_kernel import adamw_
+    from tandem.trainer.master_weights import adamw_torch_
+
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    numel = 1 << 20
+    master = torch.randn(numel, device=CUDA, generator=gen)
+    got = [master.bfloat16(), master.clone(), *(torch.zeros(numel, device=CUDA, dtype=moments) for _ in "mv")]
+    want = [t.clone() for t in got]
+    for step in range(1, 6):
+        grad = torch.randn(numel, device=CUDA, generator=gen).bfloat16()
+        args = (torch.tensor(0.7, device=CUDA), 1e-3, 0.9, 0.999, 1e-8, 0.1, step, 1234 + step)
+        adamw_(got[0], grad, *got[1:], *args)
+        adamw_torch_(want[0], grad, *want[1:], *args)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-7)
+    assert torch.equal(got[0], got[1].bfloat16())  # the parameter is its master rounded to nearest
+    for a, b in zip(got[2:], want[2:], strict=True):
+        assert a.dtype == moments
+        if moments == torch.float32:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+        else:
+            apart = a != b
+            assert apart.float().mean() < 1e-3, apart.float().mean()
+            torch.testing.assert_close(a[apart].float(), b[apart].float(), rtol=2**-7, atol=0)
+
+
 @pytest.mark.parametrize("master", ["model", "optimizer"], ids=["fp32-params", "fp32-masters"])
 @pytest.mark.parametrize("keep", [False, True], ids=["reshard", "keep-gathered"])
 @pytest.mark.parametrize("attention", ["flex", "varlen"])
