@@ -89,9 +89,11 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16], ids=["fp32-moments", "bf16-moments"])
 def test_adamw_kernel_follows_its_torch_form_on_cuda(moments: torch.dtype) -> None:
-    """The Triton AdamW pass on the GPU against its torch form on the GPU over 5 steps: the masters
-    agree to fp32 rounding; bf16 moments, rounded with the same noise, are the same bf16 numbers
-    but where fp32 rounding moved a value across a rounding threshold (one bf16 step apart)."""
+    """The Triton AdamW pass on the GPU against its torch form on the GPU over 5 steps. The two
+    round differently in fp32 (fused multiply-adds, the square root): on the H200 ~3 % of fp32
+    moments differ, by up to 6e-8, and a few masters by up to 7e-6 (under 1 % of a step's update,
+    lr = 1e-3). bf16 moments, rounded with the same noise, are the same bf16 numbers but where such
+    a difference moved a value across its rounding threshold (then one bf16 step apart)."""
     from tandem.trainer.adamw_kernel import adamw_
     from tandem.trainer.master_weights import adamw_torch_
 
@@ -105,12 +107,12 @@ def test_adamw_kernel_follows_its_torch_form_on_cuda(moments: torch.dtype) -> No
         args = (torch.tensor(0.7, device=CUDA), 1e-3, 0.9, 0.999, 1e-8, 0.1, step, 1234 + step)
         adamw_(got[0], grad, *got[1:], *args)
         adamw_torch_(want[0], grad, *want[1:], *args)
-    torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
     assert torch.equal(got[0], got[1].bfloat16())  # the parameter is its master rounded to nearest
     for a, b in zip(got[2:], want[2:], strict=True):
         assert a.dtype == moments
         if moments == torch.float32:
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
         else:
             apart = a != b
             assert apart.float().mean() < 1e-3, apart.float().mean()
