@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
+from torch.distributed.tensor import DTensor
 from triton_interpreter import run_interpreted
 
 from tandem.cli import UserError
@@ -21,7 +22,7 @@ from tandem.config.loader import ConfigError, split_args
 from tandem.monitor.metrics import read_metrics
 from tandem.trainer import stochastic_round
 from tandem.trainer.config import LoRAConfig, OptimConfig, ParallelConfig
-from tandem.trainer.master_weights import MasterAdamW
+from tandem.trainer.master_weights import MasterAdamW, local
 from tandem.trainer.model import build_trainer_model
 from tandem.trainer.optim import build_optimizer, gradient
 from tandem.trainer.parallel import init_distributed, shutdown
@@ -234,6 +235,7 @@ def test_micro_batches_accumulate_in_fp32(model: Path) -> None:
         optimizer = build_optimizer(net, OptimConfig(master_weights="optimizer"))
         params = [p for group in optimizer.param_groups for p in group["params"]]
         assert {p.dtype for p in params} == {torch.bfloat16}
+        assert not any(isinstance(p, DTensor) for p in params)  # one rank: no FSDP
         generator = torch.Generator().manual_seed(0)
         batches = [torch.randint(0, net.hf_config.vocab_size, (1, 32), generator=generator) for _ in range(8)]
         positions = torch.arange(32)[None]
@@ -246,13 +248,13 @@ def test_micro_batches_accumulate_in_fp32(model: Path) -> None:
         for ids in batches:
             optimizer.zero_grad()
             backward(ids)
-            single.append([gradient(optimizer, p).to_local().clone() for p in params])
+            single.append([local(gradient(optimizer, p)).clone() for p in params])
         optimizer.zero_grad()
         for ids in batches:
             backward(ids)
         worst_fp32, worst_bf16 = 0.0, 0.0
         for i, p in enumerate(params):
-            got = gradient(optimizer, p).to_local()
+            got = local(gradient(optimizer, p))
             assert got.dtype == torch.float32 and p.grad is None
             parts = [grads[i] for grads in single]
             assert parts[0].dtype == torch.bfloat16
@@ -326,6 +328,27 @@ def test_two_ranks_match_one(model: Path, tmp_path: Path, compute: str, toleranc
         assert both[step]["loss"] == pytest.approx(one[step]["loss"], abs=tolerance), step
         assert both[step]["grad_norm"] == pytest.approx(one[step]["grad_norm"], rel=tolerance), step
     assert_same_weights(tmp_path / "two", tmp_path / "one", model, compute, atol=1e-5)
+
+
+def test_one_rank_checkpoint_resumes_on_two(model: Path, tmp_path: Path) -> None:
+    """One rank runs without FSDP (nothing to shard or cast); its step-2 checkpoint resumes on 2
+    FSDP ranks (DCP reshards the plain tensors) and ends where the uninterrupted run does."""
+    run(sft(model, tmp_path / "one", "optimizer", **{"ckpt.interval": 2}))
+    shutil.copytree(tmp_path / "one", tmp_path / "moved")
+    shutil.rmtree(tmp_path / "moved" / "checkpoints" / "step_4")
+    shutil.rmtree(tmp_path / "moved" / "final")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    args = sft(model, tmp_path / "moved", "optimizer", **{"ckpt.interval": 2})
+    moved = subprocess.run(
+        [*launch, "-m", "tandem.trainer.sft.cli", *args, "--resume"],
+        capture_output=True, text=True, env=ENV, timeout=400,
+    )  # fmt: skip
+    assert moved.returncode == 0, (moved.stdout + moved.stderr)[-3000:]
+    one, both = metrics(tmp_path / "one"), metrics(tmp_path / "moved")
+    assert sorted(both) == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert both[step]["loss"] == pytest.approx(one[step]["loss"], abs=1e-5), step
+    assert_same_weights(tmp_path / "moved", tmp_path / "one", model, "float32", atol=1e-5)
 
 
 @pytest.mark.parametrize(

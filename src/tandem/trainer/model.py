@@ -153,6 +153,7 @@ def build_trainer_model(
         cp_style=parallel.cp_style,
         activation_offload=parallel.activation_offload,
         reshard_after_forward=parallel.reshard_after_forward,
+        fsdp=world.size > 1 or not master,  # one rank, bf16 parameters: nothing to shard or cast
     )
     try:
         fam.parallelize(model, plan)
