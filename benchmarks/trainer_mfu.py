@@ -17,7 +17,9 @@ drawn once with a fixed seed), random-init weights, one optimizer step per itera
   keeps its logits for the backward (`model.head_logits = "keep"`); `tandem_master_bf16moments`:
   AdamW's moments in bf16 with stochastic rounding (`optim.moments_dtype = "bfloat16"`, needs
   `master`; `bf16moments` is its own flag, not `bf16`). Suffixes combine:
-  `tandem_master_keep`, `moe:tandem_master_keep_logits_bf16moments`.
+  `tandem_master_keep`, `moe:tandem_master_keep_logits_bf16moments`. With `master` on one GPU
+  the model is not wrapped by FSDP at all (nothing to shard or cast), so `keep` changes nothing
+  there.
 - `hf`, `hf_compiled`: transformers' model in bf16 (weights, grads and AdamW state), SDPA with
   the mask transformers derives from the restarting position ids, its own loss over full
   logits, fused AdamW; `hf_compiled` is the same under torch.compile.
