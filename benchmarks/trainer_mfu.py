@@ -171,16 +171,20 @@ PROFILE_DIR: Path | None = None  # --profile: where each variant writes its kern
 
 
 def profile(step, name: str) -> None:  # noqa: ANN001
-    """Two more steps under torch.profiler; the top kernels by GPU time go to PROFILE_DIR/name.txt."""
+    """Two more steps under torch.profiler; the top kernels by GPU time go to PROFILE_DIR/name.txt,
+    then the operators by input shapes (which matmul shapes take the time)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for _ in range(2):
             step()
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70)
-    (PROFILE_DIR / f"profile_{name.replace(':', '_')}.txt").write_text(table)
+    shapes = prof.key_averages(group_by_input_shape=True).table(
+        sort_by="cuda_time_total", row_limit=60, max_name_column_width=40, max_shapes_column_width=90
+    )
+    (PROFILE_DIR / f"profile_{name.replace(':', '_')}.txt").write_text(f"{table}\n\n{shapes}")
 
 
 def timed_steps(step, steps: int, warmup: int, name: str = "") -> tuple[list[float], float]:  # noqa: ANN001
