@@ -172,7 +172,8 @@ PROFILE_DIR: Path | None = None  # --profile: where each variant writes its kern
 
 def profile(step, name: str) -> None:  # noqa: ANN001
     """Two more steps under torch.profiler; the top kernels by GPU time go to PROFILE_DIR/name.txt,
-    then the operators by input shapes (which matmul shapes take the time)."""
+    then where the GPU sat idle (gpu_idle) and the operators by input shapes (which matmul shapes
+    take the time)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -184,7 +185,42 @@ def profile(step, name: str) -> None:  # noqa: ANN001
     shapes = prof.key_averages(group_by_input_shape=True).table(
         sort_by="cuda_time_total", row_limit=60, max_name_column_width=40, max_shapes_column_width=90
     )
-    (PROFILE_DIR / f"profile_{name.replace(':', '_')}.txt").write_text(f"{table}\n\n{shapes}")
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        idle = gpu_idle(json.loads(Path(f"{tmp}/trace.json").read_text()))
+    (PROFILE_DIR / f"profile_{name.replace(':', '_')}.txt").write_text(f"{table}\n\n{idle}\n\n{shapes}")
+
+
+def gpu_idle(trace: dict, top: int = 12) -> str:
+    """The GPU's busy time (the union of its kernels and copies) against the span from the first
+        to the last, and the longest idle gaps, each with the host operators open when it began (what
+    the host was doing while the GPU ran dry) and the kernel that ended it."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    gpu = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"])
+        for e in events
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+    if not gpu:
+        return "no GPU events"
+    busy, gaps, end = 0.0, [], gpu[0][0]
+    for begin, finish, kernel in gpu:
+        if begin > end:
+            gaps.append((begin - end, end, kernel))
+        busy += max(0.0, finish - max(begin, end))
+        end = max(end, finish)
+    span = end - gpu[0][0]
+    host = [
+        e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "python_function")
+    ]
+    lines = [f"GPU busy {busy / 1e3:.1f} ms of {span / 1e3:.1f} ms ({100 * busy / span:.1f} %); "
+             f"idle {sum(g[0] for g in gaps) / 1e3:.1f} ms in {len(gaps)} gaps, the longest (host operators "
+             "open when it began; the kernel that ended it):"]  # fmt: skip
+    for gap, at, kernel in sorted(gaps, reverse=True)[:top]:
+        open_ops = sorted((e for e in host if e["ts"] <= at <= e["ts"] + e["dur"]), key=lambda e: e["dur"])
+        names = " < ".join(e["name"][:50] for e in open_ops[:4]) or "(no host operator)"
+        lines.append(f"  {gap / 1e3:7.3f} ms at {(at - gpu[0][0]) / 1e3:8.2f} ms: {names} -> {kernel[:50]}")
+    return "\n".join(lines)
 
 
 def timed_steps(step, steps: int, warmup: int, name: str = "") -> tuple[list[float], float]:  # noqa: ANN001
