@@ -4,7 +4,8 @@
 
 One chunk of bf16 logits [rows, vocab] (the training path's shape at the Qwen3 vocabulary):
 the softmax statistics (forward) and the logit gradient (backward) each, then the whole
-`chunked_logprobs` forward + backward over 4 chunks (head matmuls included). Prints a table of
+`chunked_logprobs` forward + backward over 4 chunks (head matmuls included), recomputing the
+logits in the backward and keeping them. Prints a table of
 milliseconds (median of 20 after 3 warm-ups, CUDA events), the bytes each kernel must move and
 the bandwidth that implies, and checks that the two implementations agree.
 """
@@ -81,8 +82,8 @@ def main() -> None:
     )
     head_targets = torch.randint(0, vocab, (4 * rows,), device=device, generator=gen)
 
-    def head_step() -> None:
-        lp, entropy = chunked_head.chunked_logprobs(hidden, weight, head_targets, 1.0, rows)
+    def head_step(keep: bool = False) -> None:
+        lp, entropy = chunked_head.chunked_logprobs(hidden, weight, head_targets, 1.0, rows, keep_logits=keep)
         (lp.sum() + 0.01 * entropy.sum()).backward()
 
     triton_kernels = chunked_head._kernels
@@ -93,6 +94,9 @@ def main() -> None:
         chunked_head._kernels = choose  # the head's per-chunk kernels, swapped for the baseline row
         rows_out.append((f"head fwd+bwd, {4 * rows} tokens", kernel, time_ms(head_step, 10), 0))
     chunked_head._kernels = triton_kernels
+    rows_out.append(
+        (f"head fwd+bwd, {4 * rows} tokens, logits kept", "triton", time_ms(lambda: head_step(True), 10), 0)
+    )
 
     print(f"\nrows {rows}, vocab {vocab}, bf16 logits; stats max |diff| {stats_error:.2e}, "
           f"grad max rel diff {grad_error:.2e}\n")  # fmt: skip

@@ -71,6 +71,24 @@ def test_chunked_logprobs_on_cuda_match_naive() -> None:
     torch.testing.assert_close(grad, grad_ref, rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.parametrize("keep", [False, True], ids=["recompute", "keep"])
+def test_chunked_logprobs_bf16_gradients_on_cuda(keep: bool) -> None:
+    """bf16 head, 4 chunks: the weight gradient (summed in fp32 inside the matmul per chunk, or by
+    one matmul over all tokens with kept logits) and the hidden gradient against float64."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    hidden = torch.randn(2048, 256, device="cuda", generator=gen).bfloat16().requires_grad_()
+    weight = (torch.randn(8192, 256, device="cuda", generator=gen) * 0.05).bfloat16().requires_grad_()
+    targets = torch.randint(0, 8192, (2048,), device="cuda", generator=gen)
+    logprobs, entropy = chunked_logprobs(hidden, weight, targets, 1.0, chunk_size=512, keep_logits=keep)
+    (logprobs.sum() + 0.1 * entropy.sum()).backward()
+    h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
+    ref = (h64 @ w64.T).log_softmax(-1)
+    (ref.gather(-1, targets[:, None]).sum() - 0.1 * (ref.exp() * ref).sum()).backward()
+    for got, want in ((hidden.grad, h64.grad), (weight.grad, w64.grad)):
+        assert got.dtype == torch.bfloat16
+        assert float((got.double() - want).norm() / want.norm()) < 1e-2
+
+
 def test_sft_runs_on_cuda_in_bf16_and_lowers_the_loss(tiny: Path, tmp_path: Path) -> None:
     run = tmp_path / "sft"
     cmd = [sys.executable, "-m", "tandem.trainer.sft.cli", "@", "examples/reverse_text/sft.toml",

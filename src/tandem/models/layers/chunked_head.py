@@ -9,10 +9,13 @@ each chunk's logits and forms the gradient directly, elementwise given the saved
     z = h Wᵀ / T,  p = softmax(z),  ℓ = log p[target],  H = −Σ p log p
     ∂ℓ/∂z = onehot(target) − p          ∂H/∂z = −p ⊙ (log p + H)
 
-so peak memory is one chunk of logits in either direction. With `keep_logits` the forward keeps
-every chunk's logits (tokens × vocabulary in the logits' dtype: 5 GB for 16,384 tokens of a
-152k vocabulary in bf16) and the backward reads them instead of recomputing them, which saves one
-of the head's four matmuls. On CUDA each direction's per-chunk
+so peak memory is one chunk of logits in either direction; each chunk's weight gradient is
+added into an fp32 sum (on CUDA inside the matmul, torch's `out_dtype` addmm, where torch has it).
+With `keep_logits` the forward writes every chunk's logits into one buffer (tokens × vocabulary in
+the logits' dtype: 5 GB for 16,384 tokens of a 152k vocabulary in bf16) and the backward turns
+them into the logit gradient in place, then takes both input gradients with one matmul each over
+all the tokens: one of the head's four matmuls less, no per-chunk sum, and the weight gradient
+accumulated in the matmul's fp32 over every token before its one rounding. On CUDA each direction's per-chunk
 arithmetic is one Triton kernel that reads the chunk's logits once (triton_head.py), and the
 backward writes the logit gradient over the recomputed logits. Measured on one H200 for a chunk of
 4,096 × 151,936 bf16 logits (benchmarks/head_kernels.py): 0.58 + 0.71 ms against 2.48 + 3.14 ms
@@ -87,15 +90,19 @@ class ChunkedLogprobs(torch.autograd.Function):
         dtype = torch.promote_types(weight.dtype, torch.float32)
         logprobs, entropy, lse = (torch.empty(n, dtype=dtype, device=hidden.device) for _ in range(3))
         stats = _kernels(hidden, weight)[0]
-        kept: list[torch.Tensor | None] = []
+        kept = None
+        if keep_logits:
+            logits_dtype = torch.promote_types(hidden.dtype, weight.dtype)
+            kept = torch.empty(n, weight.shape[0], dtype=logits_dtype, device=hidden.device)
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
-            logits = hidden[start:end] @ weight.T
+            if kept is None:
+                logits = hidden[start:end] @ weight.T
+            else:
+                logits = torch.matmul(hidden[start:end], weight.T, out=kept[start:end])
             logprobs[start:end], entropy[start:end], lse[start:end] = stats(
                 logits, targets[start:end], temperature
             )
-            if keep_logits:
-                kept.append(logits)
         ctx.save_for_backward(hidden, weight, targets, entropy, lse)
         ctx.temperature, ctx.chunk_size, ctx.kept = temperature, chunk_size, kept
         return logprobs, entropy
@@ -106,36 +113,50 @@ class ChunkedLogprobs(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None]:
         hidden, weight, targets, entropy, lse = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gradient = _kernels(hidden, weight)[1]
+        kept, ctx.kept = ctx.kept, None  # used once: overwritten below (a second backward recomputes)
+        n = hidden.shape[0]
+
+        def logit_grad(logits: torch.Tensor, rows: slice) -> torch.Tensor:
+            return gradient(
+                logits, targets[rows], lse[rows], entropy[rows], grad_logprobs[rows], grad_entropy[rows],
+                ctx.temperature,
+            )  # fmt: skip
+
+        if kept is not None:
+            for start in range(0, n, ctx.chunk_size):
+                rows = slice(start, min(start + ctx.chunk_size, n))
+                chunk = kept[rows]
+                grad_z = logit_grad(chunk, rows)  # in place (the Triton kernel) or a new tensor (torch)
+                if grad_z.data_ptr() != chunk.data_ptr():
+                    chunk.copy_(grad_z)
+            grad_hidden = kept @ weight if need_hidden else None
+            grad_weight = (kept.T @ hidden).to(weight.dtype) if need_weight else None
+            return grad_hidden, grad_weight, None, None, None, None
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         acc_dtype = torch.promote_types(weight.dtype, torch.float32)
         grad_weight = (
             torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
         )
-        gradient = _kernels(hidden, weight)[1]
-        kept = ctx.kept
-        for chunk, start in enumerate(range(0, hidden.shape[0], ctx.chunk_size)):
-            end = min(start + ctx.chunk_size, hidden.shape[0])
-            rows = slice(start, end)
-            # a kept chunk is used once: the gradient overwrites it (a second backward recomputes)
-            logits = kept[chunk] if chunk < len(kept) and kept[chunk] is not None else hidden[rows] @ weight.T
-            if chunk < len(kept):
-                kept[chunk] = None
-            grad_z = gradient(
-                logits,
-                targets[rows],
-                lse[rows],
-                entropy[rows],
-                grad_logprobs[rows],
-                grad_entropy[rows],
-                ctx.temperature,
-            )
+        for start in range(0, n, ctx.chunk_size):
+            rows = slice(start, min(start + ctx.chunk_size, n))
+            grad_z = logit_grad(hidden[rows] @ weight.T, rows)
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_z @ weight
             if grad_weight is not None:
-                grad_weight += grad_z.T @ hidden[rows]
+                _add_product(grad_weight, grad_z.T, hidden[rows])
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None
+
+
+def _add_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """total += a @ b, `total` in fp32 and a, b maybe narrower: inside the matmul (its epilogue adds
+    into fp32) on CUDA, else a product in a, b's dtype and then an add."""
+    if total.is_cuda and total.dtype != a.dtype and hasattr(torch.ops.aten.addmm, "dtype_out"):
+        torch.addmm(total, a, b, out_dtype=total.dtype, out=total)
+    else:
+        total += a @ b
 
 
 def chunked_logprobs(
