@@ -1,5 +1,6 @@
-"""Long sequences on one GPU: the longest that trains, and tokens/s at 16k, 32k and 64k tokens,
-per memory setting, for the SFT and the RL trainer at Qwen3-0.6B, 1.7B and 4B shapes.
+"""Long sequences: the longest that trains, and tokens/s at 16k, 32k and 64k tokens, per memory
+setting (one GPU) or context-parallel setting (two), for the SFT and the RL trainer at Qwen3-0.6B,
+1.7B and 4B shapes.
 
     python3 benchmarks/long_context.py                        # all of it; rerun until it says "all done"
     python3 benchmarks/long_context.py --shapes 0.6b --settings full,selective --trainers sft
@@ -21,13 +22,16 @@ compile (the second shape recompiles with dynamic shapes; later lengths reuse it
 
 - settings: `none`, `full` and `selective` activation checkpointing, `offload` (activations in
   pinned host memory, no checkpointing), `full+offload` (full checkpointing, each block's input
-  in pinned host memory).
+  in pinned host memory); `cp2` and `cp2-ring`: context parallelism over 2 GPUs (ulysses, ring;
+  no checkpointing), the child launched by torchrun, the document shared by both ranks and each
+  running half of its tokens (rank 0 records). Compare them with `none` on one GPU.
 - sft: trainer/sft/train.py's loss (`token_loss_sum`, loss on every token) and step.
 - rl: trainer/rl/train.py's `train_step` on the orchestrator's packing of one sample (a
   256-token prompt, the rest completion, sampler logprobs near the random model's).
 
 Tokens/s: the second of two steps at 16k, 32k and 64k (the first may still compile); one step
-elsewhere. MFU counts 6·N·T + 6·L·d·T² per document as benchmarks/trainer_mfu.py does (recompute not
+elsewhere; for a cp setting the document's tokens over the step, all its GPUs together (MFU is per
+GPU). MFU counts 6·N·T + 6·L·d·T² per document as benchmarks/trainer_mfu.py does (recompute not
 counted). Peak GPU memory is torch's max allocated at that length; host memory is the drop of
 MemAvailable during the length's steps. With offload, a length whose host memory (extrapolated
 linearly from the previous length) would pass 80% of what is available is not tried ("host
@@ -66,6 +70,9 @@ SETTINGS = {
     "selective": {"activation_checkpointing": "selective"},
     "offload": {"activation_offload": True},
     "full+offload": {"activation_checkpointing": "full", "activation_offload": True},
+    # context parallelism: each runs on `cp` GPUs (torchrun), one document split over them
+    "cp2": {"cp": 2},
+    "cp2-ring": {"cp": 2, "cp_style": "ring"},
 }
 SHAPE_NAMES = ("0.6b", "1.7b", "4b")
 PROMPT = 256
@@ -138,7 +145,8 @@ def sft_step(model, optimizer, world, length: int):  # noqa: ANN001, ANN201 (a s
     from tandem.trainer.sft.train import token_loss_sum
 
     vocab = model.hf_config.vocab_size
-    ids = torch.randint(0, vocab, (1, length), device=world.device)
+    generator = torch.Generator().manual_seed(length)  # the same document on every rank (cp shares it)
+    ids = torch.randint(0, vocab, (1, length), generator=generator).to(world.device)
     positions = torch.arange(length, device=world.device)[None]
     batch = MicroBatch(ids, positions, positions > 0)
 
@@ -222,10 +230,12 @@ def run_group(
     from tandem.trainer.config import OptimConfig
     from tandem.trainer.optim import build_optimizer
 
-    def record(trainer: str, **row: object) -> None:
-        append_row(out, (shape, setting, trainer), **row)
-
     model, world, parallel = build(shape, setting, device)
+
+    def record(trainer: str, **row: object) -> None:
+        if world.rank == 0:  # (under context parallelism every rank runs the same steps)
+            append_row(out, (shape, setting, trainer), gpus=world.size, **row)
+
     cuda = world.device.type == "cuda"
     optimizer = build_optimizer(model, OptimConfig(lr=1e-5))
     config = model.hf_config
@@ -267,8 +277,10 @@ def run_group(
                     length=length,
                     status="ok",
                     step_s=seconds,
-                    tokens_per_s=length / seconds if steps > 1 else None,
-                    mfu=step_flops(config, [length]) / seconds / PEAK_FLOPS if steps > 1 else None,
+                    tokens_per_s=length / seconds if steps > 1 else None,  # over all its GPUs
+                    mfu=step_flops(config, [length]) / seconds / PEAK_FLOPS / world.size
+                    if steps > 1
+                    else None,
                     peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                     host_gib=host_used / 2**30,
                     first_step_s=times[0],
@@ -352,7 +364,11 @@ def plan_of(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default=",".join(SHAPE_NAMES))
-    parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument(
+        "--settings",
+        default=",".join(k for k, v in SETTINGS.items() if "cp" not in v),
+        help="cp2, cp2-ring: 2 GPUs",
+    )
     parser.add_argument("--trainers", default=",".join(TRAINERS))
     parser.add_argument("--max-len", type=int, default=128 * K, help="longest length tried (tokens)")
     parser.add_argument(
@@ -368,6 +384,12 @@ def main() -> None:
         shape, setting = args.one.split(":")
         run_group(shape, setting, json.loads(args.plan), args.out, args.max_len, args.max_step_s, args.device)
         return
+    for setting in args.settings.split(","):
+        if setting not in SETTINGS:
+            parser.error(f"unknown setting {setting!r} (one of {', '.join(SETTINGS)})")
+        gpus = SETTINGS[setting].get("cp", 1)
+        if args.device == "cuda" and torch.cuda.device_count() < gpus:
+            parser.error(f"setting {setting} needs {gpus} GPUs; this machine has {torch.cuda.device_count()}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget_s
     trainers = args.trainers.split(",")
@@ -389,11 +411,24 @@ def main() -> None:
                 break
             froms = ", ".join(f"{t} from {p['from'] // K}k" for t, p in plan.items())
             print(f"== {shape}:{setting}: {froms}", flush=True)
-            command = [sys.executable, __file__, "--one", f"{shape}:{setting}", "--plan", json.dumps(plan)]
+            gpus = SETTINGS[setting].get("cp", 1)
+            launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}"]
+            command = [
+                sys.executable,
+                *(launcher if gpus > 1 else []),
+                __file__,
+                "--one",
+                f"{shape}:{setting}",
+            ]
+            command += ["--plan", json.dumps(plan)]
             command += ["--max-len", str(args.max_len), "--max-step-s", str(args.max_step_s)]
             command += ["--device", args.device, "--out", str(args.out)]
+            env = dict(os.environ)
+            if gpus > 1:  # NVLink multicast off (../shared/MACHINE-NOTES.md)
+                for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+                    env.setdefault(key, "0" if key == "NCCL_NVLS_ENABLE" else "1")
             try:
-                subprocess.run(command, check=False, timeout=remaining)
+                subprocess.run(command, check=False, timeout=remaining, env=env)
             except subprocess.TimeoutExpired:
                 print(f"   stopped at the time budget; {shape}:{setting} goes on in the next run", flush=True)
                 stopped = True
