@@ -19,7 +19,9 @@ drawn once with a fixed seed), random-init weights, one optimizer step per itera
   `master`; `bf16moments` is its own flag, not `bf16`). Suffixes combine:
   `tandem_master_keep`, `moe:tandem_master_keep_logits_bf16moments`. With `master` on one GPU
   the model is not wrapped by FSDP at all (nothing to shard or cast), so `keep` changes nothing
-  there.
+  there. With `--nproc N` a tandem variant runs on N GPUs through torchrun: FSDP over all N,
+  each rank training its own copy of the batch (tokens/s and MFU are per GPU, rank 0's), and
+  `_ep<N>` splits a MoE shape's experts over N of them (`moe:tandem_master_ep2 --nproc 2`).
 - `hf`, `hf_compiled`: transformers' model in bf16 (weights, grads and AdamW state), SDPA with
   the mask transformers derives from the restarting position ids, its own loss over full
   logits, fused AdamW; `hf_compiled` is the same under torch.compile.
@@ -49,6 +51,7 @@ index_topk), and the indexer's own forward over every causal pair), against
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -188,7 +191,8 @@ def profile(step, name: str) -> None:  # noqa: ANN001
     with tempfile.TemporaryDirectory() as tmp:
         prof.export_chrome_trace(f"{tmp}/trace.json")
         idle = gpu_idle(json.loads(Path(f"{tmp}/trace.json").read_text()))
-    (PROFILE_DIR / f"profile_{name.replace(':', '_')}.txt").write_text(f"{table}\n\n{idle}\n\n{shapes}")
+    if int(os.environ.get("RANK", 0)) == 0:
+        (PROFILE_DIR / f"profile_{name.replace(':', '_')}.txt").write_text(f"{table}\n\n{idle}\n\n{shapes}")
 
 
 def gpu_idle(trace: dict, top: int = 12) -> str:
@@ -258,6 +262,7 @@ def run_tandem(
     master: bool = False,
     keep_logits: bool = False,
     bf16_moments: bool = False,
+    ep: int = 1,
 ) -> dict:
     from tandem.config.base import ModelConfig
     from tandem.trainer.config import OptimConfig, ParallelConfig
@@ -271,7 +276,7 @@ def run_tandem(
         name = str(write_config_dir(config, Path(tmp)))
         head = "keep" if keep_logits else "recompute"
         model_cfg = ModelConfig(name=name, attention=attention, dtype=weights, head_logits=head)
-        parallel = ParallelConfig(reshard_after_forward=not keep)
+        parallel = ParallelConfig(reshard_after_forward=not keep, ep=ep)
         master_weights = "optimizer" if master else "model"
         model = build_trainer_model(
             model_cfg, world, parallel, load_weights=False, master_weights=master_weights
@@ -298,11 +303,12 @@ def run_tandem(
             ("keep", keep),
             ("logits", keep_logits),
             ("bf16moments", bf16_moments),
+            (f"ep{ep}", ep > 1),
         )
         if on
     )
     times, warm = timed_steps(step, steps, warmup, f"{shape}:tandem{flags}-{attention}")
-    return summary(config, docs, times, warm, backend=model.attention_backend)
+    return summary(config, docs, times, warm, backend=model.attention_backend, gpus=world.size)
 
 
 def run_hf(shape: str, compiled: bool, steps: int, warmup: int) -> dict:
@@ -491,15 +497,16 @@ def run_one(variant: str, steps: int, warmup: int) -> list[dict]:
         return [{"variant": variant, **run_rl(impl, steps, warmup)}]
     if impl.startswith("tandem"):
         backend = impl.split("-", 1)[1] if "-" in impl else "auto"
-        # tandem_<flag>_<flag>: bf16, keep, master, logits, bf16moments (whole tokens of a set)
+        # tandem_<flag>_<flag>: bf16, keep, master, logits, bf16moments, ep<N> (whole tokens of a set)
         flags = set(impl.split("-", 1)[0].split("_")[1:])
-        unknown = flags - {"bf16", "keep", "master", "logits", "bf16moments"}
+        ep = next((int(f[2:]) for f in flags if re.fullmatch(r"ep[1-9][0-9]*", f)), 1)
+        unknown = flags - {"bf16", "keep", "master", "logits", "bf16moments", f"ep{ep}"}
         if unknown:
             raise ValueError(f"unknown tandem flags {sorted(unknown)} in {variant}")
         weights = "bfloat16" if "bf16" in flags else FAMILY_WEIGHTS.get(shape, "auto")
         run = run_tandem(
             shape, backend, steps, warmup, weights, "keep" in flags, "master" in flags, "logits" in flags,
-            "bf16moments" in flags,
+            "bf16moments" in flags, ep,
         )  # fmt: skip
         return [{"variant": variant, **run}]
     return [{"variant": variant, **run_hf(shape, impl == "hf_compiled", steps, warmup)}]
@@ -519,7 +526,7 @@ def print_table(rows: list[dict]) -> None:
         else:
             mfu = f"{100 * r['mfu']:6.1f}%" if "mfu" in r else "      -"
             notes = ", ".join(
-                f"{k}={r[k]}" for k in ("backend", "experts", "tokens_per_step", "load_s") if r.get(k)
+                f"{k}={r[k]}" for k in ("backend", "experts", "tokens_per_step", "load_s", "gpus") if r.get(k)
             )
             print(
                 f"{r['variant']:26} {r['tokens_per_s']:10,.0f} {mfu} {r['step_s']:8.3f} {r['warmup_s']:9.1f} "
@@ -538,6 +545,12 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="write a kernel table per variant next to --out"
     )
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="GPUs per variant (torchrun; tandem variants only): FSDP over all, experts over ep<N>",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -549,16 +562,26 @@ def main() -> None:
             rows = [{"variant": args.one, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}]
             raise
         finally:
-            with args.out.open("a") as f:
-                for row in rows:
-                    f.write(json.dumps(row) + "\n")
+            if int(os.environ.get("RANK", 0)) == 0:  # (every rank measures the same step)
+                with args.out.open("a") as f:
+                    for row in rows:
+                        f.write(json.dumps(row) + "\n")
         return
+    variants = args.variants.replace("families", FAMILY_VARIANTS).split(",")
+    if args.nproc > 1:
+        one_gpu = [v for v in variants if v == "attention" or not v.split(":")[1].startswith("tandem")]
+        if one_gpu:
+            parser.error(f"--nproc {args.nproc} runs tandem variants only (not {', '.join(one_gpu)})")
+        if torch.cuda.device_count() < args.nproc:
+            parser.error(f"--nproc {args.nproc}: this machine has {torch.cuda.device_count()} GPUs")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     done = len(args.out.read_text().splitlines()) if args.out.exists() else 0
-    for variant in args.variants.replace("families", FAMILY_VARIANTS).split(","):
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
+    for variant in variants:
         print(f"== {variant}", flush=True)
         command = [
             sys.executable,
+            *(launcher if args.nproc > 1 else []),
             __file__,
             "--one",
             variant,
@@ -571,6 +594,9 @@ def main() -> None:
         env = dict(os.environ)
         if variant.split(":")[0] in NEAR_FULL:
             env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        if args.nproc > 1:  # NVLink multicast off (../shared/MACHINE-NOTES.md)
+            for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):
+                env.setdefault(key, value)
         subprocess.run([*command, "--out", str(args.out)], check=False, env=env)
     rows = [json.loads(line) for line in args.out.read_text().splitlines()[done:]]
     print_table(rows)
