@@ -15,11 +15,12 @@ With `keep_logits` the forward writes every chunk's logits into one buffer (toke
 the logits' dtype: 5 GB for 16,384 tokens of a 152k vocabulary in bf16) and the backward turns
 them into the logit gradient in place, then takes both input gradients with one matmul each over
 all the tokens: one of the head's four matmuls less, no per-chunk sum, and the weight gradient
-accumulated in the matmul's fp32 over every token before its one rounding. On CUDA each direction's per-chunk
-arithmetic is one Triton kernel that reads the chunk's logits once (triton_head.py), and the
-backward writes the logit gradient over the recomputed logits. Measured on one H200 for a chunk of
-4,096 × 151,936 bf16 logits (benchmarks/head_kernels.py): 0.58 + 0.71 ms against 2.48 + 3.14 ms
-for the same functions under torch.compile.
+accumulated in the matmul's fp32 over every token before its one rounding. On CUDA each
+direction's per-chunk arithmetic is one Triton kernel that reads the chunk's logits once
+(triton_head.py), and the backward writes the logit gradient over the (recomputed or kept)
+logits. Measured on one H200 for a chunk of 4,096 × 151,936 bf16 logits
+(benchmarks/head_kernels.py): 0.58 + 0.71 ms against 2.48 + 3.14 ms for the same functions under
+torch.compile.
 """
 
 from collections.abc import Callable
