@@ -197,7 +197,7 @@ def profile(step, name: str) -> None:  # noqa: ANN001
 
 def gpu_idle(trace: dict, top: int = 12) -> str:
     """The GPU's busy time (the union of its kernels and copies) against the span from the first
-        to the last, and the longest idle gaps, each with the host operators open when it began (what
+    to the last, and the longest idle gaps, each with the host operators open when it began (what
     the host was doing while the GPU ran dry) and the kernel that ended it."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     gpu = sorted(
