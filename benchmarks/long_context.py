@@ -111,6 +111,11 @@ class HostWatch:
         return self.start - self.low
 
 
+def gpus_of(setting: str) -> int:
+    """GPUs a setting runs on: its cp group, or one."""
+    return SETTINGS[setting].get("cp", 1)
+
+
 def model_config(shape: str):  # noqa: ANN201 (a transformers config)
     if shape != "smoke":
         return hf_config(shape)
@@ -387,7 +392,7 @@ def main() -> None:
     for setting in args.settings.split(","):
         if setting not in SETTINGS:
             parser.error(f"unknown setting {setting!r} (one of {', '.join(SETTINGS)})")
-        gpus = SETTINGS[setting].get("cp", 1)
+        gpus = gpus_of(setting)
         if args.device == "cuda" and torch.cuda.device_count() < gpus:
             parser.error(f"setting {setting} needs {gpus} GPUs; this machine has {torch.cuda.device_count()}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -411,7 +416,7 @@ def main() -> None:
                 break
             froms = ", ".join(f"{t} from {p['from'] // K}k" for t, p in plan.items())
             print(f"== {shape}:{setting}: {froms}", flush=True)
-            gpus = SETTINGS[setting].get("cp", 1)
+            gpus = gpus_of(setting)
             launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}"]
             command = [
                 sys.executable,

@@ -184,6 +184,8 @@ def profile(step, name: str) -> None:  # noqa: ANN001
         for _ in range(2):
             step()
         torch.cuda.synchronize()
+    if not rank_zero():  # (the other ranks run the profiled steps only: they are collective)
+        return
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70)
     shapes = prof.key_averages(group_by_input_shape=True).table(
         sort_by="cuda_time_total", row_limit=60, max_name_column_width=40, max_shapes_column_width=90
@@ -191,8 +193,12 @@ def profile(step, name: str) -> None:  # noqa: ANN001
     with tempfile.TemporaryDirectory() as tmp:
         prof.export_chrome_trace(f"{tmp}/trace.json")
         idle = gpu_idle(json.loads(Path(f"{tmp}/trace.json").read_text()))
-    if int(os.environ.get("RANK", 0)) == 0:
-        (PROFILE_DIR / f"profile_{name.replace(':', '_')}.txt").write_text(f"{table}\n\n{idle}\n\n{shapes}")
+    (PROFILE_DIR / f"profile_{name.replace(':', '_')}.txt").write_text(f"{table}\n\n{idle}\n\n{shapes}")
+
+
+def rank_zero() -> bool:
+    """Whether this process records (the only one, or rank 0 of a torchrun group under --nproc)."""
+    return int(os.environ.get("RANK", 0)) == 0
 
 
 def gpu_idle(trace: dict, top: int = 12) -> str:
@@ -562,7 +568,7 @@ def main() -> None:
             rows = [{"variant": args.one, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}]
             raise
         finally:
-            if int(os.environ.get("RANK", 0)) == 0:  # (every rank measures the same step)
+            if rank_zero():  # (every rank measures the same step)
                 with args.out.open("a") as f:
                     for row in rows:
                         f.write(json.dumps(row) + "\n")
