@@ -1,6 +1,6 @@
 """tandem's trainer models on CUDA: the packed-attention backends agree (whole rows, and ring
-context parallelism's query columns against whole rows), grouped-GEMM experts equal the
-per-expert loop, the bf16 model follows transformers, the trainer path (FSDP2, compile, fused
+context parallelism's query columns against whole rows), the fused SwiGLU follows the plain
+form, grouped-GEMM experts equal the per-expert loop, the bf16 model follows transformers, the trainer path (FSDP2, compile, fused
 AdamW) trains, and the memory settings (selective and full checkpointing, activation offload)
 keep the gradients and lower peak memory. Marked `gpu`; skipped without CUDA. (Context
 parallelism across ranks is tested with gloo on CPU: tests/trainer/test_context_parallel.py.)"""
@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from tandem.config.base import ModelConfig
 from tandem.models.layers.attention import PackedDocs, packed_attention
+from tandem.models.layers.mlp import MLP
 from tandem.models.layers.moe import GroupedExperts
 from tandem.models.tiny import build_tiny_model
 from tandem.trainer.config import OptimConfig, ParallelConfig
@@ -69,6 +70,29 @@ def test_flex_attends_shared_prompts_as_masked_sdpa() -> None:
     first = torch.cat(row)
     positions = torch.stack([torch.cat([first, torch.arange(512 - len(first))]), torch.arange(512)]).to(CUDA)
     assert_backend_matches_masked_sdpa(positions, "flex", shared_prompts=True)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fused_swiglu_follows_the_plain_form(compiled: bool) -> None:
+    """The MLP's fused activation and down projection on CUDA (layers/swiglu.py) against the
+    plain form with the same weights, bf16, forward and every gradient."""
+    torch.manual_seed(0)
+    mlp = MLP(256, 640).to(CUDA, torch.bfloat16)
+    x = torch.randn(3, 100, 256, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(x)
+
+    def plain(inputs: torch.Tensor) -> torch.Tensor:
+        gate, up = mlp.w_gate_up(inputs).chunk(2, dim=-1)
+        return mlp.w_down(torch.nn.functional.silu(gate) * up)
+
+    results = []
+    for forward in (plain, torch.compile(mlp) if compiled else mlp):
+        out = forward(x)
+        out.backward(grad)
+        results.append([out.detach(), x.grad, mlp.w_gate_up.weight.grad, mlp.w_down.weight.grad])
+        x.grad = mlp.w_gate_up.weight.grad = mlp.w_down.weight.grad = None
+    for name, got, want in zip(["out", "x", "w_gate_up", "w_down"], results[1], results[0], strict=True):
+        assert rel(got, want) < 1e-2, (name, rel(got, want))
 
 
 def test_grouped_experts_equal_the_loop() -> None:

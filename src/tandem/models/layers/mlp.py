@@ -1,8 +1,13 @@
-"""The SwiGLU feed-forward block: down(silu(gate(x)) * up(x)), gate and up as one matmul."""
+"""The SwiGLU feed-forward block: down(silu(gate(x)) * up(x)), gate and up as one matmul.
+
+On CUDA the activation and the down projection run as one autograd function with one-pass
+kernels each way (layers/swiglu.py) when `w_down` is a plain Linear (not one LoRA wraps)."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tandem.models.layers.swiglu import swiglu_down
 
 
 class MLP(nn.Module):
@@ -13,5 +18,8 @@ class MLP(nn.Module):
         self.w_down = nn.Linear(hidden_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        gate_up = self.w_gate_up(x)
+        if gate_up.is_cuda and type(self.w_down) is nn.Linear and self.w_down.bias is None:
+            return swiglu_down(gate_up, self.w_down.weight)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.w_down(F.silu(gate) * up)
