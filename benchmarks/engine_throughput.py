@@ -47,6 +47,7 @@ from tandem.models.tiny import build_tiny_model
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_models import SHAPES, build_random  # noqa: E402
 from engine_step_host import build_model as build_host_model  # noqa: E402
+from gpu_timeline import busy_by_window, gpu_idle, trace_of  # noqa: E402
 
 DEFAULT_PROMPT_ATTENTION = EngineConfig().prompt_attention
 
@@ -246,6 +247,21 @@ def sweep_kernel(batch: int, context: int) -> list[dict]:
     return rows
 
 
+def timeline(core: EngineCore, prompts: list[list[int]], output_len: int) -> str:
+    """One whole timed run (prefill to the last token) under torch.profiler: where the GPU sat
+    idle and what the host was doing then. The profiler's own host cost (~µs per operator) is
+    in it: read the gaps' places more than their sum."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        result = run_core(core, prompts, output_len, "timeline")
+    trace = trace_of(prof)
+    return (
+        f"whole run under torch.profiler: {result['tok_per_s']:,.0f} tok/s, {result['steps']} steps\n"
+        f"{busy_by_window(trace)}\n{gpu_idle(trace, top=15)}"
+    )
+
+
 def profile_decode(core: EngineCore, prompts: list[list[int]], steps: int = 30) -> str:
     """cProfile of decode steps at full batch (CPU-side cost of a step)."""
     import cProfile
@@ -414,6 +430,9 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="run the device correctness checks first")
     parser.add_argument("--sweep-kernel", action="store_true", help="tune the CUDA decode kernel first")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of full-batch decode steps")
+    parser.add_argument(
+        "--timeline", action="store_true", help="print where the GPU sits idle in one whole run (CUDA)"
+    )
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/tandem-engine-bench"))
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args()
@@ -467,6 +486,9 @@ def main() -> None:
             runs["tandem EngineCore, another thread, one torch thread"] = in_thread(
                 one_torch_thread(run_core), core, prompts(), args.output_len, "u"
             )
+        if cached and args.timeline and device.type == "cuda":
+            results["timeline"] = timeline(core, prompts(), args.output_len)
+            print(results["timeline"], flush=True)
         if cached and args.profile:
             results["profile"] = profile_decode(core, prompts())
             results["profile_in_thread"] = in_thread(profile_decode, core, prompts())

@@ -62,6 +62,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_timeline import gpu_idle, trace_of  # noqa: E402
 
 PEAK_FLOPS = 989e12
 ROWS, WIDTH = 4, 4096
@@ -91,7 +93,6 @@ def hf_config(shape: str):  # noqa: ANN201 (a transformers config)
     from transformers import Qwen3Config, Qwen3MoeConfig
 
     if shape in FAMILY_CUTS:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         from bench_models import family_config
 
         return family_config(shape, *FAMILY_CUTS[shape])
@@ -190,47 +191,13 @@ def profile(step, name: str) -> None:  # noqa: ANN001
     shapes = prof.key_averages(group_by_input_shape=True).table(
         sort_by="cuda_time_total", row_limit=60, max_name_column_width=40, max_shapes_column_width=90
     )
-    with tempfile.TemporaryDirectory() as tmp:
-        prof.export_chrome_trace(f"{tmp}/trace.json")
-        idle = gpu_idle(json.loads(Path(f"{tmp}/trace.json").read_text()))
+    idle = gpu_idle(trace_of(prof))
     (PROFILE_DIR / f"profile_{name.replace(':', '_')}.txt").write_text(f"{table}\n\n{idle}\n\n{shapes}")
 
 
 def rank_zero() -> bool:
     """Whether this process records (the only one, or rank 0 of a torchrun group under --nproc)."""
     return int(os.environ.get("RANK", 0)) == 0
-
-
-def gpu_idle(trace: dict, top: int = 12) -> str:
-    """The GPU's busy time (the union of its kernels and copies) against the span from the first
-    to the last, and the longest idle gaps, each with the host operators open when it began (what
-    the host was doing while the GPU ran dry) and the kernel that ended it."""
-    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-    gpu = sorted(
-        (e["ts"], e["ts"] + e["dur"], e["name"])
-        for e in events
-        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-    )
-    if not gpu:
-        return "no GPU events"
-    busy, gaps, end = 0.0, [], gpu[0][0]
-    for begin, finish, kernel in gpu:
-        if begin > end:
-            gaps.append((begin - end, end, kernel))
-        busy += max(0.0, finish - max(begin, end))
-        end = max(end, finish)
-    span = end - gpu[0][0]
-    host = [
-        e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "python_function")
-    ]
-    lines = [f"GPU busy {busy / 1e3:.1f} ms of {span / 1e3:.1f} ms ({100 * busy / span:.1f} %); "
-             f"idle {sum(g[0] for g in gaps) / 1e3:.1f} ms in {len(gaps)} gaps, the longest (host operators "
-             "open when it began; the kernel that ended it):"]  # fmt: skip
-    for gap, at, kernel in sorted(gaps, reverse=True)[:top]:
-        open_ops = sorted((e for e in host if e["ts"] <= at <= e["ts"] + e["dur"]), key=lambda e: e["dur"])
-        names = " < ".join(e["name"][:50] for e in open_ops[:4]) or "(no host operator)"
-        lines.append(f"  {gap / 1e3:7.3f} ms at {(at - gpu[0][0]) / 1e3:8.2f} ms: {names} -> {kernel[:50]}")
-    return "\n".join(lines)
 
 
 def timed_steps(step, steps: int, warmup: int, name: str = "") -> tuple[list[float], float]:  # noqa: ANN001
