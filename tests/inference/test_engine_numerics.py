@@ -191,6 +191,32 @@ def test_a_one_token_prompt_chunk_next_to_decodes(family_model, hf_model) -> Non
         assert got[rid] == hf_greedy(hf_model, ids, 16), rid
 
 
+def test_prompts_of_one_length_beside_decodes(family_model, hf_model) -> None:
+    """A step's rows are its decodes, then its whole prompts: three prompts of one length that
+    join two running samples fill a 32-token step and are attended as a view of their rows (no
+    padded batch); a longer prompt that waited runs alone beside five decodes next."""
+    core = EngineCore(engine_config(family_model, max_num_batched_tokens=32))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    requests = {"e0": list(range(5, 12)), "e1": list(range(40, 49))}
+    got: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for rid, updates in core.step(lookahead=False):
+            got.setdefault(rid, []).extend(t for u in updates for t in u.token_ids)
+
+    for rid, ids in requests.items():
+        core.add_request(rid, ids, params, 1)
+    step()
+    step()
+    late = {f"l{i}": [60 + i] + list(range(70, 79)) for i in range(3)} | {"long": list(range(90, 110))}
+    for rid, ids in late.items():
+        core.add_request(rid, ids, params, 1)
+    while core.has_work():
+        step()
+    for rid, ids in {**requests, **late}.items():
+        assert got[rid] == hf_greedy(hf_model, ids, 12), rid
+
+
 def test_varlen_prompts_match_the_padded_batch(family_model: Path) -> None:
     """engine.prompt_attention = varlen lays whole prompts out as segments of the step's rows (one
     SDPA call per prompt on CPU) instead of a padded batch: the same greedy tokens and logprobs in a

@@ -93,10 +93,7 @@ def logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     config = model.config
     n = len(ids)
     cache = torch.zeros(2, config.num_hidden_layers, 2, 64, config.num_key_value_heads, config.head_dim)
-    index = torch.arange(n)[None]
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n), prompts=Prompts(index, None, torch.arange(n), torch.arange(n))
-    )
+    meta = AttentionMetadata(slot_mapping=torch.arange(n), prompts=Prompts(None, None, slice(0, n), None, n))
     caches = [(cache[0, i], cache[1, i]) for i in range(config.num_hidden_layers)]
     with torch.no_grad():
         return model.logits(model(torch.tensor(ids), torch.arange(n), caches, meta)).float()

@@ -3,15 +3,17 @@
 The cache of one layer is `[num_blocks, block_size, num_kv_heads, head_dim]` for keys and the
 same for values; token `p` of a sequence lives in slot `block_table[p // block_size] * block_size
 + p % block_size`. A step's new keys and values are written to their slots first; then each sequence
-attends by the cheapest path that fits it:
+attends by the cheapest path that fits it. The step's rows hold the decodes first, then the
+whole prompts, then the chunks (model_runner.py), so decodes and prompts are each one run of
+rows, taken as a view:
 
 - decodes (one new token): one batched call. On CUDA a Triton kernel reads keys and values
   straight from the blocks; elsewhere the blocks are gathered and one masked SDPA call serves
   the batch. Shapes are fixed per batch bucket, so a CUDA graph captures a pure decode step.
 - whole prompts (nothing cached yet): one SDPA call over a padded batch of the new keys and
-  values, without reading the cache; or (`engine.prompt_attention = varlen`) one
-  variable-length flash call over their rows as they lie in the step, with no padding (on CPU
-  one SDPA call per prompt).
+  values, without reading the cache (prompts of one length: a view of their rows, no padding);
+  or (`engine.prompt_attention = varlen`) one variable-length flash call over their rows as they
+  lie in the step, with no padding (on CPU one SDPA call per prompt).
 - continued prompt chunks (prefix-cache hits, chunked prefill, recompute after preemption): one
   SDPA call over a padded batch of their gathered blocks, with causal masks offset by what is
   cached (split into groups when the gathered keys would be large).
@@ -34,26 +36,28 @@ except ImportError:
 class Decodes:
     """Sequences with one new token each."""
 
-    rows: torch.Tensor | None  # their rows among the step's tokens; None when every row is a decode
+    rows: slice | None  # their rows: the step's first ones; None when every row is a decode
     block_tables: torch.Tensor  # [B, width], padded with block 0
     context_lens: torch.Tensor  # [B]
 
 
 @dataclass
 class Prompts:
-    """Whole prompts, as a padded batch of row indices into the step's tokens."""
+    """Whole prompts, as a padded batch of row indices into the step's tokens; prompts of one
+    length (index None) are their rows as they lie, viewed as [B, L]."""
 
-    index: torch.Tensor  # [B, L]; padding repeats a valid row
+    index: torch.Tensor | None  # [B, L]; padding repeats a valid row
     mask: torch.Tensor | None  # [B, 1, L, L] causal and key padding; None when no row is padded
-    rows: torch.Tensor  # the step's token rows of the valid entries, in order
-    picks: torch.Tensor  # their positions in the flattened [B * L] batch
+    rows: torch.Tensor | slice  # the step's token rows of the valid entries, in order
+    picks: torch.Tensor | None  # their positions in the flattened [B * L] batch
+    length: int  # L
 
 
 @dataclass
 class VarlenPrompts:
     """Whole prompts as segments of their rows: no padding, one variable-length kernel call."""
 
-    rows: torch.Tensor | None  # the step's token rows of the prompts, in order; None: every row's a prompt's
+    rows: slice | None  # the step's token rows of the prompts; None: every row is a prompt's
     cu_seqlens: torch.Tensor  # int32 [B + 1]: where each prompt's rows start in `rows`
     max_len: int
 
@@ -150,14 +154,18 @@ def _prompt_attention(
     if isinstance(p, VarlenPrompts):  # (rows is None only in a step of prompts alone: paged_attention)
         out[p.rows] = _segments(q[p.rows], k[p.rows], v[p.rows], p, scale)
         return
-    qp, kp, vp = (t[p.index].transpose(1, 2) for t in (q, k, v))  # [B, heads, L, d]
+    if p.index is None:  # prompts of one length, side by side: a view of their rows
+        qp, kp, vp = (t[p.rows].unflatten(0, (-1, p.length)).transpose(1, 2) for t in (q, k, v))
+    else:
+        qp, kp, vp = (t[p.index].transpose(1, 2) for t in (q, k, v))  # [B, heads, L, d]
     if p.mask is None:  # equal lengths: plain causal attention (flash kernels)
         o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
     else:  # memory-efficient kernels take a mask but not grouped heads: repeat the KV heads
         group = qp.shape[1] // kp.shape[1]
         kp, vp = kp.repeat_interleave(group, dim=1), vp.repeat_interleave(group, dim=1)
         o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale)
-    out[p.rows] = o.transpose(1, 2).flatten(0, 1)[p.picks]  # (indices from the host: no sync)
+    o = o.transpose(1, 2).flatten(0, 1)
+    out[p.rows] = o if p.picks is None else o[p.picks]  # (indices from the host: no sync)
 
 
 def _segments(

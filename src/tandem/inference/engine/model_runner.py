@@ -200,25 +200,31 @@ class ModelRunner:
         n = len(seqs)
         cached = np.fromiter((s.num_cached for s in seqs), np.int64, n)
         lens = np.asarray(counts, dtype=np.int64)
-        starts = np.zeros(n, dtype=np.int64)  # each sequence's first row in the step's tokens
-        np.cumsum(lens[:-1], out=starts[1:])
-        ids: list[int] = []
-        fed: list[tuple[int, Sequence]] = []  # (row, sequence) of placeholder input tokens
         decodes: list[int] = []  # batch positions of each kind of sequence
         prompts: list[int] = []
         chunks: list[int] = []
         for i, (seq, count) in enumerate(zip(seqs, counts, strict=True)):
-            start = seq.num_cached
-            if count == 1 and seq.token_ids[start] == PLACEHOLDER:
+            whole = (
+                seq.num_cached == 0 and not self.prompts_from_cache
+            )  # (else attended as a chunk over the cache)
+            (decodes if count == 1 else prompts if whole else chunks).append(i)
+        # the step's rows: the decodes, then the whole prompts, then the chunks (so each kind is one
+        # run of rows that attention takes as a view); `starts` is each sequence's first row
+        order = np.asarray(decodes + prompts + chunks, dtype=np.int64)
+        starts = np.empty(n, dtype=np.int64)
+        starts[order] = np.cumsum(lens[order]) - lens[order]
+        ids: list[int] = []
+        fed: list[tuple[int, Sequence]] = []  # (row, sequence) of placeholder input tokens
+        for i in order.tolist():
+            seq, start = seqs[i], seqs[i].num_cached
+            if counts[i] == 1 and seq.token_ids[start] == PLACEHOLDER:
                 fed.append((len(ids), seq))
                 ids.append(0)
             else:
-                ids += seq.token_ids[start : start + count]
-            whole = start == 0 and not self.prompts_from_cache  # (else attended as a chunk over the cache)
-            (decodes if count == 1 else prompts if whole else chunks).append(i)
+                ids += seq.token_ids[start : start + counts[i]]
         # every row's position and cache slot, from the block manager's table array
-        of_row = np.repeat(np.arange(n), lens)
-        positions = np.arange(len(ids)) - np.repeat(starts - cached, lens)
+        of_row = np.repeat(order, lens[order])
+        positions = np.arange(len(ids)) - (starts - cached)[of_row]
         table_rows = np.fromiter((s.table_row for s in seqs), np.int64, n)
         size = self.block_size
         slots = blocks.tables[table_rows[of_row], positions // size] * size + positions % size
@@ -226,23 +232,19 @@ class ModelRunner:
         last_rows = (starts + lens - 1)[done]  # sequences whose uncached tokens all run now
         meta = AttentionMetadata(slot_mapping=self._array(slots))
         if decodes:
-            rows = np.asarray(decodes)
             width = max(len(seqs[i].block_table) for i in decodes)
             meta.decodes = Decodes(
-                rows=self._array(starts[rows]),
-                block_tables=self._array(blocks.tables[table_rows[rows], :width]),
-                context_lens=self._array(cached[rows] + 1),
+                rows=slice(0, len(decodes)),
+                block_tables=self._array(blocks.tables[table_rows[decodes], :width]),
+                context_lens=self._array(cached[decodes] + 1),
             )
-        if prompts and self.varlen_prompts:
-            meta.prompts = self._varlen_prompts(starts[prompts], lens[prompts], every_row=len(prompts) == n)
-        elif prompts:
-            rows = np.asarray(prompts)
-            index, token_rows, picks = self._padded(starts[rows], lens[rows])
-            longest = index.shape[1]
-            valid = torch.arange(longest, device=self.device)[None, :] < self._array(lens[rows])[:, None]
-            causal = torch.ones(longest, longest, dtype=torch.bool, device=self.device).tril()
-            mask = None if lens[rows].min() == longest else (causal[None] & valid[:, None, :])[:, None]
-            meta.prompts = Prompts(index, mask, token_rows, picks)
+        if prompts:
+            first = int(starts[prompts[0]])
+            span = slice(first, first + int(lens[prompts].sum()))
+            if self.varlen_prompts:
+                meta.prompts = self._varlen_prompts(lens[prompts], span, every_row=len(prompts) == n)
+            else:
+                meta.prompts = self._padded_prompts(starts[prompts], lens[prompts], span)
         meta.chunks = self._chunks(batch, blocks, chunks, starts, table_rows)
         input_ids = self._tensor(ids)
         if fed:
@@ -284,17 +286,23 @@ class ModelRunner:
         valid = j < lens[:, None]
         return self._array(index), self._array(index[valid]), self._array(np.flatnonzero(valid))
 
-    def _varlen_prompts(self, starts: np.ndarray, lens: np.ndarray, every_row: bool) -> VarlenPrompts:
-        """Prompts of `lens[i]` rows from `starts[i]` as segments of one flattened run of rows."""
+    def _padded_prompts(self, starts: np.ndarray, lens: np.ndarray, span: slice) -> Prompts:
+        """Whole prompts (`lens[i]` rows from `starts[i]`, together the rows `span`) as one padded
+        batch; prompts of one length are a view of their rows, without padding or mask."""
+        longest = int(lens.max())
+        if lens.min() == longest:
+            return Prompts(None, None, span, None, longest)
+        index, token_rows, picks = self._padded(starts, lens)
+        valid = torch.arange(longest, device=self.device)[None, :] < self._array(lens)[:, None]
+        causal = torch.ones(longest, longest, dtype=torch.bool, device=self.device).tril()
+        return Prompts(index, (causal[None] & valid[:, None, :])[:, None], token_rows, picks, longest)
+
+    def _varlen_prompts(self, lens: np.ndarray, span: slice, every_row: bool) -> VarlenPrompts:
+        """Prompts of `lens[i]` rows, side by side in the rows `span`, as segments of one run."""
         offsets = np.zeros(len(lens) + 1, dtype=np.int32)
         np.cumsum(lens, out=offsets[1:])
-        rows = (
-            None
-            if every_row
-            else self._array(np.repeat(starts - offsets[:-1], lens) + np.arange(offsets[-1]))
-        )
         cu_seqlens = host_to_device(torch.from_numpy(offsets), self.device)
-        return VarlenPrompts(rows, cu_seqlens, int(lens.max()))
+        return VarlenPrompts(None if every_row else span, cu_seqlens, int(lens.max()))
 
     def _chunks(
         self,

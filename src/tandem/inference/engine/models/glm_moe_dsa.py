@@ -165,16 +165,8 @@ def _groups(meta: AttentionMetadata, block_size: int) -> Iterator[tuple]:
         tables = d.block_tables
         keys = torch.arange(tables.shape[1] * block_size, device=tables.device)
         visible = (keys[None, :] < d.context_lens[:, None])[:, None]
-        if d.rows is None:  # every row of the step is a decode, in order
-            yield (
-                slice(None),
-                None,
-                torch.arange(tables.shape[0], device=tables.device)[:, None],
-                tables,
-                visible,
-            )
-        else:
-            yield d.rows, None, d.rows[:, None], tables, visible
+        rows = slice(None) if d.rows is None else d.rows  # (the step's first rows, in order)
+        yield rows, None, torch.arange(tables.shape[0], device=tables.device)[:, None], tables, visible
     for c in meta.chunks:
         yield c.rows, c.picks, c.index, c.block_tables, c.mask[:, 0]
 
