@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 11 on one GPU (H200), unattended, in two calls of under 9 minutes (PARTS=engine,http and
 # PARTS=fp8,moe,gpu_tests,prefix): the engine core against its graph-replay bound and the prefix
-# cache on/off (engine_throughput.py, with transformers `generate` in the same run), HTTP whole
+# cache on/off (engine_throughput.py, with transformers `generate` in the same run and the GPU's
+# idle time over one whole run), HTTP whole
 # responses and streaming with the prefix cache on/off and with engine.prompt_attention auto and
 # varlen (inference_throughput.py), FP8 (rowwise and triton) vs bf16 at a Qwen3-8B shape at 16, 64
 # and 256 concurrent requests (fp8_decode.py), Qwen3-MoE decode at a Qwen3-30B-A3B shape cut to 12
@@ -24,7 +25,7 @@ want() { [[ ",$PARTS," == *",$1,"* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/device.txt" 2>&1
 python3 -c "import torch, triton, transformers; print(torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__)" >> "$OUT/device.txt" 2>&1
 want engine && part engine 240 python3 benchmarks/engine_throughput.py --num-requests 256 --prompt-len 128 --output-len 256 \
-  --profile --out "$OUT/engine.json"
+  --profile --timeline --out "$OUT/engine.json"
 want http && part http 300 python3 benchmarks/inference_throughput.py --num-requests 256 --prompt-len 128 --output-len 256 \
   --skip-transformers --compare-prefix-cache --compare-prompt-attention auto,varlen --out "$OUT/http.json"
 want fp8 && part fp8 240 python3 benchmarks/fp8_decode.py --concurrency 16 64 256 --kernel rowwise triton \
