@@ -204,9 +204,8 @@ class ModelRunner:
         prompts: list[int] = []
         chunks: list[int] = []
         for i, (seq, count) in enumerate(zip(seqs, counts, strict=True)):
-            whole = (
-                seq.num_cached == 0 and not self.prompts_from_cache
-            )  # (else attended as a chunk over the cache)
+            # a prompt with nothing cached is attended by itself, else as a chunk over the cache
+            whole = seq.num_cached == 0 and not self.prompts_from_cache
             (decodes if count == 1 else prompts if whole else chunks).append(i)
         # the step's rows: the decodes, then the whole prompts, then the chunks (so each kind is one
         # run of rows that attention takes as a view); `starts` is each sequence's first row
