@@ -30,6 +30,34 @@ def test_fused_form_equals_the_plain_one() -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_fused_form_under_activation_checkpointing(mode: str) -> None:
+    """Recomputed in backward as the trainer's checkpointing does it (models/parallelism.py; the
+    selective policy keeps the matmul inside the function): the same gradients as the plain form."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from tandem.models.parallelism import _keep_matmuls
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    x = torch.randn(3, 5, 16, generator=gen, requires_grad=True)
+    w_gate_up = torch.randn(2 * 24, 16, generator=gen, requires_grad=True)
+    w_down = torch.randn(16, 24, generator=gen, requires_grad=True)
+    grad = torch.randn(3, 5, 16, generator=gen)
+    context = {"context_fn": lambda: create_selective_checkpoint_contexts(_keep_matmuls)}
+    results = []
+    for form in (plain, swiglu_down):
+
+        def block(inputs: torch.Tensor, form=form) -> torch.Tensor:
+            return form(inputs @ w_gate_up.T, w_down)
+
+        out = checkpoint(block, x, use_reentrant=False, **(context if mode == "selective" else {}))
+        out.backward(grad)
+        results.append([t.grad.clone() for t in (x, w_gate_up, w_down)])
+        x.grad = w_gate_up.grad = w_down.grad = None
+    for name, got, want in zip(("x", "w_gate_up", "w_down"), *results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_gradcheck_float64() -> None:
     gen = torch.Generator().manual_seed(0)
     gate_up = torch.randn(5, 2 * 6, dtype=torch.float64, generator=gen, requires_grad=True)
