@@ -72,9 +72,15 @@ def engine_config(path: Path, dtype: str, args: argparse.Namespace, **engine: ob
     return InferenceConfig.model_validate({"model": {"name": str(path), "dtype": dtype}, "engine": engine})
 
 
-def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+def random_prompts(count: int, length: int, vocab: int, seed: int, mixed: bool = False) -> list[list[int]]:
+    """`count` prompts of random ids, each `length` tokens long; with `mixed`, lengths drawn
+    uniformly from length/2 to 3·length/2 (the same mean, as RL prompts vary)."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (count, length), generator=gen).tolist()
+    if not mixed:
+        return torch.randint(3, vocab, (count, length), generator=gen).tolist()
+    ids = torch.randint(3, vocab, (count, length + length // 2), generator=gen).tolist()
+    lengths = torch.randint(max(1, length // 2), length + length // 2 + 1, (count,), generator=gen).tolist()
+    return [row[:n] for row, n in zip(ids, lengths, strict=True)]
 
 
 def sync(device: torch.device) -> None:
@@ -419,6 +425,9 @@ def main() -> None:
     )
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument(
+        "--mixed-lengths", action="store_true", help="prompt lengths from prompt-len/2 to 3·prompt-len/2"
+    )
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--kv-cache-gb", type=float, default=None)
     parser.add_argument("--no-cuda-graphs", action="store_true")
@@ -436,6 +445,8 @@ def main() -> None:
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/tandem-engine-bench"))
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args()
+    if args.mixed_lengths and not args.skip_hf:
+        parser.error("--mixed-lengths needs --skip-hf (transformers' baseline takes prompts of one length)")
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = args.shape or ("qwen3-0.6b" if device.type == "cuda" else "tiny")
@@ -464,7 +475,7 @@ def main() -> None:
     fresh = iter(range(1, 1000))  # a new prompt seed for every timed run: no prefix is shared
 
     def prompts() -> list[list[int]]:
-        return random_prompts(args.num_requests, args.prompt_len, vocab, seed=next(fresh))
+        return random_prompts(args.num_requests, args.prompt_len, vocab, next(fresh), args.mixed_lengths)
 
     runs: dict[str, dict] = {}
     for cached in (True, False):
@@ -553,7 +564,7 @@ def main() -> None:
 
     print(
         f"\n{shape} on {results['device']}, {dtype}: {args.num_requests} requests × "
-        f"{args.prompt_len} prompt + {args.output_len} output tokens"
+        f"{'~' if args.mixed_lengths else ''}{args.prompt_len} prompt + {args.output_len} output tokens"
     )
     print(
         f"| {'system':<46} | {'seconds':>8} | {'output tok/s':>12} | {'steps':>5} | graph replay ms/step | share of bound |"

@@ -19,6 +19,7 @@ BUDGET=${BUDGET:-530}  # seconds for everything; each part gets at most what is 
 start=$(date +%s)
 
 PARTS=${PARTS:-engine,http,fp8,moe,gpu_tests,prefix}  # which parts run (two device calls: split them)
+# (also `mixed`, not by default: the engine part on prompts of 64–192 tokens, where prompt kernels differ)
 source "$(dirname "$0")/gpu_part.sh"
 want() { [[ ",$PARTS," == *",$1,"* ]]; }
 
@@ -26,6 +27,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > 
 python3 -c "import torch, triton, transformers; print(torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__)" >> "$OUT/device.txt" 2>&1
 want engine && part engine 240 python3 benchmarks/engine_throughput.py --num-requests 256 --prompt-len 128 --output-len 256 \
   --profile --timeline --out "$OUT/engine.json"
+want mixed && part mixed 200 python3 benchmarks/engine_throughput.py --num-requests 256 --prompt-len 128 \
+  --output-len 256 --skip-hf --mixed-lengths --out "$OUT/engine_mixed.json"
 want http && part http 300 python3 benchmarks/inference_throughput.py --num-requests 256 --prompt-len 128 --output-len 256 \
   --skip-transformers --compare-prefix-cache --compare-prompt-attention auto,varlen --out "$OUT/http.json"
 want fp8 && part fp8 240 python3 benchmarks/fp8_decode.py --concurrency 16 64 256 --kernel rowwise triton \
