@@ -59,6 +59,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from torchrun import child_command, child_env  # noqa: E402
 from trainer_mfu import PEAK_FLOPS, hf_config, step_flops  # noqa: E402
 
 K = 1024
@@ -417,23 +418,17 @@ def main() -> None:
             froms = ", ".join(f"{t} from {p['from'] // K}k" for t, p in plan.items())
             print(f"== {shape}:{setting}: {froms}", flush=True)
             gpus = gpus_of(setting)
-            launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}"]
             command = [
-                sys.executable,
-                *(launcher if gpus > 1 else []),
-                __file__,
+                *child_command(__file__, gpus),
                 "--one",
                 f"{shape}:{setting}",
+                "--plan",
+                json.dumps(plan),
             ]
-            command += ["--plan", json.dumps(plan)]
             command += ["--max-len", str(args.max_len), "--max-step-s", str(args.max_step_s)]
             command += ["--device", args.device, "--out", str(args.out)]
-            env = dict(os.environ)
-            if gpus > 1:  # NVLink multicast off (../shared/MACHINE-NOTES.md)
-                for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-                    env.setdefault(key, "0" if key == "NCCL_NVLS_ENABLE" else "1")
             try:
-                subprocess.run(command, check=False, timeout=remaining, env=env)
+                subprocess.run(command, check=False, timeout=remaining, env=child_env(gpus))
             except subprocess.TimeoutExpired:
                 print(f"   stopped at the time budget; {shape}:{setting} goes on in the next run", flush=True)
                 stopped = True

@@ -64,6 +64,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_timeline import gpu_idle, trace_of  # noqa: E402
+from torchrun import child_command, child_env  # noqa: E402
 
 PEAK_FLOPS = 989e12
 ROWS, WIDTH = 4, 4096
@@ -549,13 +550,10 @@ def main() -> None:
             parser.error(f"--nproc {args.nproc}: this machine has {torch.cuda.device_count()} GPUs")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     done = len(args.out.read_text().splitlines()) if args.out.exists() else 0
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
     for variant in variants:
         print(f"== {variant}", flush=True)
         command = [
-            sys.executable,
-            *(launcher if args.nproc > 1 else []),
-            __file__,
+            *child_command(__file__, args.nproc),
             "--one",
             variant,
             "--steps",
@@ -564,12 +562,9 @@ def main() -> None:
             str(args.warmup),
             *(["--profile"] if args.profile else []),
         ]
-        env = dict(os.environ)
+        env = child_env(args.nproc)
         if variant.split(":")[0] in NEAR_FULL:
             env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-        if args.nproc > 1:  # NVLink multicast off (../shared/MACHINE-NOTES.md)
-            for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):
-                env.setdefault(key, value)
         subprocess.run([*command, "--out", str(args.out)], check=False, env=env)
     rows = [json.loads(line) for line in args.out.read_text().splitlines()[done:]]
     print_table(rows)
