@@ -1,9 +1,10 @@
 """tandem's trainer models on CUDA: the packed-attention backends agree (whole rows, and ring
 context parallelism's query columns against whole rows), the fused SwiGLU follows the plain
 form, grouped-GEMM experts equal the per-expert loop, the bf16 model follows transformers, the
-trainer path (FSDP2, compile, fused AdamW) trains, and the memory settings (selective and full checkpointing, activation offload)
-keep the gradients and lower peak memory. Marked `gpu`; skipped without CUDA. (Context
-parallelism across ranks is tested with gloo on CPU: tests/trainer/test_context_parallel.py.)"""
+trainer path (FSDP2, compile, fused AdamW) trains, and the memory settings (selective and full
+checkpointing, activation offload) keep the gradients and lower peak memory. Marked `gpu`;
+skipped without CUDA. (Context parallelism across ranks is tested with gloo on CPU:
+tests/trainer/test_context_parallel.py.)"""
 
 from pathlib import Path
 
