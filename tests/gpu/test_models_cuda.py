@@ -6,6 +6,7 @@ checkpointing, activation offload) keep the gradients and lower peak memory. Mar
 skipped without CUDA. (Context parallelism across ranks is tested with gloo on CPU:
 tests/trainer/test_context_parallel.py.)"""
 
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,11 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 CUDA = torch.device("cuda")
+# cuDNN's variable-length kernels need NVIDIA's optional cuDNN frontend package
+CUDNN = pytest.param(
+    "cudnn",
+    marks=pytest.mark.skipif(find_spec("cudnn") is None, reason="nvidia-cudnn-frontend not installed"),
+)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -58,9 +64,17 @@ def assert_backend_matches_masked_sdpa(
         assert rel(got, want) < 2e-2, (name, rel(got, want))
 
 
-@pytest.mark.parametrize("backend", ["flex", "varlen", "sdpa_docs"])
+@pytest.mark.parametrize("backend", ["flex", "varlen", CUDNN, "sdpa_docs"])
 def test_attention_backends_match_masked_sdpa(backend: str) -> None:
     assert_backend_matches_masked_sdpa(packed_positions([[100, 300, 112], [512]]), backend)
+
+
+@pytest.mark.parametrize("backend", ["varlen", CUDNN])
+def test_many_short_documents_match_masked_sdpa(backend: str) -> None:
+    """23 documents of 1 to 300 tokens: cudnn pads them to 32 with empty ones and rounds the
+    longest up to 512 (layers/cudnn_attention.py); neither may change a value."""
+    rows = [[1, 37, 2, 90, 5, 1, 64, 3, 300, 9], [7, 120, 1, 1, 33, 250, 11, 6, 13, 1, 19, 11, 39]]
+    assert_backend_matches_masked_sdpa(packed_positions(rows), backend)
 
 
 def test_flex_attends_shared_prompts_as_masked_sdpa() -> None:
@@ -147,7 +161,7 @@ def test_adamw_kernel_follows_its_torch_form_on_cuda(moments: torch.dtype) -> No
 
 @pytest.mark.parametrize("master", ["model", "optimizer"], ids=["fp32-params", "fp32-masters"])
 @pytest.mark.parametrize("keep", [False, True], ids=["reshard", "keep-gathered"])
-@pytest.mark.parametrize("attention", ["flex", "varlen"])
+@pytest.mark.parametrize("attention", ["flex", "varlen", CUDNN])
 def test_bf16_trainer_model_follows_transformers_and_trains(
     tiny_moe: Path, attention: str, keep: bool, master: str
 ) -> None:
@@ -193,7 +207,7 @@ def test_bf16_trainer_model_follows_transformers_and_trains(
             assert torch.equal(shard, master.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("backend", ["flex", "varlen", "sdpa_docs", "sdpa"])
+@pytest.mark.parametrize("backend", ["flex", "varlen", CUDNN, "sdpa_docs", "sdpa"])
 def test_query_columns_attend_like_the_whole_row(backend: str) -> None:
     """Rank 1 of ring cp = 2 (chunks 1 and 2 of 4) against the whole rows' keys equals those
     columns of whole-row attention, for documents that cross the chunk boundaries."""

@@ -7,6 +7,7 @@ the reference.
 """
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -292,6 +293,22 @@ def test_bad_config_and_parallel_settings_fail_with_one_line(checkpoint: Path, t
     assert "\n" not in str(error.value)
     with pytest.raises(UserError, match="ep = 2 does not divide the world size 1"):
         build_trainer_model(ModelConfig(name=str(checkpoint), device="cpu"), world, ParallelConfig(ep=2))
+    with pytest.raises(UserError, match="model.attention = 'cudnn' trains on CUDA only"):
+        build_trainer_model(
+            ModelConfig(name=str(checkpoint), device="cpu", attention="cudnn"), world, ParallelConfig()
+        )
+
+
+def test_cudnn_attention_without_its_package_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tandem.models.layers import cudnn_attention
+
+    monkeypatch.setitem(sys.modules, "cudnn", None)  # as if not installed
+    cudnn_attention._register_operator.cache_clear()
+    with pytest.raises(
+        ValueError, match="model.attention = 'cudnn' needs .* pip install nvidia-cudnn-frontend"
+    ):
+        cudnn_attention.require_cudnn_frontend()
+    cudnn_attention._register_operator.cache_clear()
 
 
 def test_keeping_gathered_weights_trains_as_resharding(checkpoint: Path) -> None:

@@ -27,7 +27,7 @@ class ModelConfig(Section):
         description="Trainer model code: tandem's own implementation of the checkpoint's model type "
         "(qwen3, qwen3_moe), transformers' (hf), or auto = tandem's when the type has one.",
     )
-    attention: Literal["auto", "flex", "varlen", "sdpa", "sdpa_docs"] = Field(
+    attention: Literal["auto", "flex", "varlen", "cudnn", "sdpa", "sdpa_docs"] = Field(
         "auto",
         description="Packed-sequence attention of tandem's models: auto = the fastest measured on CUDA, "
         "sdpa on CPU (docs/trainer.md).",

@@ -10,6 +10,8 @@ before it in its own document, and to nothing else, whichever backend runs:
   backward on CPU.
 - `varlen`: torch's variable-length flash kernel over the flattened rows, keyed by cu_seqlens
   (CUDA, bf16/fp16 only).
+- `cudnn`: cuDNN's variable-length kernels through NVIDIA's cuDNN frontend package, keyed by
+  cu_seqlens like `varlen` (CUDA, bf16/fp16; optional package; layers/cudnn_attention.py).
 - `sdpa_docs`: one scaled_dot_product_attention call per document (exact, any device; slow
   when there are many short documents).
 - `sdpa`: one SDPA call per row with a dense block-diagonal causal mask [rows, 1, width, width]
@@ -40,7 +42,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-AttentionBackend = Literal["auto", "flex", "varlen", "sdpa", "sdpa_docs"]
+from tandem.models.layers.cudnn_attention import cudnn_causal, require_cudnn_frontend
+
+AttentionBackend = Literal["auto", "flex", "varlen", "cudnn", "sdpa", "sdpa_docs"]
 CUDA_DEFAULT = "flex"
 """The fastest backend for packed documents on an H200 (docs/trainer.md, "Attention")."""
 
@@ -48,10 +52,12 @@ CUDA_DEFAULT = "flex"
 def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         return CUDA_DEFAULT if device.type == "cuda" else "sdpa"
-    if backend in ("varlen", "flex") and device.type != "cuda":
+    if backend in ("varlen", "flex", "cudnn") and device.type != "cuda":
         raise ValueError(
             f"model.attention = {backend!r} trains on CUDA only (use 'sdpa' or 'sdpa_docs' on CPU)"
         )
+    if backend == "cudnn":
+        require_cudnn_frontend()
     return backend
 
 
@@ -64,8 +70,8 @@ class PackedDocs:
     """
 
     backend: str
-    cu_seqlens: torch.Tensor | None = None  # varlen, sdpa_docs: int32 [docs + 1], flattened offsets
-    max_seqlen: int = 0  # varlen: the longest document
+    cu_seqlens: torch.Tensor | None = None  # varlen, cudnn, sdpa_docs: int32 [docs + 1], flattened offsets
+    max_seqlen: int = 0  # varlen, cudnn: the longest document
     mask: torch.Tensor | None = None  # sdpa: [rows, 1, queries, width] bool, True = attend
     block_mask: object | None = None  # flex: a BlockMask
     # only with query_columns (per-document backends): each segment's keys, flattened
@@ -107,6 +113,8 @@ class PackedDocs:
                     position_ids[:, None, :] < first_position[:, :, None]
                 )
             return cls(backend, mask=allowed[:, None])
+        if backend == "cudnn":
+            require_cudnn_frontend()  # registers its operator (cached; the forward is not compiled here)
         if query_columns is not None:
             return _query_segments(starts, query_columns, backend)
         flat_starts = starts.flatten().nonzero().flatten()
@@ -174,6 +182,10 @@ def packed_attention(
         k, v = k[docs.kv_index], v[docs.kv_index]
     if docs.backend == "varlen":
         out = _varlen(q, k, v, docs, scale)
+    elif docs.backend == "cudnn":
+        out = cudnn_causal(
+            q, k, v, docs.cu_seqlens, docs.max_seqlen, scale, docs.cu_seqlens_k, docs.max_seqlen_k
+        )
     elif docs.backend == "sdpa_docs":
         key_bounds = docs.cu_seqlens if docs.cu_seqlens_k is None else docs.cu_seqlens_k
         out = _per_document_sdpa(q, k, v, docs.cu_seqlens.tolist(), key_bounds.tolist(), scale)

@@ -1,0 +1,84 @@
+"""Causal attention over packed documents with cuDNN's own variable-length kernels.
+
+cuDNN runs attention over ragged documents (the THD layout: tokens × heads × dim, keyed by
+cu_seqlens) with its Hopper kernels, which torch 2.11 reaches only through a path that is
+broken for packed documents (docs/benchmarks.md, seventh session). NVIDIA's cuDNN frontend
+package (`nvidia-cudnn-frontend`, imported as `cudnn`) exposes the same kernels as the
+differentiable operator `torch.ops.cudnn.sdpa_fwd`; this module calls it. The package is
+optional: `model.attention = "cudnn"` says at start when it is missing.
+
+The operator builds one cuDNN graph per (documents, longest document, total tokens) and caches
+it; a build selects and may compile kernels, not something for every step. So the documents
+are padded to a power of two with empty ones (their offsets repeat the last) and the longest
+length is rounded up to a power of two: the trainer's changing batches then reuse a few graphs.
+Neither may change an output (each document is bounded by its own length; the GPU tests check
+it), and neither is measured for its cost yet.
+"""
+
+import functools
+
+import torch
+
+MIN_DOCUMENTS = 8
+MIN_LENGTH = 128
+
+
+def require_cudnn_frontend() -> None:
+    """Raise a one-line error when the cuDNN frontend package cannot be imported."""
+    try:
+        _register_operator()
+    except ImportError as e:
+        raise ValueError(
+            "model.attention = 'cudnn' needs NVIDIA's cuDNN frontend: pip install nvidia-cudnn-frontend "
+            f"({e})"
+        ) from None
+
+
+@functools.cache
+def _register_operator() -> None:
+    import cudnn.sdpa.fwd.torch_op  # noqa: F401  (registers torch.ops.cudnn.sdpa_fwd and its backward)
+
+
+def _bucket(n: int, least: int) -> int:
+    return max(least, 1 << (n - 1).bit_length())
+
+
+def _pad_documents(cu_seqlens: torch.Tensor, documents: int) -> torch.Tensor:
+    """Offsets [n + 1] → [documents + 1]: empty documents after the last."""
+    missing = documents + 1 - len(cu_seqlens)
+    return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(missing)]) if missing else cu_seqlens
+
+
+def cudnn_causal(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_k: int = 0,
+) -> torch.Tensor:
+    """Causal attention of each segment of the flattened rows: q [T, heads, d], k and v
+    [T_k, kv_heads, d] (grouped-query heads taken as they are), int32 offsets. Keys are segmented
+    as the queries unless their own offsets are given; a segment with fewer queries than keys
+    holds the last queries of its keys (causal aligned at the bottom right). Call
+    `require_cudnn_frontend()` once before (outside compiled code): it registers the operator."""
+    bottom_right = cu_seqlens_k is not None
+    if cu_seqlens_k is None:
+        cu_seqlens_k, max_seqlen_k = cu_seqlens, max_seqlen
+    documents = _bucket(len(cu_seqlens) - 1, MIN_DOCUMENTS)
+    out, _ = torch.ops.cudnn.sdpa_fwd(
+        q,
+        k,
+        v,
+        scale,
+        is_causal=True,
+        causal_bottom_right=bottom_right,
+        cu_seqlens_q=_pad_documents(cu_seqlens, documents),
+        cu_seqlens_kv=_pad_documents(cu_seqlens_k, documents),
+        max_seqlen_q=_bucket(max_seqlen, MIN_LENGTH),
+        max_seqlen_kv=_bucket(max_seqlen_k, MIN_LENGTH),
+        return_lse=True,  # the backward reads the forward's log-sum-exp
+    )
+    return out
