@@ -180,12 +180,9 @@ def packed_attention(
     k, v = (t.reshape(-1, t.shape[2], dim) for t in (k, v))
     if docs.kv_index is not None:
         k, v = k[docs.kv_index], v[docs.kv_index]
-    if docs.backend == "varlen":
-        out = _varlen(q, k, v, docs, scale)
-    elif docs.backend == "cudnn":
-        out = cudnn_causal(
-            q, k, v, docs.cu_seqlens, docs.max_seqlen, scale, docs.cu_seqlens_k, docs.max_seqlen_k
-        )
+    if docs.backend in ("varlen", "cudnn"):
+        kernel = varlen_causal if docs.backend == "varlen" else cudnn_causal
+        out = kernel(q, k, v, docs.cu_seqlens, docs.max_seqlen, scale, docs.cu_seqlens_k, docs.max_seqlen_k)
     elif docs.backend == "sdpa_docs":
         key_bounds = docs.cu_seqlens if docs.cu_seqlens_k is None else docs.cu_seqlens_k
         out = _per_document_sdpa(q, k, v, docs.cu_seqlens.tolist(), key_bounds.tolist(), scale)
@@ -215,14 +212,6 @@ def _per_document_sdpa(
             )
         )
     return torch.cat([o[0].transpose(0, 1) for o in outs])
-
-
-def _varlen(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: PackedDocs, scale: float
-) -> torch.Tensor:
-    return varlen_causal(
-        q, k, v, docs.cu_seqlens, docs.max_seqlen, scale, docs.cu_seqlens_k, docs.max_seqlen_k
-    )
 
 
 def varlen_causal(
