@@ -34,6 +34,7 @@ in c's document. The per-document backends then run one segment per run of conse
 columns within a document, against that document's keys up to the segment's last column.
 """
 
+import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from tandem.models.layers.cudnn_attention import cudnn_causal, require_cudnn_frontend
+from tandem.models.layers.cudnn_attention import cudnn_buckets, cudnn_causal, require_cudnn_frontend
 
 AttentionBackend = Literal["auto", "flex", "varlen", "cudnn", "sdpa", "sdpa_docs"]
 CUDA_DEFAULT = "flex"
@@ -113,14 +114,17 @@ class PackedDocs:
                     position_ids[:, None, :] < first_position[:, :, None]
                 )
             return cls(backend, mask=allowed[:, None])
-        if backend == "cudnn":
-            require_cudnn_frontend()  # registers its operator (cached; the forward is not compiled here)
         if query_columns is not None:
-            return _query_segments(starts, query_columns, backend)
-        flat_starts = starts.flatten().nonzero().flatten()
-        total = torch.tensor([rows * width], device=position_ids.device)
-        cu_seqlens = torch.cat([flat_starts, total]).to(torch.int32)
-        return cls(backend, cu_seqlens=cu_seqlens, max_seqlen=int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
+            docs = _query_segments(starts, query_columns, backend)
+        else:
+            flat_starts = starts.flatten().nonzero().flatten()
+            total = torch.tensor([rows * width], device=position_ids.device)
+            cu_seqlens = torch.cat([flat_starts, total]).to(torch.int32)
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            docs = cls(backend, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        if backend == "cudnn":  # here, not in the (compiled) layers: see layers/cudnn_attention.py
+            docs = dataclasses.replace(docs, **cudnn_buckets(docs))
+        return docs
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """What every attention layer calls; context parallelism wraps it (models/context_parallel.py)."""

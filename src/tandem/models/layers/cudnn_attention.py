@@ -16,8 +16,12 @@ it), and neither is measured for its cost yet.
 """
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from tandem.models.layers.attention import PackedDocs
 
 MIN_DOCUMENTS = 8
 MIN_LENGTH = 128
@@ -37,6 +41,23 @@ def require_cudnn_frontend() -> None:
 @functools.cache
 def _register_operator() -> None:
     import cudnn.sdpa.fwd.torch_op  # noqa: F401  (registers torch.ops.cudnn.sdpa_fwd and its backward)
+
+
+def cudnn_buckets(docs: "PackedDocs") -> dict:
+    """`docs`' offsets padded to a power of two of documents (at least MIN_DOCUMENTS) with empty
+    ones, and its longest lengths rounded up to a power of two (at least MIN_LENGTH), as
+    PackedDocs fields. Registers the operator on first use. Runs where PackedDocs is built, outside
+    compiled code (it reads lengths on the host)."""
+    require_cudnn_frontend()
+    documents = _bucket(len(docs.cu_seqlens) - 1, MIN_DOCUMENTS)
+    fields = {
+        "cu_seqlens": _pad_documents(docs.cu_seqlens, documents),
+        "max_seqlen": _bucket(docs.max_seqlen, MIN_LENGTH),
+    }
+    if docs.cu_seqlens_k is not None:  # keys of their own (ring context parallelism)
+        fields["cu_seqlens_k"] = _pad_documents(docs.cu_seqlens_k, documents)
+        fields["max_seqlen_k"] = _bucket(docs.max_seqlen_k, MIN_LENGTH)
+    return fields
 
 
 def _bucket(n: int, least: int) -> int:
@@ -60,25 +81,22 @@ def cudnn_causal(
     max_seqlen_k: int = 0,
 ) -> torch.Tensor:
     """Causal attention of each segment of the flattened rows: q [T, heads, d], k and v
-    [T_k, kv_heads, d] (grouped-query heads taken as they are), int32 offsets. Keys are segmented
-    as the queries unless their own offsets are given; a segment with fewer queries than keys
-    holds the last queries of its keys (causal aligned at the bottom right). Call
-    `require_cudnn_frontend()` once before (outside compiled code): it registers the operator."""
-    bottom_right = cu_seqlens_k is not None
-    if cu_seqlens_k is None:
-        cu_seqlens_k, max_seqlen_k = cu_seqlens, max_seqlen
-    documents = _bucket(len(cu_seqlens) - 1, MIN_DOCUMENTS)
+    [T_k, kv_heads, d] (grouped-query heads taken as they are), int32 offsets (as `cudnn_buckets`
+    gives them: one graph serves every batch of the same buckets). Keys are segmented as the
+    queries unless their own offsets are given; a segment with fewer queries than keys holds the
+    last queries of its keys (causal aligned at the bottom right)."""
+    own_keys = cu_seqlens_k is not None
     out, _ = torch.ops.cudnn.sdpa_fwd(
         q,
         k,
         v,
         scale,
         is_causal=True,
-        causal_bottom_right=bottom_right,
-        cu_seqlens_q=_pad_documents(cu_seqlens, documents),
-        cu_seqlens_kv=_pad_documents(cu_seqlens_k, documents),
-        max_seqlen_q=_bucket(max_seqlen, MIN_LENGTH),
-        max_seqlen_kv=_bucket(max_seqlen_k, MIN_LENGTH),
+        causal_bottom_right=own_keys,
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens_k if own_keys else cu_seqlens,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen_k if own_keys else max_seqlen,
         return_lse=True,  # the backward reads the forward's log-sum-exp
     )
     return out
