@@ -1,12 +1,13 @@
 """One rank of the expert-parallelism equivalence test (run under torchrun, gloo on CPU).
 
-    python -m torch.distributed.run --nproc-per-node N ep_worker.py MODEL OUT EP [MASTER_WEIGHTS]
+    python -m torch.distributed.run --nproc-per-node N ep_worker.py MODEL OUT EP [MASTER_WEIGHTS [CHECKPOINTING]]
 
 Trains a tiny Qwen3-MoE for STEPS steps on a fixed global batch of packed documents, each
 rank taking its round-robin share of the rows, the loss normalised by the global token count
 as the trainers do. Rank 0 writes the losses, the full gradients of the last step (in
 checkpoint names) and the final weights to OUT (torch.save). MASTER_WEIGHTS is
-optim.master_weights ("model" unless given).
+optim.master_weights ("model" unless given), CHECKPOINTING parallel.activation_checkpointing
+("none" unless given).
 """
 
 import sys
@@ -33,10 +34,14 @@ def global_batch(vocab: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def main() -> None:
     model_dir, out, ep = sys.argv[1], sys.argv[2], int(sys.argv[3])
     master_weights = sys.argv[4] if len(sys.argv) > 4 else "model"
+    checkpointing = sys.argv[5] if len(sys.argv) > 5 else "none"
     torch.set_num_threads(1)
     world = init_distributed("cpu")
     model = build_trainer_model(
-        ModelConfig(name=model_dir, device="cpu"), world, ParallelConfig(ep=ep), master_weights=master_weights
+        ModelConfig(name=model_dir, device="cpu"),
+        world,
+        ParallelConfig(ep=ep, activation_checkpointing=checkpointing),
+        master_weights=master_weights,
     )
     optimizer = build_optimizer(model, OptimConfig(lr=1e-3, master_weights=master_weights))
     losses, grads = [], {}

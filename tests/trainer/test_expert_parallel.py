@@ -5,7 +5,8 @@ ranks and ep = 2 on 4 ranks (experts also FSDP-sharded over the other mesh dimen
 gradient divide factor of the world), losses and the last step's gradients equal the 1-rank
 run's. (ep = 4 on 4 ranks, one expert each, passes too; it is left out to keep CI short.) With
 the fp32 master weights in the optimizer (optim.master_weights = "optimizer", fp32 compute on CPU)
-ep = 2 on 2 ranks takes the same steps too.
+ep = 2 on 2 ranks takes the same steps too, and so it does with selective activation
+checkpointing (the experts' FSDP unit nested in each checkpointed block: models/parallelism.py).
 """
 
 import os
@@ -37,16 +38,22 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
 
 
 @pytest.mark.parametrize(
-    ("ranks", "ep", "master_weights"), [(2, 2, "model"), (4, 2, "model"), (2, 2, "optimizer")]
+    ("ranks", "ep", "master_weights", "checkpointing"),
+    [
+        (2, 2, "model", "none"),
+        (4, 2, "model", "none"),
+        (2, 2, "optimizer", "none"),
+        (2, 2, "model", "selective"),
+    ],
 )
 def test_ep_matches_one_rank(
-    reference: tuple[Path, dict], tmp_path: Path, ranks: int, ep: int, master_weights: str
+    reference: tuple[Path, dict], tmp_path: Path, ranks: int, ep: int, master_weights: str, checkpointing: str
 ) -> None:
     model, want = reference
     out = tmp_path / f"ep{ep}.pt"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
     done = subprocess.run(
-        [*command, WORKER, model, out, str(ep), master_weights],
+        [*command, WORKER, model, out, str(ep), master_weights, checkpointing],
         capture_output=True,
         text=True,
         env=ENV,

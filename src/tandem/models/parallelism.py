@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -85,6 +86,24 @@ def _saved_ops() -> frozenset:
     return frozenset(ops | {torch.ops.higher_order.flex_attention})
 
 
+def _profiler_ranges_outside_selective_checkpointing() -> None:
+    """Selective checkpointing (torch 2.14 here) replays a block's recomputation op by op against
+    the forward's invocation counts, every op included. FSDP2's hooks around a unit nested in the
+    block (the experts' own unit under ep > 1) open profiler ranges a different number of times
+    in the recomputation, which then fails ("profiler._record_function_enter_new ... not found in
+    storage"). Those ranges are annotations, not tensor work: they join the ops SAC ignores (as
+    metadata queries are), which is also what a proposed upstream fix does (pytorch#196862)."""
+    ignored = getattr(torch.utils.checkpoint, "SAC_IGNORED_OPS", None)
+    if ignored is not None:
+        profiler = torch.ops.profiler
+        ignored |= {
+            profiler._record_function_enter.default,
+            profiler._record_function_enter_new.default,
+            profiler._record_function_exit.default,
+            profiler._record_function_exit._RecordFunction,
+        }
+
+
 def _keep_matmuls(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
     """Selective AC: keep what the matmuls and attention kernels computed, recompute the rest."""
     return CheckpointPolicy.MUST_SAVE if op in _saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
@@ -94,6 +113,8 @@ def apply_activation_checkpointing(model: CausalLM, mode: ActivationCheckpointin
     """Recompute each block's activations in backward, keeping parameter names as they are: all of
     them (full: a block keeps only its input), or all but the matmul and attention outputs
     (selective: the norms, activations, RoPE and other elementwise work are recomputed)."""
+    if mode == "selective":
+        _profiler_ranges_outside_selective_checkpointing()
     context = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)}
     for layer in model.layers:
         forward = layer.forward
