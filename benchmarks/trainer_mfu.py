@@ -17,19 +17,29 @@ drawn once with a fixed seed), random-init weights, one optimizer step per itera
   keeps its logits for the backward (`model.head_logits = "keep"`); `tandem_master_bf16moments`:
   AdamW's moments in bf16 with stochastic rounding (`optim.moments_dtype = "bfloat16"`, needs
   `master`; `bf16moments` is its own flag, not `bf16`). Suffixes combine:
-  `tandem_master_keep`, `moe:tandem_master_keep_logits_bf16moments`. With `master` on one GPU
+  `tandem_master_keep`, `moe:tandem_master_keep_logits_bf16moments`; `ac` and `sac`: full and
+  selective activation checkpointing (`parallel.activation_checkpointing`). With `master` on one GPU
   the model is not wrapped by FSDP at all (nothing to shard or cast), so `keep` changes nothing
   there. With `--nproc N` a tandem variant runs on N GPUs through torchrun: FSDP over all N,
   each rank training its own copy of the batch (tokens/s and MFU are per GPU, rank 0's), and
   `_ep<N>` splits a MoE shape's experts over N of them (`moe:tandem_master_ep2 --nproc 2`).
+- Shapes: `0.6b`, `1.7b`, `4b` (Qwen3), `moe` (Qwen3-30B-A3B with 8 of its 48 layers, what fits
+  one H200) and `moe<N>` (the same with N layers: `moe48` is the whole model, 30.5B parameters).
+  `moe48:tandem_master_logits_bf16moments_ep8 --nproc 8`, estimated: 12 bytes a parameter (bf16
+  weights and gradients, fp32 masters, bf16 moments) over 8 GPUs (ep = 8 puts 16 experts on each,
+  FSDP shards the rest) 42.7 GiB each; activations ~1.3 GiB a layer for the 16,384 tokens (the
+  8-layer shape's 77.5 GiB peak on one GPU less its 62.7 GiB of state and 4.6 GiB of kept
+  logits, per layer), 62 GiB for 48; ~110 GiB in all of the H200's 139, before the routing's
+  imbalance. If it does not fit, `ac` keeps one layer's at a time. MFU counts each forward once,
+  recomputed or not.
+  `smoke` is a tiny MoE for `--device cpu`: a check of the flow (gloo ranks under `--nproc`),
+  not a measurement.
 - `hf`, `hf_compiled`: transformers' model in bf16 (weights, grads and AdamW state), SDPA with
   the mask transformers derives from the restarting position ids, its own loss over full
   logits, fused AdamW; `hf_compiled` is the same under torch.compile.
 - `rl:<impl>`: the RL trainer's step (trainer/rl/train.py `train_step`) on micro-batches the
   orchestrator's packer builds from 128 samples of 20–200 tokens (seq_len 2048, 8,192 tokens
   per micro-batch), fresh samples every step, so shapes vary as they do in a run.
-- `attention`: the packed-attention backends alone (forward + backward of one layer's
-  attention at the 0.6B shape on the same documents).
 - `glm-4.5-air`, `minimax-m2`, `glm-5` (`--variants families` runs their tandem and hf
   variants): the published configs' layer shapes (benchmarks/bench_models.py FAMILY_SHAPES)
   with the layer count cut to fit one H200's 141 GB: GLM-4.5-Air 2 layers (1 dense + 1 MoE),
@@ -75,17 +85,22 @@ SHAPES = {
                  head_dim=128, intermediate_size=6144, tie_word_embeddings=True),
     "4b": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                head_dim=128, intermediate_size=9728, tie_word_embeddings=True),
-    # Qwen3-30B-A3B with 8 of its 48 layers
+    # Qwen3-30B-A3B with 8 of its 48 layers (moe<N>: with N)
     "moe": dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4,
                 head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
                 num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False),
+    # a MoE small enough for --device cpu (a check of this script's flow, not a measurement)
+    "smoke": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                  num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False, vocab_size=512),
 }  # fmt: skip
+CHECKPOINTING = {"ac": "full", "sac": "selective"}  # variant flag: parallel.activation_checkpointing
 FAMILY_CUTS = {"glm-4.5-air": (2, None), "minimax-m2": (1, None), "glm-5": (2, 1)}  # (layers, dense layers)
 FAMILY_WEIGHTS = {"glm-5": "bfloat16"}  # master weights (and AdamW state) where fp32 would not fit
 NEAR_FULL = {"glm-5"}  # shapes that fit one H200 only without allocator fragmentation
 FAMILY_VARIANTS = ",".join(f"{shape}:{impl}" for shape in FAMILY_CUTS for impl in ("tandem", "hf"))
 DEFAULT_VARIANTS = (
-    "attention,0.6b:tandem,0.6b:hf,0.6b:hf_compiled,rl:tandem,rl:hf,"
+    "0.6b:tandem,0.6b:hf,0.6b:hf_compiled,rl:tandem,rl:hf,"
     "1.7b:tandem,1.7b:hf,1.7b:hf_compiled,moe:tandem,moe:hf,moe:hf_compiled," + FAMILY_VARIANTS
 )
 
@@ -97,12 +112,16 @@ def hf_config(shape: str):  # noqa: ANN201 (a transformers config)
         from bench_models import family_config
 
         return family_config(shape, *FAMILY_CUTS[shape])
-    fields = dict(SHAPES["0.6b" if shape == "rl" else shape])
+    layers = re.fullmatch(r"moe([1-9][0-9]*)", shape)
+    if layers:
+        fields = SHAPES["moe"] | {"num_hidden_layers": int(layers[1])}
+    else:
+        fields = SHAPES["0.6b" if shape == "rl" else shape]
     cls = Qwen3MoeConfig if "num_experts" in fields else Qwen3Config
-    return cls(
-        vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, **fields,
-    )  # fmt: skip
+    return cls(**{
+        "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0}, **fields,
+    })  # fmt: skip
 
 
 def document_lengths(seed: int = 0) -> list[list[int]]:
@@ -173,6 +192,12 @@ def step_flops(config, doc_lengths: list[int]) -> float:  # noqa: ANN001
 
 
 PROFILE_DIR: Path | None = None  # --profile: where each variant writes its kernel table
+DEVICE = "cuda"  # --device: cpu checks the flow of tandem variants (the smoke shape, gloo ranks)
+
+
+def synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def profile(step, name: str) -> None:  # noqa: ANN001
@@ -203,17 +228,17 @@ def rank_zero() -> bool:
 
 def timed_steps(step, steps: int, warmup: int, name: str = "") -> tuple[list[float], float]:  # noqa: ANN001
     """Seconds of each timed step, and of the warm-up (compile included)."""
-    torch.cuda.synchronize()
+    synchronize()
     start = time.perf_counter()
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
+    synchronize()
     warm = time.perf_counter() - start
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         step()
-        torch.cuda.synchronize()
+        synchronize()
         times.append(time.perf_counter() - start)
     if PROFILE_DIR is not None and name:
         profile(step, name)
@@ -237,6 +262,7 @@ def run_tandem(
     keep_logits: bool = False,
     bf16_moments: bool = False,
     ep: int = 1,
+    checkpointing: str = "none",
 ) -> dict:
     from tandem.config.base import ModelConfig
     from tandem.trainer.config import OptimConfig, ParallelConfig
@@ -245,12 +271,14 @@ def run_tandem(
     from tandem.trainer.parallel import init_distributed
 
     config = hf_config(shape)
-    world = init_distributed("cuda")
+    world = init_distributed(DEVICE)
     with tempfile.TemporaryDirectory() as tmp:
         name = str(write_config_dir(config, Path(tmp)))
         head = "keep" if keep_logits else "recompute"
         model_cfg = ModelConfig(name=name, attention=attention, dtype=weights, head_logits=head)
-        parallel = ParallelConfig(reshard_after_forward=not keep, ep=ep)
+        parallel = ParallelConfig(
+            reshard_after_forward=not keep, ep=ep, activation_checkpointing=checkpointing
+        )
         master_weights = "optimizer" if master else "model"
         model = build_trainer_model(
             model_cfg, world, parallel, load_weights=False, master_weights=master_weights
@@ -278,6 +306,8 @@ def run_tandem(
             ("logits", keep_logits),
             ("bf16moments", bf16_moments),
             (f"ep{ep}", ep > 1),
+            ("ac", checkpointing == "full"),
+            ("sac", checkpointing == "selective"),
         )
         if on
     )
@@ -317,7 +347,7 @@ def summary(config, docs: list[int], times: list[float], warm: float, **extra: o
         "step_s": median,
         "step_s_min": min(times),
         "warmup_s": warm,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else float("nan"),
         **extra,
     }
 
@@ -397,90 +427,26 @@ def run_rl(impl: str, steps: int, warmup: int) -> dict:
     }
 
 
-# flex's own kernel options against its defaults (block sizes must divide the mask's 128): Hopper's
-# tensor-memory loads, and larger backward and forward tiles
-_BWD128 = {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64}
-FLEX_OPTIONS = {
-    "flex+tma": {"USE_TMA": True},
-    "flex+bwd128": {**_BWD128, "bwd_num_warps": 8, "bwd_num_stages": 3},
-    "flex+fwd128": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_warps": 8, "fwd_num_stages": 3},
-    "flex+tma+bwd128": {"USE_TMA": True, **_BWD128, "bwd_num_warps": 8, "bwd_num_stages": 3},
-}
-
-
-def run_attention(steps: int) -> list[dict]:
-    device = torch.device("cuda")
-    _, positions, docs = packed_batch(16, device)
-    results = []
-    for backend in ("flex", "varlen", "cudnn", "sdpa_docs", "sdpa", *FLEX_OPTIONS):
-        try:
-            results.append(
-                {"variant": f"attention:{backend}", **time_attention(backend, positions, docs, steps)}
-            )
-        except Exception as e:  # a backend or option this torch lacks
-            results.append({"variant": f"attention:{backend}", "error": f"{type(e).__name__}: {e}"[:200]})
-    return results
-
-
-def time_attention(backend: str, positions: torch.Tensor, docs: list[int], steps: int) -> dict:
-    """Forward + backward of one 0.6B-shaped layer's attention (16 query, 8 KV heads of 128);
-    a FLEX_OPTIONS name runs flex_attention with those kernel options."""
-    import triton.testing
-
-    from tandem.models.layers.attention import PackedDocs, packed_attention
-
-    attend = packed_attention
-    options = FLEX_OPTIONS.get(backend)
-    if options is not None:  # flex_attention called with the options, otherwise as packed_attention calls it
-        from torch.nn.attention.flex_attention import flex_attention
-
-        flex, backend = torch.compile(flex_attention), "flex"
-
-        def attend(q, k, v, packed, scale):  # noqa: ANN001, ANN202
-            args = (t.transpose(1, 2) for t in (q, k, v))
-            kwargs = {"block_mask": packed.block_mask, "scale": scale, "enable_gqa": True}
-            return flex(*args, **kwargs, kernel_options=options).transpose(1, 2)
-
-    heads, kv_heads, dim = 16, 8, 128
-    q = torch.randn(
-        ROWS, WIDTH, heads, dim, device=positions.device, dtype=torch.bfloat16, requires_grad=True
-    )
-    k = torch.randn(
-        ROWS, WIDTH, kv_heads, dim, device=positions.device, dtype=torch.bfloat16, requires_grad=True
-    )
-    v = torch.randn_like(k, requires_grad=True)
-    grad = torch.randn_like(q)
-    packed = PackedDocs.from_positions(positions, backend)
-
-    def step() -> None:
-        attend(q, k, v, packed, dim**-0.5).backward(grad)
-
-    ms = triton.testing.do_bench(step, warmup=200, rep=max(200, steps * 50), return_mode="median")
-    setup_ms = triton.testing.do_bench(
-        lambda: PackedDocs.from_positions(positions, backend), warmup=50, rep=200, return_mode="median"
-    )
-    flops = 3.5 * 4 * heads * dim * sum(n * n for n in docs) / 2  # fwd 2 matmuls + bwd 5, causal half
-    return {"ms": ms, "tflops": flops / ms / 1e9, "docs_setup_ms": setup_ms}
-
-
 def run_one(variant: str, steps: int, warmup: int) -> list[dict]:
-    if variant == "attention":
-        return run_attention(steps)
     shape, impl = variant.split(":")
     if shape == "rl":
         return [{"variant": variant, **run_rl(impl, steps, warmup)}]
     if impl.startswith("tandem"):
         backend = impl.split("-", 1)[1] if "-" in impl else "auto"
-        # tandem_<flag>_<flag>: bf16, keep, master, logits, bf16moments, ep<N> (whole tokens of a set)
+        # tandem_<flag>_<flag>: bf16, keep, master, logits, bf16moments, ep<N>, ac or sac (whole
+        # tokens of a set)
         flags = set(impl.split("-", 1)[0].split("_")[1:])
         ep = next((int(f[2:]) for f in flags if re.fullmatch(r"ep[1-9][0-9]*", f)), 1)
-        unknown = flags - {"bf16", "keep", "master", "logits", "bf16moments", f"ep{ep}"}
+        unknown = flags - {"bf16", "keep", "master", "logits", "bf16moments", f"ep{ep}", *CHECKPOINTING}
         if unknown:
             raise ValueError(f"unknown tandem flags {sorted(unknown)} in {variant}")
+        if set(CHECKPOINTING) <= flags:
+            raise ValueError(f"{variant}: ac (full) and sac (selective checkpointing) exclude each other")
+        checkpointing = next((CHECKPOINTING[f] for f in flags if f in CHECKPOINTING), "none")
         weights = "bfloat16" if "bf16" in flags else FAMILY_WEIGHTS.get(shape, "auto")
         run = run_tandem(
             shape, backend, steps, warmup, weights, "keep" in flags, "master" in flags, "logits" in flags,
-            "bf16moments" in flags, ep,
+            "bf16moments" in flags, ep, checkpointing,
         )  # fmt: skip
         return [{"variant": variant, **run}]
     return [{"variant": variant, **run_hf(shape, impl == "hf_compiled", steps, warmup)}]
@@ -493,10 +459,6 @@ def print_table(rows: list[dict]) -> None:
     for r in rows:
         if "error" in r:
             print(f"{r['variant']:26} failed: {r['error']}")
-        elif "ms" in r:
-            print(
-                f"{r['variant']:26} {r['ms']:8.2f} ms fwd+bwd {r['tflops']:6.0f} TFLOP/s, docs setup {r['docs_setup_ms']:.2f} ms"
-            )
         else:
             mfu = f"{100 * r['mfu']:6.1f}%" if "mfu" in r else "      -"
             notes = ", ".join(
@@ -525,11 +487,18 @@ def main() -> None:
         default=1,
         help="GPUs per variant (torchrun; tandem variants only): FSDP over all, experts over ep<N>",
     )
+    parser.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cpu: a check of the tandem variants' flow (the smoke shape; gloo ranks under --nproc)",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        global PROFILE_DIR
+        global PROFILE_DIR, DEVICE
         PROFILE_DIR = args.out.parent if args.profile else None
+        DEVICE = args.device
         try:
             rows = run_one(args.one, args.steps, args.warmup)
         except Exception as e:
@@ -542,12 +511,12 @@ def main() -> None:
                         f.write(json.dumps(row) + "\n")
         return
     variants = args.variants.replace("families", FAMILY_VARIANTS).split(",")
-    if args.nproc > 1:
-        one_gpu = [v for v in variants if v == "attention" or not v.split(":")[1].startswith("tandem")]
-        if one_gpu:
-            parser.error(f"--nproc {args.nproc} runs tandem variants only (not {', '.join(one_gpu)})")
-        if torch.cuda.device_count() < args.nproc:
-            parser.error(f"--nproc {args.nproc}: this machine has {torch.cuda.device_count()} GPUs")
+    one_gpu = [v for v in variants if not v.split(":")[1].startswith("tandem")]
+    if one_gpu and (args.nproc > 1 or args.device == "cpu"):
+        given = f"--nproc {args.nproc}" if args.nproc > 1 else "--device cpu"
+        parser.error(f"{given} runs tandem variants only (not {', '.join(one_gpu)})")
+    if args.device == "cuda" and torch.cuda.device_count() < args.nproc:
+        parser.error(f"--nproc {args.nproc}: this machine has {torch.cuda.device_count()} GPUs")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     done = len(args.out.read_text().splitlines()) if args.out.exists() else 0
     for variant in variants:
@@ -561,6 +530,8 @@ def main() -> None:
             "--warmup",
             str(args.warmup),
             *(["--profile"] if args.profile else []),
+            "--device",
+            args.device,
         ]
         env = child_env(args.nproc)
         if variant.split(":")[0] in NEAR_FULL:
