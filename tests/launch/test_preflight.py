@@ -139,3 +139,34 @@ def test_wandb_section_without_the_package_is_one_line(model: Path, tmp_path: Pa
                 "--extra wandb` (or `pip install wandb`), or remove the section / set "
                 "monitor.wandb.mode = disabled"
             ], (why, done.stderr)
+
+
+def test_cudnn_attention_without_its_package_is_one_line(model: Path, tmp_path: Path) -> None:
+    """The cudnn module hidden (as without nvidia-cudnn-frontend): model.attention = "cudnn" fails
+    before any process starts, in one line."""
+    probe = (
+        "import sys\nsys.modules['cudnn'] = None\nfrom tandem.launch.cli import main\ncode = 0\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+        "print('exit', code, file=sys.stderr)\n"
+    )
+    argv = [
+        "--model.name",
+        str(model),
+        "--run_dir",
+        str(tmp_path / "run"),
+        "--inference.port",
+        str(free_port()),
+    ]
+    env = {"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        [sys.executable, "-c", probe, *argv, "--model.attention", "cudnn", "--dry-run"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.stderr.splitlines() == [
+        "rl: error: model.attention = 'cudnn' needs NVIDIA's cuDNN frontend: pip install "
+        "nvidia-cudnn-frontend (or another model.attention)",
+        "exit 2",
+    ], done.stderr

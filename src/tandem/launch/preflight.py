@@ -4,7 +4,8 @@ Each failure is one line naming the key or file (UserError / ConfigError): the m
 run directory (creatable, writable, and not a finished or running run unless --resume), every
 environment (its name, its args, and for the code environment the sandbox's isolation, which is
 logged), the longest prompt plus max_tokens against seq_len, a custom loss's import path and the
-servers' ports; with [monitor.wandb], that the wandb package is installed. Nothing here imports
+servers' ports; with [monitor.wandb], that the wandb package is installed, and with
+model.attention = "cudnn", the cuDNN frontend package. Nothing here imports
 torch unless the configured custom loss does.
 """
 
@@ -29,6 +30,8 @@ def preflight(plan: RunPlan, create: bool) -> None:
     check_model_source(plan.orchestrator.model.name)
     if plan.orchestrator.monitor.wandb_enabled:
         require_wandb()
+    if plan.runs_trainer:
+        check_attention_package(plan.trainer.model.attention)
     check_run_dir(config.run_dir, create)
     if not config.resume:
         check_fresh_start(config.run_dir)
@@ -40,6 +43,19 @@ def preflight(plan: RunPlan, create: bool) -> None:
     if counters is not None:
         for member in members:
             check_prompt_lengths(member.env, plan.orchestrator, *counters)
+
+
+def check_attention_package(attention: str) -> None:
+    """model.attention = "cudnn" needs NVIDIA's cuDNN frontend package (models/layers/cudnn_attention.py)."""
+    try:
+        found = attention != "cudnn" or importlib.util.find_spec("cudnn") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise UserError(
+            "model.attention = 'cudnn' needs NVIDIA's cuDNN frontend: pip install nvidia-cudnn-frontend "
+            "(or another model.attention)"
+        )
 
 
 def check_run_dir(run_dir: Path, create: bool) -> None:
