@@ -123,14 +123,20 @@ def run_core(core: EngineCore, prompts: list[list[int]], output_len: int, tag: s
     with measured(core) as result:
         for i, ids in enumerate(prompts):
             core.add_request(f"{tag}-{i}", ids, params, 1)
-        tokens, times = 0, []
+        tokens, times, launches = 0, [], []
         while core.has_work():
-            t = time.perf_counter()
+            t, launched = time.perf_counter(), core.timings["model"]
             for _, updates in core.step():
                 tokens += sum(len(u.token_ids) for u in updates)
             times.append(time.perf_counter() - t)
+            launches.append(core.timings["model"] - launched)
         result["output_tokens"] = tokens
     result["step_ms"] = step_spread(times)
+    # without a profiler: a step's host time launching the model against its wall time (which
+    # also waits for the step before's tokens): launch ≈ wall means the host is what limits it
+    result["first_steps_wall_launch_ms"] = [
+        (round(1e3 * w, 2), round(1e3 * h, 2)) for w, h in zip(times[:8], launches[:8], strict=True)
+    ]
     return result
 
 
@@ -593,6 +599,12 @@ def main() -> None:
         print(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in {**parts, **phases}.items()))
         if "step_ms" in r:
             print("    " + ", ".join(f"{k} {v:.1f} ms" for k, v in r["step_ms"].items()))
+        if "first_steps_wall_launch_ms" in r:
+            pairs = r["first_steps_wall_launch_ms"]
+            print(
+                "    first steps, wall / model launch ms: "
+                + ", ".join(f"{w:.1f} / {h:.1f}" for w, h in pairs)
+            )
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
 
