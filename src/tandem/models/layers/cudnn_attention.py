@@ -7,12 +7,12 @@ package (`nvidia-cudnn-frontend`, imported as `cudnn`) exposes the same kernels 
 differentiable operator `torch.ops.cudnn.sdpa_fwd`; this module calls it. The package is
 optional: `model.attention = "cudnn"` says at start when it is missing.
 
-The operator builds one cuDNN graph per (documents, longest document, total tokens) and caches
-it; a build selects and may compile kernels, not something for every step. So the documents
-are padded to a power of two with empty ones (their offsets repeat the last) and the longest
-length is rounded up to a power of two: the trainer's changing batches then reuse a few graphs.
-Neither may change an output (each document is bounded by its own length; the GPU tests check
-it), and neither is measured for its cost yet.
+The operator builds one cuDNN graph per number of documents and longest document (the backward's
+also per token count) and caches it; a build selects and may compile kernels, not something for
+every step. So the documents are padded to a power of two with empty ones (their offsets repeat
+the last) and the longest length is rounded up to a power of two: the trainer's changing batches
+then reuse a few graphs. Neither may change an output (each document is bounded by its own
+length; the GPU tests check it), and neither is measured for its cost yet.
 """
 
 import functools
