@@ -30,7 +30,7 @@ class ModelConfig(Section):
     attention: Literal["auto", "flex", "varlen", "cudnn", "sdpa", "sdpa_docs"] = Field(
         "auto",
         description="Packed-sequence attention of tandem's models: auto = the fastest measured on CUDA, "
-        "sdpa on CPU (docs/trainer.md).",
+        "sdpa on CPU; cudnn needs the nvidia-cudnn-frontend package (docs/trainer.md).",
     )
     head_logits: Literal["recompute", "keep"] = Field(
         "recompute",
