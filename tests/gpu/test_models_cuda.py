@@ -6,6 +6,7 @@ checkpointing, activation offload) keep the gradients and lower peak memory. Mar
 skipped without CUDA. (Context parallelism across ranks is tested with gloo on CPU:
 tests/trainer/test_context_parallel.py.)"""
 
+import functools
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -226,6 +227,46 @@ def test_query_columns_attend_like_the_whole_row(backend: str) -> None:
     part.backward(grad)
     for name, a, b in zip(["out", "q", "k", "v"], [part, q.grad, k.grad, v.grad], want, strict=True):
         assert rel(a, b) < 2e-2, (name, rel(a, b))
+
+
+@pytest.mark.parametrize("backend", ["varlen", CUDNN])
+def test_selective_checkpointing_keeps_custom_attention_outputs(backend: str) -> None:
+    """varlen's and cudnn's kernels are custom operators, opaque to selective checkpointing: the
+    policy names them (models/parallelism.py), so the backward's recomputation of a block runs
+    its elementwise work again but not attention (and the gradients stay those of no checkpoint)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from tandem.models.parallelism import _keep_matmuls
+
+    class Attentions(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            Attentions.calls += str(func) in ("torch_attn._varlen_attn.default", "cudnn.sdpa_fwd.default")
+            return func(*args, **(kwargs or {}))
+
+    docs = PackedDocs.from_positions(packed_positions([[100, 300, 112], [512]]), backend)
+    torch.manual_seed(0)
+    q = torch.randn(2, 512, 8, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 512, 2, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    grad = torch.randn_like(q)
+
+    def block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return packed_attention(torch.nn.functional.silu(q), k * 2, v, docs, 0.125)
+
+    block(q, k, v).backward(grad)
+    want = [t.grad.clone() for t in (q, k, v)]
+    q.grad = k.grad = v.grad = None
+    with Attentions():
+        context = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
+        out = checkpoint(block, q, k, v, use_reentrant=False, context_fn=context)
+        assert Attentions.calls == 1
+        out.backward(grad)
+    assert Attentions.calls == 1, "the recomputation ran attention again"
+    for name, a, b in zip(["q", "k", "v"], [q.grad, k.grad, v.grad], want, strict=True):
+        assert rel(a, b) < 1e-2, (name, rel(a, b))  # (the kernels' backward may add in any order)
 
 
 @pytest.fixture(scope="module")
