@@ -106,11 +106,11 @@ def test_the_command_line_answers_without_importing_torch(model: Path, tmp_path:
         )
 
 
-def test_wandb_section_without_the_package_is_one_line(model: Path, tmp_path: Path) -> None:
-    """The wandb module hidden (as without the extra): [monitor.wandb] fails at start, in one line;
-    mode = disabled needs no package."""
+def rl_without(module: str, model: Path, tmp_path: Path, *argv: str) -> list[str]:
+    """stderr's lines of the rl launcher run on a tiny model with `module` hidden (as if not
+    installed) and `argv`; the last is "exit N", N its exit code."""
     probe = (
-        "import sys\nsys.modules['wandb'] = None\nfrom tandem.launch.cli import main\ncode = 0\n"
+        f"import sys\nsys.modules[{module!r}] = None\nfrom tandem.launch.cli import main\ncode = 0\n"
         "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
         "print('exit', code, file=sys.stderr)\n"
     )
@@ -122,51 +122,37 @@ def test_wandb_section_without_the_package_is_one_line(model: Path, tmp_path: Pa
         "--inference.port",
         str(free_port()),
     ]
+    env = {"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        [sys.executable, "-c", probe, *base, *argv], capture_output=True, text=True, env=env, timeout=120
+    )
+    return done.stderr.splitlines()
+
+
+def test_wandb_section_without_the_package_is_one_line(model: Path, tmp_path: Path) -> None:
+    """The wandb module hidden (as without the extra): [monitor.wandb] fails at start, in one line;
+    mode = disabled needs no package."""
     cases = {
         "dry run": (["--monitor.wandb.project", "p", "--dry-run"], 2),
         "disabled": (["--monitor.wandb.mode", "disabled", "--dry-run"], 0),
     }
-    env = {"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""}
     for why, (argv, code) in cases.items():
-        done = subprocess.run(
-            [sys.executable, "-c", probe, *base, *argv], capture_output=True, text=True, env=env, timeout=120
-        )
-        lines = done.stderr.splitlines()
-        assert lines[-1] == f"exit {code}", (why, done.stderr)
+        lines = rl_without("wandb", model, tmp_path, *argv)
+        assert lines[-1] == f"exit {code}", (why, lines)
         if code:
             assert lines[:-1] == [
                 "rl: error: [monitor.wandb] is set but the wandb package is not installed: `uv sync "
                 "--extra wandb` (or `pip install wandb`), or remove the section / set "
                 "monitor.wandb.mode = disabled"
-            ], (why, done.stderr)
+            ], (why, lines)
 
 
 def test_cudnn_attention_without_its_package_is_one_line(model: Path, tmp_path: Path) -> None:
     """The cudnn module hidden (as without nvidia-cudnn-frontend): model.attention = "cudnn" fails
     before any process starts, in one line."""
-    probe = (
-        "import sys\nsys.modules['cudnn'] = None\nfrom tandem.launch.cli import main\ncode = 0\n"
-        "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
-        "print('exit', code, file=sys.stderr)\n"
-    )
-    argv = [
-        "--model.name",
-        str(model),
-        "--run_dir",
-        str(tmp_path / "run"),
-        "--inference.port",
-        str(free_port()),
-    ]
-    env = {"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run(
-        [sys.executable, "-c", probe, *argv, "--model.attention", "cudnn", "--dry-run"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
-    assert done.stderr.splitlines() == [
+    lines = rl_without("cudnn", model, tmp_path, "--model.attention", "cudnn", "--dry-run")
+    assert lines == [
         "rl: error: model.attention = 'cudnn' needs NVIDIA's cuDNN frontend: pip install "
         "nvidia-cudnn-frontend (or another model.attention)",
         "exit 2",
-    ], done.stderr
+    ], lines
