@@ -152,7 +152,7 @@ def run_rank(paths: dict[str, str], out: str) -> None:
             results[name]["stats"] = rl_step_stats(model, world, group, groups, parallel)
     if world.is_main:
         torch.save(results, out)
-    shutdown()
+    shutdown(completed=True)
 
 
 def forked_rank(rank: int, ranks: int, port: int, paths: dict[str, str], out: str) -> None:

@@ -90,9 +90,17 @@ def _device_id(device: torch.device) -> torch.device | None:
     return device if device.type == "cuda" else None
 
 
-def shutdown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown(completed: bool = False) -> None:
+    """Tear the process groups down. After a `completed` run every rank first waits for the
+    others: a gloo rank that tore its group down while another still worked in it (rank 0 at the
+    end of a run, rank 1 already done) aborted ("terminate called without an active exception";
+    seen twice in CI on 2 CPU ranks, 2026-12-04 and -05). After a failure nothing waits: the
+    other ranks may never arrive."""
+    if not dist.is_initialized():
+        return
+    if completed:
+        barrier()
+    dist.destroy_process_group()
 
 
 def barrier() -> None:

@@ -152,10 +152,13 @@ def train_step(
 def train(cfg: RLTrainerConfig) -> dict[str, Any]:
     """Run the RL trainer (single process or one torchrun rank); returns the last step's stats."""
     world = init_distributed(cfg.model.device)
+    completed = False
     try:
-        return _train(cfg, world)
+        result = _train(cfg, world)
+        completed = True
+        return result
     finally:
-        shutdown()
+        shutdown(completed)
 
 
 def _train(cfg: RLTrainerConfig, world: World) -> dict[str, Any]:

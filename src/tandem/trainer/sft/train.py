@@ -89,10 +89,13 @@ def prepare_model_source(cfg: SFTConfig, world: World) -> None:
 def train(cfg: SFTConfig) -> dict[str, Any]:
     """Run SFT as configured (single process or one torchrun rank); returns the final summary."""
     world = init_distributed(cfg.model.device)
+    completed = False
     try:
-        return _train(cfg, world)
+        result = _train(cfg, world)
+        completed = True
+        return result
     finally:
-        shutdown()
+        shutdown(completed)
 
 
 def _train(cfg: SFTConfig, world: World) -> dict[str, Any]:
