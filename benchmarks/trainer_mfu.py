@@ -39,7 +39,8 @@ drawn once with a fixed seed), random-init weights, one optimizer step per itera
   logits, fused AdamW; `hf_compiled` is the same under torch.compile.
 - `rl:<impl>`: the RL trainer's step (trainer/rl/train.py `train_step`) on micro-batches the
   orchestrator's packer builds from 128 samples of 20–200 tokens (seq_len 2048, 8,192 tokens
-  per micro-batch), fresh samples every step, so shapes vary as they do in a run.
+  per micro-batch), fresh samples every step, so shapes vary as they do in a run;
+  `rl:tandem-<backend>` with that `model.attention`.
 - `glm-4.5-air`, `minimax-m2`, `glm-5` (`--variants families` runs their tandem and hf
   variants): the published configs' layer shapes (benchmarks/bench_models.py FAMILY_SHAPES)
   with the layer count cut to fit one H200's 141 GB: GLM-4.5-Air 2 layers (1 dense + 1 MoE),
@@ -393,7 +394,11 @@ def run_rl(impl: str, steps: int, warmup: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(tmp) / "model"
         AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(checkpoint)
-        cfg = build_config(RLTrainerConfig, overrides=[("model.name", str(checkpoint)), ("model.impl", impl)])
+        impl, _, attention = impl.partition("-")  # rl:tandem-<backend>: that model.attention
+        overrides = [("model.name", str(checkpoint)), ("model.impl", impl)]
+        cfg = build_config(
+            RLTrainerConfig, overrides=overrides + ([("model.attention", attention)] if attention else [])
+        )
         load_start = time.perf_counter()
         model = build_trainer_model(cfg.model, world, cfg.parallel)
         torch.cuda.synchronize()
