@@ -9,7 +9,9 @@ are parallelised by their family's parallelize.py over the meshes built here (`b
 Hugging Face models (model.impl = "hf") by `apply_fsdp` below.
 """
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -88,6 +90,19 @@ def data_shard(world: World, cp: int) -> tuple[int, int]:
 
 def _device_id(device: torch.device) -> torch.device | None:
     return device if device.type == "cuda" else None
+
+
+@contextlib.contextmanager
+def distributed(device: str = "auto") -> Iterator[World]:
+    """init_distributed, and shutdown when the block ends: completed when it returned, not
+    completed when it raised."""
+    world = init_distributed(device)
+    completed = False
+    try:
+        yield world
+        completed = True
+    finally:
+        shutdown(completed)
 
 
 def shutdown(completed: bool = False) -> None:

@@ -29,7 +29,7 @@ from tandem.trainer.checkpoint import checkpoint_to_resume, load_checkpoint, sav
 from tandem.trainer.expert_load import expert_load
 from tandem.trainer.model import build_trainer_model, lora_enabled
 from tandem.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
-from tandem.trainer.parallel import World, all_reduce_sum, data_shard, init_distributed, shutdown
+from tandem.trainer.parallel import World, all_reduce_sum, data_shard, distributed
 from tandem.trainer.rl.config import RLTrainerConfig
 from tandem.trainer.rl.loss import LossInputs, LossStats, build_objective, policy_loss
 from tandem.trainer.weight_publisher import PolicyPublisher
@@ -151,14 +151,8 @@ def train_step(
 
 def train(cfg: RLTrainerConfig) -> dict[str, Any]:
     """Run the RL trainer (single process or one torchrun rank); returns the last step's stats."""
-    world = init_distributed(cfg.model.device)
-    completed = False
-    try:
-        result = _train(cfg, world)
-        completed = True
-        return result
-    finally:
-        shutdown(completed)
+    with distributed(cfg.model.device) as world:
+        return _train(cfg, world)
 
 
 def _train(cfg: RLTrainerConfig, world: World) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from tandem.trainer.hf_export import write_hf_model
 from tandem.trainer.model import build_trainer_model, lora_enabled
 from tandem.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from tandem.trainer.packing import MicroBatch, make_micro_batches, pack_rows, shard_rows
-from tandem.trainer.parallel import World, all_reduce_sum, barrier, data_shard, init_distributed, shutdown
+from tandem.trainer.parallel import World, all_reduce_sum, barrier, data_shard, distributed
 from tandem.trainer.sft.config import SFTConfig
 from tandem.trainer.sft.data import SFTDataset, build_dataset
 from tandem.trainer.sft.evaluation import evaluate_held_out
@@ -88,14 +88,8 @@ def prepare_model_source(cfg: SFTConfig, world: World) -> None:
 
 def train(cfg: SFTConfig) -> dict[str, Any]:
     """Run SFT as configured (single process or one torchrun rank); returns the final summary."""
-    world = init_distributed(cfg.model.device)
-    completed = False
-    try:
-        result = _train(cfg, world)
-        completed = True
-        return result
-    finally:
-        shutdown(completed)
+    with distributed(cfg.model.device) as world:
+        return _train(cfg, world)
 
 
 def _train(cfg: SFTConfig, world: World) -> dict[str, Any]:
