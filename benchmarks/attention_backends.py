@@ -18,10 +18,12 @@ micro-batch in the trainer), the first call's time (compiles, graph builds) and 
 call on `--fresh` new batches of the same kind (what a run with changing batches pays: flex's
 block masks are data, cuDNN's graphs are cached per bucket), and the largest relative error of
 the output and the three gradients against `sdpa_docs` (exact; one SDPA call per document).
-`flex+...` rows are flex_attention called with those kernel options.
+`flex+...` rows are flex_attention called with those kernel options; `cudnn-exact` is cudnn
+without its padding of documents and lengths (what the buckets cost once their graphs exist).
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -33,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from tandem.models.layers.attention import PackedDocs, packed_attention  # noqa: E402
+from tandem.models.layers.cudnn_attention import require_cudnn_frontend  # noqa: E402
 
 HEAD_DIM = 128
 # flex's own kernel options against its defaults (block sizes must divide the mask's 128): Hopper's
@@ -44,7 +47,7 @@ FLEX_OPTIONS = {
     "flex+fwd128": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_warps": 8, "fwd_num_stages": 3},
     "flex+tma+bwd128": {"USE_TMA": True, **_BWD128, "bwd_num_warps": 8, "bwd_num_stages": 3},
 }
-BACKENDS = ("flex", "varlen", "cudnn", "sdpa_docs", "sdpa", *FLEX_OPTIONS)
+BACKENDS = ("flex", "varlen", "cudnn", "cudnn-exact", "sdpa_docs", "sdpa", *FLEX_OPTIONS)
 BATCHES = {"mfu": (4, 4096, 256, 2304), "rl": (4, 2048, 20, 200)}  # rows, width, shortest, longest
 
 
@@ -100,10 +103,20 @@ def forward_backward(attend, q, k, v, grad, packed) -> list[torch.Tensor]:  # no
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
-def first_call_ms(attend, docs_backend: str, positions, tensors) -> float:  # noqa: ANN001
+def packed_docs(positions: torch.Tensor, backend: str) -> PackedDocs:
+    """The documents as `backend` takes them. `cudnn-exact` is cudnn without its buckets (the
+    documents and the longest length as they are, one cuDNN graph per batch): the price of the
+    padding and rounding in the steady state."""
+    if backend == "cudnn-exact":
+        require_cudnn_frontend()
+        return dataclasses.replace(PackedDocs.from_positions(positions, "varlen"), backend="cudnn")
+    return PackedDocs.from_positions(positions, "flex" if backend in FLEX_OPTIONS else backend)
+
+
+def first_call_ms(attend, backend: str, positions, tensors) -> float:  # noqa: ANN001
     torch.cuda.synchronize()
     start = time.perf_counter()
-    forward_backward(attend, *tensors, PackedDocs.from_positions(positions, docs_backend))
+    forward_backward(attend, *tensors, packed_docs(positions, backend))
     torch.cuda.synchronize()
     return (time.perf_counter() - start) * 1e3
 
@@ -112,19 +125,16 @@ def measure(backend: str, batch: str, heads: int, kv_heads: int, fresh: int, see
     import triton.testing
 
     device = torch.device("cuda")
-    docs_backend = "flex" if backend in FLEX_OPTIONS else backend
     attend = attend_with(backend)
     lengths = document_lengths(batch, seed)
     positions = positions_of(lengths, device)
     tensors = inputs(positions.shape, heads, kv_heads, device)
-    first_ms = first_call_ms(attend, docs_backend, positions, tensors)
+    first_ms = first_call_ms(attend, backend, positions, tensors)
     fresh_ms = [
-        first_call_ms(
-            attend, docs_backend, positions_of(document_lengths(batch, seed + 1 + i), device), tensors
-        )
+        first_call_ms(attend, backend, positions_of(document_lengths(batch, seed + 1 + i), device), tensors)
         for i in range(fresh)
     ]
-    packed = PackedDocs.from_positions(positions, docs_backend)
+    packed = packed_docs(positions, backend)
     got = forward_backward(attend, *tensors, packed)
     want = forward_backward(packed_attention, *tensors, PackedDocs.from_positions(positions, "sdpa_docs"))
     error = max(
@@ -134,7 +144,7 @@ def measure(backend: str, batch: str, heads: int, kv_heads: int, fresh: int, see
         lambda: forward_backward(attend, *tensors, packed), warmup=100, rep=500, return_mode="median"
     )
     setup_ms = triton.testing.do_bench(
-        lambda: PackedDocs.from_positions(positions, docs_backend), warmup=20, rep=200, return_mode="median"
+        lambda: packed_docs(positions, backend), warmup=20, rep=200, return_mode="median"
     )
     pairs = sum(n * (n + 1) / 2 for row in lengths for n in row)
     flops = 7 * 2 * heads * HEAD_DIM * pairs  # 7 matmuls (fwd 2, bwd 5) of 2·d FLOPs per pair and head
