@@ -12,7 +12,8 @@ over the documents of a packed micro-batch:
   tail is one more document, as the packer pads it).
 
 Per backend and batch: the median time of a forward and backward (triton's do_bench, the
-same inputs each call), the causal TFLOP/s of that (forward 2 matmuls, backward 5, half the
+same inputs each call), the GPU time of its kernels alone (torch.profiler; a wall time well above
+it means the host's launches, not the kernels, set the pace when nothing else is queued), the causal TFLOP/s of that (forward 2 matmuls, backward 5, half the
 query-key pairs), the time to build the backend's document description (`PackedDocs`, once per
 micro-batch in the trainer), the first call's time (compiles, graph builds) and then the first
 call on `--fresh` new batches of the same kind (what a run with changing batches pays: flex's
@@ -121,6 +122,19 @@ def first_call_ms(attend, backend: str, positions, tensors) -> float:  # noqa: A
     return (time.perf_counter() - start) * 1e3
 
 
+def kernels_ms(run, repeats: int = 10) -> float:  # noqa: ANN001
+    """GPU time per call of what `run` launches: its kernels and copies, summed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            run()
+        torch.cuda.synchronize()
+    return sum(event.self_device_time_total for event in prof.key_averages()) / repeats / 1e3
+
+
 def measure(backend: str, batch: str, heads: int, kv_heads: int, fresh: int, seed: int) -> dict:
     import triton.testing
 
@@ -143,6 +157,7 @@ def measure(backend: str, batch: str, heads: int, kv_heads: int, fresh: int, see
     ms = triton.testing.do_bench(
         lambda: forward_backward(attend, *tensors, packed), warmup=100, rep=500, return_mode="median"
     )
+    gpu_ms = kernels_ms(lambda: forward_backward(attend, *tensors, packed))
     setup_ms = triton.testing.do_bench(
         lambda: packed_docs(positions, backend), warmup=20, rep=200, return_mode="median"
     )
@@ -154,6 +169,7 @@ def measure(backend: str, batch: str, heads: int, kv_heads: int, fresh: int, see
         "heads": f"{heads}:{kv_heads}",
         "documents": sum(len(row) for row in lengths),
         "ms": ms,
+        "kernels_ms": gpu_ms,
         "tflops": flops / ms / 1e9,
         "setup_ms": setup_ms,
         "first_ms": first_ms,
@@ -178,7 +194,7 @@ def main() -> None:
     heads, kv_heads = (int(n) for n in args.heads.split(":"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     print(
-        f"{'backend':16} {'batch':5} {'docs':>5} {'fwd+bwd ms':>10} {'TFLOP/s':>8} {'setup ms':>9} "
+        f"{'backend':16} {'batch':5} {'docs':>5} {'fwd+bwd ms':>10} {'kernels ms':>10} {'TFLOP/s':>8} {'setup ms':>9} "
         f"{'first ms':>9} {'fresh first ms':>20} {'rel err':>8}"
     )
     for batch in args.batches.split(","):
@@ -191,7 +207,7 @@ def main() -> None:
             else:
                 fresh = " ".join(f"{t:.0f}" for t in row["fresh_ms"])
                 print(
-                    f"{backend:16} {batch:5} {row['documents']:5} {row['ms']:10.3f} {row['tflops']:8.0f} "
+                    f"{backend:16} {batch:5} {row['documents']:5} {row['ms']:10.3f} {row['kernels_ms']:10.3f} {row['tflops']:8.0f} "
                     f"{row['setup_ms']:9.2f} {row['first_ms']:9.0f} {fresh:>20} {row['rel_error']:8.1e}",
                     flush=True,
                 )
