@@ -347,6 +347,7 @@ def summary(config, docs: list[int], times: list[float], warm: float, **extra: o
         "mfu": step_flops(config, docs) / median / PEAK_FLOPS,
         "step_s": median,
         "step_s_min": min(times),
+        "steps_s": [round(t, 4) for t in times],
         "warmup_s": warm,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else float("nan"),
         **extra,
@@ -504,8 +505,12 @@ def main() -> None:
         global PROFILE_DIR, DEVICE
         PROFILE_DIR = args.out.parent if args.profile else None
         DEVICE = args.device
+        from tandem.trainer.parallel import shutdown
+
+        completed = False
         try:
             rows = run_one(args.one, args.steps, args.warmup)
+            completed = True
         except Exception as e:
             rows = [{"variant": args.one, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}]
             raise
@@ -514,6 +519,7 @@ def main() -> None:
                 with args.out.open("a") as f:
                     for row in rows:
                         f.write(json.dumps(row) + "\n")
+            shutdown(completed)
         return
     variants = args.variants.replace("families", FAMILY_VARIANTS).split(",")
     one_gpu = [v for v in variants if not v.split(":")[1].startswith("tandem")]
