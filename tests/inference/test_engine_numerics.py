@@ -217,6 +217,37 @@ def test_prompts_of_one_length_beside_decodes(family_model, hf_model) -> None:
         assert got[rid] == hf_greedy(hf_model, ids, 12), rid
 
 
+def test_a_prompt_that_fits_the_next_step_waits_instead_of_splitting(family_model, hf_model) -> None:
+    """A 32-token step with a 20-token prompt in it: a second 20-token prompt waits for the next
+    step (whole), while a 40-token prompt, which no step holds, is split as before; the tokens
+    are transformers' either way."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    cases = {
+        "fits": {"a": list(range(3, 23)), "b": list(range(30, 50))},
+        "too long": {"a": list(range(3, 23)), "c": list(range(60, 100))},
+    }
+    for case, requests in cases.items():
+        core = EngineCore(engine_config(family_model, max_num_batched_tokens=32))
+        for rid, ids in requests.items():
+            core.add_request(rid, ids, params, 1)
+        got: dict[str, list[int]] = {}
+
+        def step(core: EngineCore = core, got: dict = got) -> None:
+            for rid, updates in core.step(lookahead=False):
+                got.setdefault(rid, []).extend(t for u in updates for t in u.token_ids)
+
+        step()
+        cached = sorted(s.num_cached for s in core.scheduler.running)
+        if case == "fits":
+            assert cached == [20] and len(core.scheduler.waiting) == 1, cached
+        else:
+            assert cached == [12, 20] and not core.scheduler.waiting, cached
+        while core.has_work():
+            step()
+        for rid, ids in requests.items():
+            assert got[rid] == hf_greedy(hf_model, ids, 6), (case, rid)
+
+
 def test_varlen_prompts_match_the_padded_batch(family_model: Path) -> None:
     """engine.prompt_attention = varlen lays whole prompts out as segments of the step's rows (one
     SDPA call per prompt on CPU) instead of a padded batch: the same greedy tokens and logprobs in a

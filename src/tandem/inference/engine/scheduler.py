@@ -4,7 +4,10 @@ Every step the running sequences go first (decodes take one token, a partly pref
 takes the next chunk), then waiting sequences join in arrival order while the token budget,
 `max_num_seqs` and free KV blocks allow; a joining sequence first takes the blocks of its
 longest cached prefix (block_manager.py) and computes only the rest. A prompt longer than the
-remaining budget is prefilled in chunks over several steps. When a running sequence needs a
+remaining budget is prefilled in chunks over several steps, except one that would fit whole in the
+next step beside the running sequences while this step already prefills another prompt: it waits
+a step instead (split, its second part would attend as a chunk over the cache, and its first
+token would still come after the next step). When a running sequence needs a
 block and none is free, the newest running sequence is preempted: its blocks are freed and it goes back to the front of the queue
 to be recomputed later, so the cache never overflows.
 """
@@ -101,11 +104,16 @@ class Scheduler:
         every token's keys and values before any attention reads the cache. `max_num_seqs`
         bounds the rows a step samples: a running prompt not yet forked counts its fan-out."""
         rows = sum(s.fan_out for s in self.running)
+        beside_running = budget  # what a step holds beside this step's running sequences
+        admitted = False
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if rows and rows + seq.fan_out > self.max_num_seqs:
                 break
             hit = self.blocks.match_prefix(seq)
+            if admitted and budget < seq.num_uncached <= beside_running:  # whole, next step
+                self.blocks.free(seq)  # the matched blocks go back; the next try matches again
+                break
             count = min(seq.num_uncached, budget)
             if not self.blocks.allocate(seq, seq.num_cached + count):
                 self.blocks.free(seq)  # the matched blocks go back; the next try matches again
@@ -119,6 +127,7 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(count)
             budget -= count
+            admitted = True
         return budget
 
     def _make_room(self, seq: Sequence, num_tokens: int, preempt: bool) -> bool:
