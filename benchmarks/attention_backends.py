@@ -12,9 +12,9 @@ over the documents of a packed micro-batch:
   tail is one more document, as the packer pads it).
 
 Per backend and batch: the median time of a forward and backward (triton's do_bench, the
-same inputs each call), the GPU time of its kernels alone (torch.profiler; a wall time well above
-it means the host's launches, not the kernels, set the pace when nothing else is queued), the causal TFLOP/s of that (forward 2 matmuls, backward 5, half the
-query-key pairs), the time to build the backend's document description (`PackedDocs`, once per
+same inputs each call) and the causal TFLOP/s of that (forward 2 matmuls, backward 5, half the
+query-key pairs), the GPU time of its kernels alone (torch.profiler; a wall time well above it
+means the host's work, not the kernels, sets the pace when nothing else is queued), the time to build the backend's document description (`PackedDocs`, once per
 micro-batch in the trainer), the first call's time (compiles, graph builds) and then the first
 call on `--fresh` new batches of the same kind (what a run with changing batches pays: flex's
 block masks are data, cuDNN's graphs are cached per bucket), and the largest relative error of
