@@ -14,11 +14,12 @@ over the documents of a packed micro-batch:
 Per backend and batch: the median time of a forward and backward (triton's do_bench, the
 same inputs each call) and the causal TFLOP/s of that (forward 2 matmuls, backward 5, half the
 query-key pairs), the GPU time of its kernels alone (torch.profiler; a wall time well above it
-means the host's work, not the kernels, sets the pace when nothing else is queued), the time to build the backend's document description (`PackedDocs`, once per
-micro-batch in the trainer), the first call's time (compiles, graph builds) and then the first
-call on `--fresh` new batches of the same kind (what a run with changing batches pays: flex's
-block masks are data, cuDNN's graphs are cached per bucket), and the largest relative error of
-the output and the three gradients against `sdpa_docs` (exact; one SDPA call per document).
+means the host's work, not the kernels, sets the pace when nothing else is queued), the time
+to build the backend's document description (`PackedDocs`, once per micro-batch in the trainer),
+the first call's time (compiles, graph builds) and then the first call on `--fresh` new batches
+of the same kind (what a run with changing batches pays: flex's block masks are data, cuDNN's
+graphs are cached per bucket), and the largest relative error of the output and the three
+gradients against `sdpa_docs` (exact; one SDPA call per document).
 `flex+...` rows are flex_attention called with those kernel options; `cudnn-exact` is cudnn
 without its padding of documents and lengths (what the buckets cost once their graphs exist).
 """
