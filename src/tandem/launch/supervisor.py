@@ -146,6 +146,7 @@ class Supervisor:
             code = self._supervise()
         finally:
             self._stop_all()
+            self._drain_logs()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         if code == 0:
@@ -284,6 +285,14 @@ class Supervisor:
                             self.prog, f"cannot write {log_path} ({e}); {name}'s log stops here"
                         )
                         log.close()
+
+    def _drain_logs(self) -> None:
+        """Wait until every ended child's last output is in its log: a job that exited may still
+        have lines in its pipe that its pump has not written yet (the pump ends at the pipe's end;
+        a descendant that keeps the pipe open is waited for at most 5 s)."""
+        for child in self.children:
+            if child.popen.poll() is not None:
+                child.pump.join(timeout=5)
 
     def _stop_all(self) -> None:
         """SIGTERM every process group still alive, SIGKILL what is left after the grace period."""
