@@ -507,10 +507,8 @@ def main() -> None:
         DEVICE = args.device
         from tandem.trainer.parallel import shutdown
 
-        completed = False
         try:
             rows = run_one(args.one, args.steps, args.warmup)
-            completed = True
         except Exception as e:
             rows = [{"variant": args.one, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}]
             raise
@@ -519,7 +517,7 @@ def main() -> None:
                 with args.out.open("a") as f:
                     for row in rows:
                         f.write(json.dumps(row) + "\n")
-            shutdown(completed)
+        shutdown(completed=True)  # (after a failure the process exits with the error)
         return
     variants = args.variants.replace("families", FAMILY_VARIANTS).split(",")
     one_gpu = [v for v in variants if not v.split(":")[1].startswith("tandem")]

@@ -315,8 +315,7 @@ class Supervisor:
                 self.say(f"{child.name} still running ({reason}); sending SIGKILL")
                 _signal_group(child.popen.pid, signal.SIGKILL)
         for child in live:
-            child.popen.wait(timeout=10)
-            child.pump.join(timeout=5)
+            child.popen.wait(timeout=10)  # (run() then waits for their logs: _drain_logs)
 
     # ---- outcomes ----------------------------------------------------------------------------
 
