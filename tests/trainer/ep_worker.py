@@ -18,7 +18,7 @@ from tandem.config.base import ModelConfig
 from tandem.trainer.config import OptimConfig, ParallelConfig
 from tandem.trainer.model import build_trainer_model
 from tandem.trainer.optim import build_optimizer, clip_grad_norm, gradient
-from tandem.trainer.parallel import all_reduce_sum, init_distributed, shutdown
+from tandem.trainer.parallel import all_reduce_sum, end_process, init_distributed, shutdown
 from tandem.trainer.weight_stream import iter_hf_weights
 
 STEPS, ROWS, WIDTH = 3, 8, 48
@@ -64,6 +64,7 @@ def main() -> None:
     if world.is_main:
         torch.save({"losses": losses, "grads": grads, "weights": weights}, out)
     shutdown(completed=True)  # every rank done (rank 0 saved) before any tears its gloo group down
+    end_process()
 
 
 if __name__ == "__main__":

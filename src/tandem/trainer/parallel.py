@@ -10,10 +10,14 @@ Hugging Face models (model.impl = "hf") by `apply_fsdp` below.
 """
 
 import contextlib
+import ctypes
+import logging
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -107,15 +111,35 @@ def distributed(device: str = "auto") -> Iterator[World]:
 
 def shutdown(completed: bool = False) -> None:
     """Tear the process groups down. After a `completed` run every rank first waits for the
-    others: a gloo rank that tore its group down while another still worked in it (rank 0 at the
-    end of a run, rank 1 already done) aborted ("terminate called without an active exception";
-    seen twice in CI on 2 CPU ranks, 2026-12-04 and -05). After a failure nothing waits: the
-    other ranks may never arrive."""
+    others, so none closes its connections while another still talks to it; after a failure
+    nothing waits (the other ranks may never arrive). A trainer process then ends through
+    `end_process`."""
     if not dist.is_initialized():
         return
     if completed:
         barrier()
     dist.destroy_process_group()
+
+
+def end_process() -> NoReturn:
+    """Exit a trainer process whose run completed (and whose groups are shut down) with status 0,
+    without the interpreter's finalization.
+
+    Why: a gloo rank sometimes aborted after its run had finished and its group was destroyed
+    ("terminate called without an active exception", SIGABRT): three times in CI's 2-rank CPU
+    runs, with and without a barrier first; never in 43 runs here. The likely mechanism (not
+    reproduced): a gloo worker thread still holds a collective's tensors when Python starts
+    finalizing, releasing one takes the GIL, the interpreter ends that thread, and the unwind
+    through a C++ destructor terminates the process (pytorch/pytorch#179291 describes this
+    class). Skipping finalization avoids it whatever the thread. A finished trainer leaves it
+    nothing to do: its files are written and closed, and the buffers are flushed here. Ranks
+    started by multiprocessing (tests/trainer/cp_worker.py) always ended this way (os._exit) and
+    never aborted."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    logging.shutdown()
+    ctypes.CDLL(None).fflush(None)  # C stdio buffers (native libraries' output)
+    os._exit(0)
 
 
 def barrier() -> None:

@@ -6,7 +6,11 @@ from tandem.trainer.rl.config import RLTrainerConfig
 
 
 def main() -> None:
+    """Run the trainer; a completed run exits without interpreter finalization (parallel.end_process)."""
     run_cli(_run, "trainer")
+    from tandem.trainer.parallel import end_process
+
+    end_process()
 
 
 def _run() -> None:

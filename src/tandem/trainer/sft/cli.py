@@ -6,7 +6,11 @@ from tandem.trainer.sft.config import SFTConfig
 
 
 def main() -> None:
-    run_cli(lambda: _run(), "sft")
+    """Run the trainer; a completed run exits without interpreter finalization (parallel.end_process)."""
+    run_cli(_run, "sft")
+    from tandem.trainer.parallel import end_process
+
+    end_process()
 
 
 def _run() -> None:
