@@ -19,7 +19,8 @@ BUDGET=${BUDGET:-530}  # seconds for everything; each part gets at most what is 
 start=$(date +%s)
 
 PARTS=${PARTS:-engine,http,fp8,moe,gpu_tests,prefix}  # which parts run (two device calls: split them)
-# (also `mixed`, not by default: the engine part on prompts of 64–192 tokens, where prompt kernels differ)
+# (also `mixed`, not by default: the engine part on prompts of 64–192 tokens, where prompt kernels differ;
+# and `pieces,pieces_http`: engine.prompt_graphs against the plain forward, in the core and over HTTP)
 source "$(dirname "$0")/gpu_part.sh"
 want() { [[ ",$PARTS," == *",$1,"* ]]; }
 
@@ -34,6 +35,9 @@ want http && part http 300 python3 benchmarks/inference_throughput.py --num-requ
 want fp8 && part fp8 240 python3 benchmarks/fp8_decode.py --concurrency 16 64 256 --kernel rowwise triton \
   --out "$OUT/fp8.json"
 want moe && part moe 110 python3 benchmarks/moe_decode.py --num-layers 12 --out "$OUT/moe.json"
+want pieces && part pieces 300 python3 benchmarks/prompt_graphs.py --out "$OUT/prompt_graphs.json"
+want pieces_http && part pieces_http 240 python3 benchmarks/inference_throughput.py --num-requests 256 --prompt-len 128 \
+  --output-len 256 --skip-transformers --compare-prompt-graphs --out "$OUT/http_pieces.json"
 want gpu_tests && part gpu_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_engine_cuda.py
 want prefix && part prefix 120 python3 benchmarks/prefix_cache.py --out "$OUT/prefix.json"
 tail -n 3 "$OUT/gpu_tests.log" 2>/dev/null

@@ -77,7 +77,8 @@ class Chunks:
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] cache slot each new token's key/value is written to
+    slot_mapping: torch.Tensor | None  # [T] cache slot each new token's key/value is written to (None:
+    # written already, by a piece before attention: piecewise.py)
     decodes: Decodes | None = None
     prompts: Prompts | VarlenPrompts | None = None
     chunks: list[Chunks] = field(default_factory=list)  # groups small enough to gather at once

@@ -73,6 +73,8 @@ class EngineCore:
             cfg.max_num_seqs,
             max_rows=cfg.max_num_seqs + cfg.max_n,  # a step draws at most this many rows (scheduler.py)
             prompt_attention=cfg.prompt_attention,
+            prompt_graphs=cfg.prompt_graphs,
+            max_tokens=cfg.max_num_batched_tokens,
         )
         self.blocks = BlockManager(
             num_blocks, cfg.block_size, -(-self.max_model_len // cfg.block_size), cfg.prefix_caching

@@ -34,6 +34,7 @@ from tandem.cli import UserError
 from tandem.inference.engine.attention import AttentionMetadata, Chunks, Decodes, Prompts, VarlenPrompts
 from tandem.inference.engine.block_manager import BlockManager
 from tandem.inference.engine.models import model_class
+from tandem.inference.engine.piecewise import PiecewiseForward
 from tandem.inference.engine.scheduler import ScheduledBatch
 from tandem.inference.engine.sequence import PLACEHOLDER, Sequence
 from tandem.inference.engine.transfer import copy_to, host_to_device, to_device
@@ -153,6 +154,8 @@ class ModelRunner:
         max_num_seqs: int,
         max_rows: int,
         prompt_attention: str,
+        prompt_graphs: bool = False,
+        max_tokens: int = 0,
     ) -> None:
         self.model = model
         self.prompt_kernels = PROMPT_KERNELS[prompt_attention] if device.type == "cuda" else None
@@ -183,6 +186,26 @@ class ModelRunner:
                 MIN_CPU_ROWS,
             )
         self.replay_events: list | None = None  # set to a list to time every graph replay (benchmarks)
+        self.piecewise = self._piecewise(prompt_graphs, cuda_graphs, dtype, max_tokens)
+
+    def _piecewise(
+        self, wanted: bool, cuda_graphs: bool, dtype: torch.dtype, max_tokens: int
+    ) -> PiecewiseForward | None:
+        """Steps with prompts as pieces between attention calls (`engine.prompt_graphs`): graphed on
+        CUDA, eager on CPU (piecewise.py); None where the model or the settings do not allow it."""
+        if not wanted:
+            return None
+        cuda = self.device.type == "cuda"
+        why_not = (
+            "the model's layers do not split at attention" if not self.model.splits_at_attention()
+            else "engine.cuda_graphs is off" if cuda and not cuda_graphs
+            else "the model's steps cannot be captured in this dtype" if cuda and not self.model.graph_safe(dtype)
+            else None
+        )  # fmt: skip
+        if why_not is not None:
+            log.warning("engine.prompt_graphs: steps with prompts run without graphs (%s)", why_not)
+            return None
+        return PiecewiseForward(self.model, self.kv_caches, self.sampled, max_tokens, use_graphs=cuda)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
@@ -229,7 +252,8 @@ class ModelRunner:
         slots = blocks.tables[table_rows[of_row], positions // size] * size + positions % size
         done = cached + lens == np.fromiter((s.num_tokens for s in seqs), np.int64, n)
         last_rows = (starts + lens - 1)[done]  # sequences whose uncached tokens all run now
-        meta = AttentionMetadata(slot_mapping=self._array(slots))
+        piecewise = self.piecewise is not None and self.piecewise.fits(len(ids))
+        meta = AttentionMetadata(slot_mapping=None if piecewise else self._array(slots))
         if decodes:
             width = max(len(seqs[i].block_table) for i in decodes)
             meta.decodes = Decodes(
@@ -245,14 +269,19 @@ class ModelRunner:
             else:
                 meta.prompts = self._padded_prompts(starts[prompts], lens[prompts], span)
         meta.chunks = self._chunks(batch, blocks, chunks, starts, table_rows)
-        input_ids = self._tensor(ids)
+        src = None
         if fed:
             src = np.full(len(ids), -1, dtype=np.int64)
             for row, seq in fed:
                 src[row] = _feed_row(feed, seq)
-            input_ids = self._feed(input_ids, self._array(src))
         with self._prompt_kernels():
-            hidden = self.model(input_ids, self._array(positions), self.kv_caches, meta)
+            if piecewise:
+                hidden = self.piecewise.forward(ids, positions, slots, src, meta)
+            else:
+                input_ids = self._tensor(ids)
+                if src is not None:
+                    input_ids = self._feed(input_ids, self._array(src))
+                hidden = self.model(input_ids, self._array(positions), self.kv_caches, meta)
         return RunOutput(self._logits(hidden[self._array(last_rows)]))
 
     def _prompt_kernels(self) -> AbstractContextManager:

@@ -211,13 +211,15 @@ class Attention(nn.Module):
         self.qkv = fuse_linears(self, ["q_proj", "k_proj", "v_proj"])
         self.out = fuse_linears(self, ["o_proj"])
 
-    def forward(
+    def project(
         self,
         x: torch.Tensor | Quantized,
         rope: Rope,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor | Unscaled:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, heads, d], k and v [T, kv_heads, d] of the step's rows, k and v also written to
+        their cache slots (`meta.slot_mapping`): everything before attention proper."""
         tokens = rows_of(x)
         fused = self.use_kernels and self.fusable
         qkv = self.qkv(x, defer_scales=fused)
@@ -225,26 +227,39 @@ class Attention(nn.Module):
             scales = None
             if isinstance(qkv, Unscaled):
                 qkv, scales = qkv.raw, qkv.scales()
-            q, k, v = kernels.qk_norm_rope_store(
+            return kernels.qk_norm_rope_store(
                 qkv, self.num_heads, self.num_kv_heads, self.head_dim,
                 self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                 rope.cos_table, rope.sin_table, rope.positions, *kv_cache, meta.slot_mapping, scales,
             )  # fmt: skip
-        else:
-            kv_width = self.num_kv_heads * self.head_dim
-            q, k, v = qkv.split([self.num_heads * self.head_dim, kv_width, kv_width], -1)
-            if self.qk_norm == "full":
-                q, k = self.q_norm.normalize(q), self.k_norm.normalize(k)
-            q = q.reshape(tokens, self.num_heads, self.head_dim)
-            k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
-            if self.qk_norm == "head":
-                q, k = self.q_norm.normalize(q), self.k_norm.normalize(k)
-            v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
-            cos, sin = rope.rows(x.dtype)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            write_kv(*kv_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k, v, *kv_cache, meta, self.scale)
-        return self.out(out.reshape(tokens, self.num_heads * self.head_dim), self.defer_out)
+        kv_width = self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([self.num_heads * self.head_dim, kv_width, kv_width], -1)
+        if self.qk_norm == "full":
+            q, k = self.q_norm.normalize(q), self.k_norm.normalize(k)
+        q = q.reshape(tokens, self.num_heads, self.head_dim)
+        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm.normalize(q), self.k_norm.normalize(k)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        cos, sin = rope.rows(x.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        write_kv(*kv_cache, k, v, meta.slot_mapping)
+        return q, k, v
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor | Unscaled:
+        """The output projection of attention's result [T, heads, d]."""
+        tokens = attended.shape[0]
+        return self.out(attended.reshape(tokens, self.num_heads * self.head_dim), self.defer_out)
+
+    def forward(
+        self,
+        x: torch.Tensor | Quantized,
+        rope: Rope,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | Unscaled:
+        q, k, v = self.project(x, rope, kv_cache, meta)
+        return self.output(paged_attention(q, k, v, *kv_cache, meta, self.scale))
 
 
 class GatedMLP(nn.Module):
@@ -307,6 +322,27 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(self.self_attn(h, rope, kv_cache, meta), residual)
         return getattr(self, self.mlp_name)(h), residual
 
+    # the block in two halves around attention proper (piecewise.py; `Attention` layers only)
+
+    def attention_inputs(
+        self,
+        x: torch.Tensor | Unscaled,
+        residual: torch.Tensor | None,
+        rope: Rope,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, k, v, residual): the block up to attention, keys and values written to the cache."""
+        h, residual = self.input_layernorm(x, residual)
+        return *self.self_attn.project(h, rope, kv_cache, meta), residual
+
+    def after_attention(
+        self, attended: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor | Unscaled, torch.Tensor]:
+        """(x, residual) from attention's result [T, heads, d]: the rest of the block."""
+        h, residual = self.post_attention_layernorm(self.self_attn.output(attended), residual)
+        return getattr(self, self.mlp_name)(h), residual
+
 
 class CausalLM(nn.Module):
     """Embedding, decoder layers, final norm and output head. A family subclasses it and says
@@ -361,6 +397,14 @@ class CausalLM(nn.Module):
     def graph_safe(self, dtype: torch.dtype) -> bool:
         """Whether a decode step in `dtype` runs without host syncs (so a CUDA graph can capture it)."""
         return True
+
+    def splits_at_attention(self) -> bool:
+        """Whether every layer is a `DecoderLayer` over the shared `Attention`, so that a step can
+        run as pieces between its attention calls (piecewise.py)."""
+        return all(
+            isinstance(layer, DecoderLayer) and isinstance(layer.self_attn, Attention)
+            for layer in self.model.layers
+        )
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """What a weight update addresses, by checkpoint name: the parameters, where FP8 weights
