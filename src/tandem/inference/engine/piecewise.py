@@ -94,9 +94,11 @@ class PiecewiseForward:
         self.device = embedding.device
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.buckets: dict[int, _Bucket] = {}
+        self.failed = False  # a capture failed: steps with prompts run the plain forward from then on
 
     def fits(self, rows: int) -> bool:
-        return rows <= self.sizes[-1]
+        """Whether a step of `rows` rows runs as pieces (not after a capture failed)."""
+        return rows <= self.sizes[-1] and not self.failed
 
     def forward(
         self,
@@ -157,7 +159,16 @@ class PiecewiseForward:
         bucket = _Bucket(inputs, [()] * (len(self.layers) + 1))
         if self.pool is not None:
             start = time.perf_counter()
-            self._capture(bucket)
+            try:
+                self._capture(bucket)
+            except RuntimeError as e:  # this step runs its pieces eagerly; later ones the plain forward
+                torch.cuda.synchronize()
+                log.warning(
+                    "steps with prompts run without graphs: capturing a piece failed (%s)", str(e)[:300]
+                )
+                self.failed = True
+                bucket.outputs = [()] * len(bucket.outputs)
+                return bucket
             log.info(
                 "prompt-step graphs for %d rows: %d pieces captured in %.2f s",
                 size,
@@ -204,6 +215,7 @@ class _DeviceMemory:
             "shape": (size,),
             "typestr": "|u1",
             "data": (pointer, False),
+            "strides": None,
             "version": 2,
         }
 
