@@ -80,6 +80,7 @@ def measure(path: Path, args: argparse.Namespace, dtype: str, pieces: bool, seed
     start = time.perf_counter()
     run_core(core, prompts(), args.output_len, "warm")  # graphs for the burst's buckets
     run_core(core, prompts(True), args.output_len, "warm-mixed")
+    run_trickle(core, prompts(True), args.output_len, args.per_step, "warm-trickle")
     result: dict = {"warm_up_seconds": time.perf_counter() - start}
     if core.device.type == "cuda":
         result["reserved_gib"] = torch.cuda.memory_reserved() / 2**30

@@ -100,16 +100,21 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, heads, dim], k and v: [T, kv_heads, dim] for the step's new tokens, whose keys and
-    values are already in the cache (`write_kv`)."""
+    values are already in the cache (`write_kv`). The result [T, heads, dim] goes into `out` when
+    given (a buffer the next graphed piece reads: piecewise.py)."""
     d = meta.decodes
-    if d is not None and d.rows is None:
-        return decode_attention(q, k_cache, v_cache, d.block_tables, d.context_lens, scale)
     p = meta.prompts
-    if isinstance(p, VarlenPrompts) and p.rows is None:  # every row is a whole prompt's
-        return _segments(q, k, v, p, scale)
-    out = torch.empty_like(q)
+    whole = None
+    if d is not None and d.rows is None:
+        whole = decode_attention(q, k_cache, v_cache, d.block_tables, d.context_lens, scale)
+    elif isinstance(p, VarlenPrompts) and p.rows is None:  # every row is a whole prompt's
+        whole = _segments(q, k, v, p, scale)
+    if whole is not None:
+        return whole if out is None else out.copy_(whole)
+    out = torch.empty_like(q) if out is None else out
     if d is not None:
         out[d.rows] = decode_attention(q[d.rows], k_cache, v_cache, d.block_tables, d.context_lens, scale)
     if meta.prompts is not None:

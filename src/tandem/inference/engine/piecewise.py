@@ -12,8 +12,8 @@ pieces that end where attention begins:
 
 A step of T rows runs at the smallest bucket of at least T rows: its rows, then padding rows
 (token 0 at position 0, written to slot 0 of block 0, which is never handed out). Between two
-pieces, attention runs eagerly over the T real rows with the step's metadata (attention.py), and
-its result is copied into the buffer the next piece reads. So a step's host work is L + 1 graph
+pieces, attention runs eagerly over the T real rows with the step's metadata (attention.py) and
+writes its result into the buffer the next piece reads. So a step's host work is L + 1 graph
 replays and L attention calls rather than every launch of the forward: prompt steps of a
 Qwen3-0.6B shape were host-bound without it (docs/benchmarks.md).
 
@@ -124,8 +124,9 @@ class PiecewiseForward:
         self._run(bucket, 0)
         for index, layer in enumerate(self.layers):
             q, k, v = (t[:rows] for t in bucket.outputs[index][:3])
-            attended = paged_attention(q, k, v, *self.kv_caches[index], meta, layer.self_attn.scale)
-            self.attended[:rows].copy_(attended)
+            paged_attention(
+                q, k, v, *self.kv_caches[index], meta, layer.self_attn.scale, out=self.attended[:rows]
+            )
             self._run(bucket, index + 1)
         return bucket.outputs[-1][0][:rows]
 
