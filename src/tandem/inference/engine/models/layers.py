@@ -319,8 +319,7 @@ class DecoderLayer(nn.Module):
         """x is the previous block's output, not yet added to the residual stream (with FP8
         weights, maybe a product before its scales: the norms apply them)."""
         h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(h, rope, kv_cache, meta), residual)
-        return getattr(self, self.mlp_name)(h), residual
+        return self._mlp_half(self.self_attn(h, rope, kv_cache, meta), residual)
 
     # the block in two halves around attention proper (piecewise.py; `Attention` layers only)
 
@@ -340,7 +339,12 @@ class DecoderLayer(nn.Module):
         self, attended: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor | Unscaled, torch.Tensor]:
         """(x, residual) from attention's result [T, heads, d]: the rest of the block."""
-        h, residual = self.post_attention_layernorm(self.self_attn.output(attended), residual)
+        return self._mlp_half(self.self_attn.output(attended), residual)
+
+    def _mlp_half(
+        self, attention_out: torch.Tensor | Unscaled, residual: torch.Tensor
+    ) -> tuple[torch.Tensor | Unscaled, torch.Tensor]:
+        h, residual = self.post_attention_layernorm(attention_out, residual)
         return getattr(self, self.mlp_name)(h), residual
 
 
