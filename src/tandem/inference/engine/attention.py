@@ -170,8 +170,11 @@ def _prompt_attention(
         group = qp.shape[1] // kp.shape[1]
         kp, vp = kp.repeat_interleave(group, dim=1), vp.repeat_interleave(group, dim=1)
         o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale)
-    o = o.transpose(1, 2).flatten(0, 1)
-    out[p.rows] = o if p.picks is None else o[p.picks]  # (indices from the host: no sync)
+    o = o.transpose(1, 2)  # [B, L, heads, d]
+    if p.picks is None:  # prompts of one length: one strided copy into their rows
+        out[p.rows].unflatten(0, (-1, p.length)).copy_(o)
+    else:
+        out[p.rows] = o.flatten(0, 1)[p.picks]  # (indices from the host: no sync)
 
 
 def _segments(
