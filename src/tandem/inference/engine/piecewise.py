@@ -93,6 +93,7 @@ class PiecewiseForward:
         )
         self.device = embedding.device
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        self.capture_stream = torch.cuda.Stream() if use_graphs else None
         self.buckets: dict[int, _Bucket] = {}
         self.failed = False  # a capture failed: steps with prompts run the plain forward from then on
 
@@ -182,16 +183,16 @@ class PiecewiseForward:
     def _capture(self, bucket: _Bucket) -> None:
         """Each piece once eagerly (kernel compilation, library setup), then each captured in
         order into the shared pool; a piece's outputs lose their hold on the pool once the next
-        piece is captured (module docstring)."""
+        piece is captured (module docstring). The eager run allocates on the step's own stream,
+        whose cached memory later steps reuse, and every capture runs on one side stream: memory
+        cached for a stream serves only that stream."""
         pieces = len(bucket.outputs)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for index in range(pieces):
-                bucket.outputs[index] = self._piece(index, bucket)
-        torch.cuda.synchronize()
+        for index in range(pieces):
+            bucket.outputs[index] = self._piece(index, bucket)
         bucket.outputs = [()] * pieces
+        torch.cuda.synchronize()
         graphs = []
+        stream = self.capture_stream
         with torch.cuda.stream(stream):
             for index in range(pieces):
                 graph = torch.cuda.CUDAGraph()
