@@ -323,3 +323,21 @@ def test_prompt_step_graphs_replay_what_the_pieces_compute(tmp_path: Path, moe: 
         first, other = dict(want.top_logprobs[0]), dict(got.top_logprobs[0])
         shared = first.keys() & other.keys()
         assert len(shared) >= 4 and max(abs(first[t] - other[t]) for t in shared) < 0.05, (rid, first, other)
+
+
+def test_an_unowned_alias_sees_the_memory_without_holding_it() -> None:
+    """piecewise.unowned: same address, strides and values (bf16, a strided view), and freeing the
+    original returns its memory to the allocator even while the alias lives."""
+    from tandem.inference.engine.piecewise import unowned
+
+    base = torch.randn(64, 3, 32, device="cuda").bfloat16()
+    view = base[8:40, 1]  # storage offset and strides of a view
+    alias = unowned(view)
+    assert alias.data_ptr() == view.data_ptr() and alias.stride() == view.stride()
+    assert alias.dtype == torch.bfloat16 and torch.equal(alias, view)
+    view.mul_(2)
+    assert torch.equal(alias, view)
+    before = torch.cuda.memory_allocated()
+    del base, view
+    assert torch.cuda.memory_allocated() < before
+    assert alias.shape == (32, 32)
