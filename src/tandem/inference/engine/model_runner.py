@@ -13,6 +13,9 @@ head run at least MIN_CPU_ROWS rows (padded the same way): CPU matrix products o
 round differently from larger ones (measured with MKL), which would make a sequence's logits
 depend on how many others share its step.
 
+Steps with prompts run the model's forward as it is, or (`engine.prompt_graphs`) as CUDA graphs of
+the work between attention calls at a padded token count (piecewise.py).
+
 Prompt steps can run their SDPA calls under a chosen set of kernels (`prompt_attention`):
 PyTorch's cuDNN attention keeps the execution graph it builds for each input shape in a
 thread-local cache, and prompt batches take a new shape at most steps. With `varlen` whole
