@@ -265,8 +265,8 @@ def test_prompt_attention_without_cudnn_matches_auto(tiny: Path) -> None:
             assert max(abs(auto[t] - other[t]) for t in shared) < 0.02, (attention, auto, other)
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_prompt_step_graphs_replay_what_the_pieces_compute(tmp_path: Path, moe: bool) -> None:
+@pytest.mark.parametrize("variant", ["dense", "moe", "fp8"])
+def test_prompt_step_graphs_replay_what_the_pieces_compute(tmp_path: Path, variant: str) -> None:
     """engine.prompt_graphs on CUDA: steps with prompts replay the pieces' graphs (buckets of 16 to
     128 rows, captured into one pool, replayed in turns) and give what the same pieces run eagerly
     give (to rounding: cuBLAS may pick other kernels under capture; a graph that read freed memory
@@ -274,7 +274,10 @@ def test_prompt_step_graphs_replay_what_the_pieces_compute(tmp_path: Path, moe: 
     prompt's first-token distribution stays within bf16 differences."""
     from tandem.inference.engine.piecewise import PiecewiseForward
 
-    shape = {"num_experts": 8, "moe_intermediate_size": 128} if moe else {}
+    if variant == "fp8" and not FP8:
+        pytest.skip("needs FP8 (compute capability 8.9+)")
+    shape = {"num_experts": 8, "moe_intermediate_size": 128} if variant == "moe" else {}
+    quantization = {"quantization": "fp8"} if variant == "fp8" else {}  # (rowwise: fused launches)
     path = build_tiny_model(out=tmp_path / "model", num_layers=3, **shape)
     prompts = [list(range(3, 3 + n)) for n in (37, 5, 20, 50, 1, 33, 90, 12)]
     params = [SamplingParams(temperature=t, max_tokens=12, ignore_eos=True, seed=s, top_logprobs=5)
@@ -287,7 +290,9 @@ def test_prompt_step_graphs_replay_what_the_pieces_compute(tmp_path: Path, moe: 
                 out.setdefault(rid, SampleUpdate(0)).extend(u)
 
     for mode in ("plain", "eager pieces", "graphs"):
-        core = EngineCore(engine_config(path, max_num_batched_tokens=128, prompt_graphs=mode != "plain"))
+        core = EngineCore(
+            engine_config(path, max_num_batched_tokens=128, prompt_graphs=mode != "plain", **quantization)
+        )
         if mode == "eager pieces":
             runner = core.runner
             runner.piecewise = PiecewiseForward(
