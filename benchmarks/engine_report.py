@@ -42,9 +42,19 @@ def prompt_kernels(runs: dict, default: str, other: str | None = None) -> str | 
 
 def main() -> None:
     folder = Path(sys.argv[1])
-    engine, http, fp8, moe, prefix = (
-        load(folder, f) for f in ("engine.json", "http.json", "fp8.json", "moe.json", "prefix.json")
+    engine, http, fp8, moe, prefix, pieces, pieces_http = (
+        load(folder, f)
+        for f in (
+            "engine.json",
+            "http.json",
+            "fp8.json",
+            "moe.json",
+            "prefix.json",
+            "prompt_graphs.json",
+            "http_pieces.json",
+        )
     )
+    piece_phases = pieces_http.get("phases", {})
     phases = http.get("phases", {})
     runs = engine.get("runs", {})
     moe = (moe.get("runs") or [{}])[0]  # moe_decode.py writes one entry per shape; the script runs one
@@ -62,8 +72,23 @@ def main() -> None:
         off, on = (get(prefix, f"{workload}, cache {c}", "prefill_tokens_computed") for c in ("off", "on"))
         return off / on if off is not None and on else None
 
+    def pieces_gain(workload: str) -> float | None:  # prompt_graphs.py: mean tok/s, pieces / plain
+        runs = pieces.get("runs", {})
+        means = [
+            sum(r[workload]["tok_per_s"] for r in runs.get(name, [])) / len(runs[name])
+            if runs.get(name)
+            else None
+            for name in ("pieces", "plain")
+        ]
+        return means[0] / means[1] if None not in means else None
+
     rows = [
         ("HTTP whole responses, tok/s", whole, ">=", 60_000, "{:,.0f}"),
+        ("HTTP whole, plain prompt steps (pieces call)", get(piece_phases, "tandem server, whole", "output_tokens_per_s"), ">=", 60_000, "{:,.0f}"),
+        ("HTTP whole, prompt graphs, tok/s", get(piece_phases, "tandem server, whole, prompt graphs", "output_tokens_per_s"), ">=", 60_000, "{:,.0f}"),
+        ("HTTP streaming, prompt graphs, tok/s", get(piece_phases, "tandem server, streaming, prompt graphs", "output_tokens_per_s"), ">=", 40_000, "{:,.0f}"),
+        ("HTTP streaming, prompt graphs, TTFT p50 (ms)", get(piece_phases, "tandem server, streaming, prompt graphs", "ttft_p50_ms"), "<=", 300, "{:,.0f}"),
+        *((f"EngineCore {w}: prompt graphs / plain", pieces_gain(w), "", None, "{:.3f}x") for w in ("burst", "mixed", "trickle")),
         ("HTTP streaming, tok/s", get(phases, "tandem server, streaming", "output_tokens_per_s"), ">=", 40_000, "{:,.0f}"),
         ("HTTP streaming, TTFT p50 (ms)", get(phases, "tandem server, streaming", "ttft_p50_ms"), "<=", 300, "{:,.0f}"),
         ("HTTP streaming, TTFT mean client / server ms", ttft_means, "", None, "{}"),

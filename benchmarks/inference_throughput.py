@@ -536,11 +536,11 @@ def main() -> None:
                 f"and received {r['tail_ms']:.0f} ms after the last request's end"
             )
         if r.get("engine_loop_ms_per_step"):
-            phases = r["engine_loop_ms_per_step"]
+            loop = r["engine_loop_ms_per_step"]
             print(
                 f"{'':52} engine loop, ms per step: "
-                + ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
-                + f" (sum {sum(phases.values()):.2f})"
+                + ", ".join(f"{k} {v:.2f}" for k, v in loop.items())
+                + f" (sum {sum(loop.values()):.2f})"
             )
         if "client_cpu_us_per_request" in r:
             print(
