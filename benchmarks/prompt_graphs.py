@@ -26,6 +26,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -70,7 +71,7 @@ def run_trickle(core: EngineCore, prompts: list[list[int]], output_len: int, per
     }
 
 
-def measure(path: Path, args: argparse.Namespace, dtype: str, pieces: bool, seeds: iter) -> dict:
+def measure(path: Path, args: argparse.Namespace, dtype: str, pieces: bool, seeds: Iterator[int]) -> dict:
     core = EngineCore(engine_config(path, dtype, args, prompt_graphs=pieces))
     vocab = min(core.vocab_size, len(core.tokenizer))
 

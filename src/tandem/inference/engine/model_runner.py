@@ -157,8 +157,8 @@ class ModelRunner:
         max_num_seqs: int,
         max_rows: int,
         prompt_attention: str,
-        prompt_graphs: bool = False,
-        max_tokens: int = 0,
+        prompt_graphs: bool,
+        max_tokens: int,
     ) -> None:
         self.model = model
         self.prompt_kernels = PROMPT_KERNELS[prompt_attention] if device.type == "cuda" else None
