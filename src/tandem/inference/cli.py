@@ -104,6 +104,11 @@ def serve(config: InferenceConfig) -> None:
         stream=sys.stderr,
     )
     if pick_backend(config) == "vllm":
+        if config.prefill.servers:
+            raise UserError(
+                "prefill.servers: prefill on other servers needs the native engine (backend = "
+                '"native"); the vLLM backend cannot take keys and values from another server'
+            )
         from tandem.inference.vllm.serve import serve_vllm
 
         serve_vllm(config)

@@ -3,7 +3,7 @@
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from tandem.config.base import ModelConfig, Section
 from tandem.inference.vllm.config import VLLMConfig
@@ -82,6 +82,33 @@ class EngineConfig(Section):
     )
 
 
+class PrefillConfig(Section):
+    """Prefill on other servers (prefill/decode disaggregation; docs/inference-engine.md)."""
+
+    servers: list[str] = Field(
+        [],
+        description="Base URLs (http://host:port) of tandem servers that compute this server's prompts: it "
+        "takes their keys and values into its prefix cache and only decodes. Empty: it computes its own.",
+    )
+    min_tokens: int = Field(
+        64,
+        gt=0,
+        description="Prompts with fewer tokens than this beyond what this server's prefix cache holds are "
+        "computed here: sending them costs more than computing them.",
+    )
+    timeout_s: float = Field(
+        60, gt=0, description="How long a prompt waits for a prefill server before it is computed here."
+    )
+
+    @field_validator("servers")
+    @classmethod
+    def _urls(cls, servers: list[str]) -> list[str]:
+        for url in servers:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"'{url}' is not a base URL (http://host:port)")
+        return [url.rstrip("/") for url in servers]
+
+
 class InferenceConfig(Section):
     model: ModelConfig = ModelConfig()
     host: str = Field("127.0.0.1", description="Address to bind; 127.0.0.1 keeps the server local.")
@@ -105,6 +132,7 @@ class InferenceConfig(Section):
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Server log level.")
     access_log: bool = Field(False, description="Log every HTTP request (uvicorn's access log).")
     engine: EngineConfig = EngineConfig()
+    prefill: PrefillConfig = PrefillConfig()
     vllm: VLLMConfig = VLLMConfig()
     weights: WeightsConfig = Field(
         WeightsConfig(), description="How new weights arrive (transport and where the trainer is)."

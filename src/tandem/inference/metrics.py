@@ -78,6 +78,12 @@ class ServerCounters:
     weight_updates_total: int = 0
     waiting_for_resume: int = 0
     time_to_first_token: Histogram = field(default_factory=Histogram)  # streaming requests
+    # prefill on other servers (prefill.py): as the decode server, and as the prefill server
+    prefill_remote_prompts_total: int = 0
+    prefill_remote_tokens_total: int = 0
+    prefill_remote_failures_total: int = 0
+    prefill_remote_seconds_total: float = 0.0
+    kv_exports_total: int = 0
 
 
 def metric(lines: list[str], name: str, kind: str, help_text: str, value: float) -> None:
@@ -165,6 +171,20 @@ def render_metrics(stats: EngineStats, counters: ServerCounters, tokens_per_s: f
         "counter",
         "Successful weight updates.",
         counters.weight_updates_total,
+    )
+    for name, help_text, value in (
+        ("prompts", "Prompts whose keys and values came from prefill servers.", counters.prefill_remote_prompts_total),
+        ("tokens", "Prompt tokens taken into the cache from prefill servers.", counters.prefill_remote_tokens_total),
+        ("failures", "Prompts computed here after their prefill server failed.", counters.prefill_remote_failures_total),
+        ("seconds", "Seconds prompts waited for prefill servers.", counters.prefill_remote_seconds_total),
+    ):  # fmt: skip
+        metric(lines, f"tandem_prefill_remote_{name}_total", "counter", help_text, value)
+    metric(
+        lines,
+        "tandem_kv_exports_total",
+        "counter",
+        "Prompts computed and exported for decode servers (POST /v1/kv/export).",
+        counters.kv_exports_total,
     )
     counters.time_to_first_token.render(
         lines,

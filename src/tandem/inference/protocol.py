@@ -221,3 +221,13 @@ class UpdateWeightsRequest(APIModel):
         if (self.path is None) == (self.step is None):
             raise ValueError("give exactly one of 'path' or 'step'")
         return self
+
+
+class KVExportRequest(APIModel):
+    """POST /v1/kv/export: compute `prompt` and answer its reusable blocks' keys and values after
+    its first `skip_tokens` (what the asking server's cache holds), as engine/kv_prefix.py writes them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: list[int] = Field(min_length=1)
+    skip_tokens: int = Field(0, ge=0)

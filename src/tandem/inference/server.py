@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from tandem.inference.config import InferenceConfig
-from tandem.inference.engine.api import Engine, WeightLoadError
+from tandem.inference.engine.api import Engine, SamplingParams, WeightLoadError
 from tandem.inference.engine.streams import RequestTimes, request_times
 from tandem.inference.errors import APIError, error_body
 from tandem.inference.generation import Choice, PromptJob, collect, merge, run_prompt, sampling_params
@@ -34,9 +34,11 @@ from tandem.inference.http import (
     wait_for_resume,
 )
 from tandem.inference.metrics import RateMeter, ServerCounters, render_metrics
+from tandem.inference.prefill import PrefillServers
 from tandem.inference.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    KVExportRequest,
     SamplingFields,
     UpdateWeightsRequest,
 )
@@ -48,6 +50,9 @@ log = logging.getLogger("tandem.inference")
 TIMING_HEADER = "x-tandem-timing"
 """A whole response carries its request's times (RequestTimes) in this header when the request
 has it (any value): benchmarks/inference_throughput.py reads where a batch's time went."""
+
+PREFILL_ONLY = SamplingParams(temperature=0.0, max_tokens=1)
+"""What POST /v1/kv/export asks of the engine: the prompt computed, one token drawn and dropped."""
 
 
 def model_vocab_size(name: str) -> int | None:
@@ -80,6 +85,11 @@ class Server:
         self.update_lock = asyncio.Lock()
         self.id_prefix = uuid.uuid4().hex[:16]
         self.request_counter = itertools.count()
+        self.prefill = (
+            PrefillServers(config.prefill, config.engine.block_size, config.api_key, self.counters)
+            if config.prefill.servers
+            else None
+        )
 
     # --- validation ---------------------------------------------------------------------------
 
@@ -192,6 +202,8 @@ class Server:
         received: float,
     ) -> Response:
         """The response to a request that reached the server at `received` (time.monotonic())."""
+        if self.prefill is not None:
+            await self.prefill.prefill(self.engine, [job.prompt_ids for job in jobs])
         count = sum(job.n for job in jobs)
         if req.stream:
             return SSEResponse(self.stream_events(req, builder, jobs, count, time.monotonic()))
@@ -313,8 +325,13 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
         jobs = server.jobs(builder.request_id, req, [prompt], [max_tokens], req.num_top_logprobs, req.stream)
         return await server.respond(request, req, builder, jobs, received)
 
+    async def shutdown() -> None:
+        if server.prefill is not None:
+            await server.prefill.close()
+        await engine.shutdown()
+
     generation = {"/v1/completions": completions, "/v1/chat/completions": chat_completions}
-    app = new_app("tandem inference", engine.shutdown, server.counters, config.api_key, generation)
+    app = new_app("tandem inference", shutdown, server.counters, config.api_key, generation)
     app.state.server = server
 
     @app.get("/health")
@@ -366,6 +383,32 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
         server.counters.weight_updates_total += 1
         log.info("loaded weights from %s as version %d", path, version)
         return {"weight_version": version, "path": str(path)}
+
+    @app.post("/v1/kv/export")
+    async def export_kv(request: Request) -> Response:
+        """Compute a prompt (prefix-cache hits included) and answer its reusable blocks' keys and
+        values after `skip_tokens`, for a decode server (prefill.py, engine/kv_prefix.py)."""
+        req = await read_body(request, KVExportRequest)
+        server.check_prompt_ids(req.prompt)
+        if req.skip_tokens % config.engine.block_size:
+            raise APIError(
+                400,
+                f"skip_tokens must be a multiple of the block size {config.engine.block_size} "
+                f"(got {req.skip_tokens})",
+                "skip_tokens",
+            )
+        await server.wait_until_resumed()
+        try:
+            async with aclosing(
+                engine.generate(server.new_request_id("kv"), req.prompt, PREFILL_ONLY, stream=False)
+            ) as updates:
+                async for _ in updates:
+                    pass
+            data = await engine.export_prompt(req.prompt, req.skip_tokens)
+        except ValueError as e:
+            raise APIError(400, f"cannot prefill this prompt: {e}", "prompt") from None
+        server.counters.kv_exports_total += 1
+        return Response(data, media_type="application/octet-stream")
 
     @app.post("/pause")
     async def pause() -> dict:

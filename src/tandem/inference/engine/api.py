@@ -157,6 +157,21 @@ class Engine(Protocol):
         "not linked" until the trainer has joined)."""
         ...
 
+    async def cached_prompt_tokens(self, token_ids: list[int]) -> int:
+        """Tokens at the start of a prompt whose keys and values the prefix cache holds and would
+        reuse (a multiple of the block size)."""
+        ...
+
+    async def export_prompt(self, token_ids: list[int], skip_tokens: int = 0) -> bytes:
+        """The cached keys and values of a prompt's reusable blocks after its first `skip_tokens`
+        (kv_prefix.py), as far as the cache holds them."""
+        ...
+
+    async def import_prompt(self, token_ids: list[int], data: bytes) -> int:
+        """Adopt another engine's `export_prompt` of this prompt into the prefix cache; returns the
+        prompt tokens now cached. Raises ValueError, changing nothing, for blocks that do not fit."""
+        ...
+
     async def pause(self) -> None: ...
 
     async def resume(self) -> None: ...

@@ -27,6 +27,12 @@ import numpy as np
 from tandem.inference.engine.sequence import PLACEHOLDER, Sequence
 
 
+def reusable_blocks(num_tokens: int, block_size: int) -> int:
+    """Full blocks of a prompt of `num_tokens` that a prefix-cache hit can skip (the last token
+    is always computed)."""
+    return max(0, (num_tokens - 1) // block_size)
+
+
 class BlockManager:
     def __init__(
         self,
@@ -99,7 +105,7 @@ class BlockManager:
         seq.cache_epoch = self.epoch
         size = self.block_size
         parent = None
-        for i in range((seq.num_tokens - 1) // size):
+        for i in range(reusable_blocks(seq.num_tokens, size)):
             tokens = tuple(seq.token_ids[i * size : (i + 1) * size])
             key = hash((parent, tokens))
             block = self.cached.get(key)
@@ -139,6 +145,59 @@ class BlockManager:
         seq.prefix_hash = key
         seq.num_hashed += 1
         return True
+
+    def lookup(self, token_ids: list[int], num_blocks: int) -> list[int]:
+        """The registered blocks holding the first (up to) `num_blocks` full blocks of `token_ids`,
+        in order, as far as the chain of registered blocks reaches; nothing is taken or pinned."""
+        found: list[int] = []
+        parent = None
+        size = self.block_size
+        for i in range(num_blocks):
+            tokens = tuple(token_ids[i * size : (i + 1) * size])
+            key = hash((parent, tokens))
+            block = self.cached.get(key)
+            if block is None or self.block_keys[block][1] != tokens:
+                break
+            found.append(block)
+            parent = key
+        return found
+
+    def adopt(self, token_ids: list[int], first: int, num_blocks: int) -> list[tuple[int, int]]:
+        """Register the first `num_blocks` full blocks of `token_ids` as cached, where blocks
+        `first`… come with their keys and values from elsewhere (kv_prefix.py) and the ones before
+        must be registered here already. Returns (i, block) for each block i whose keys and values
+        the caller must write into `block` now, before any step runs: those not registered yet.
+        Stops where the chain breaks (a block before `first` gone) or no block is free; the
+        adopted blocks are released at once, so they stay reusable until evicted like any other."""
+        if not self.prefix_caching:
+            return []
+        size, parent = self.block_size, None
+        held: list[int] = []  # pinned while adopting, so that taking a block cannot evict them
+        to_write: list[tuple[int, int]] = []
+        try:
+            for i in range(num_blocks):
+                tokens = tuple(token_ids[i * size : (i + 1) * size])
+                key = hash((parent, tokens))
+                block = self.cached.get(key)
+                if block is not None and self.block_keys[block][1] == tokens:
+                    if self.ref_counts[block] == 0:
+                        del self.evictable[block]
+                    self.ref_counts[block] += 1
+                elif block is not None or i < first or not self.num_free:
+                    break  # (another prefix under this hash; a block we do not have; no room)
+                else:
+                    block = self._take()
+                    self.cached[key] = block
+                    self.block_keys[block] = (key, tokens)
+                    to_write.append((i, block))
+                held.append(block)
+                parent = key
+        finally:
+            for block in held:
+                self.ref_counts[block] -= 1
+                if self.ref_counts[block] == 0:
+                    self.evictable[block] = None
+        return to_write
 
     def reset_prefix_cache(self) -> None:
         """Forget every registered block (new weights make their keys and values stale)."""

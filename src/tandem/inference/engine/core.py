@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from tandem.inference.config import InferenceConfig
+from tandem.inference.engine import kv_prefix
 from tandem.inference.engine.api import (
     FinishReason,
     RequestLimits,
@@ -487,6 +488,22 @@ class EngineCore:
         apply_checkpoint(self.model, tensors)
         self.blocks.reset_prefix_cache()
         self.weight_version = version
+
+    # ---- prefill on other servers (kv_prefix.py) -----------------------------------------------
+
+    def cached_prompt_tokens(self, token_ids: list[int]) -> int:
+        """Tokens at the start of a prompt that the prefix cache holds and would reuse."""
+        return kv_prefix.cached_tokens(self.blocks, token_ids)
+
+    def export_prompt(self, token_ids: list[int], skip_tokens: int) -> bytes:
+        """The cached keys and values of a prompt's reusable blocks after `skip_tokens`."""
+        cache = self.runner.kv_cache
+        return kv_prefix.export_prefix(self.blocks, cache, self.weight_version, token_ids, skip_tokens)
+
+    def import_prompt(self, token_ids: list[int], data: bytes) -> int:
+        """Adopt a prefill server's export for this prompt; returns the prompt tokens now cached."""
+        cache = self.runner.kv_cache
+        return kv_prefix.import_prefix(self.blocks, cache, self.weight_version, token_ids, data)
 
 
 def _eos_ids(hf_model: torch.nn.Module, tokenizer: object) -> frozenset[int]:

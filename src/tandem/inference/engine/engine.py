@@ -11,6 +11,7 @@ thread dies, every open stream and every later call gets EngineDeadError instead
 import asyncio
 import threading
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,9 @@ class AsyncEngine(EngineFront):
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.wrap_future(self.core_loop.submit(fn))
+
+    async def _core_call(self, method: str, *args: object) -> Any:
+        return await self._call(partial(getattr(self.core, method), *args))
 
     def _run(self, config: InferenceConfig) -> None:
         try:

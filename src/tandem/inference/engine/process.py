@@ -8,8 +8,8 @@ pipe connects the two, so the event loop and the engine no longer share one GIL.
 Messages are tuples pickled with protocol 5:
 
     server → engine   (kind, call_id, *args); kind is add, abort, finish, pause, resume, update,
-                      receive, transport or stop; a call_id (None for add, abort and stop) asks
-                      for a reply
+                      receive, transport, core (an EngineCore method of CORE_CALLS) or stop; a
+                      call_id (None for add, abort and stop) asks for a reply
     engine → server   ("ready", facts) or ("failed", error, traceback), once, at start;
                       ("out", stats, updates, rejected) once per step, and once after commands
                       that no step follows: every request's new tokens as plain lists (`_encode`),
@@ -68,6 +68,9 @@ CALL_TIMEOUT_S = 300.0  # pause, resume, finish_sample: answered between two ste
 EXIT_WAIT_S = 30.0  # for the engine process to exit once stopped, or once its pipe closed
 
 log = logging.getLogger("tandem.inference")
+
+CORE_CALLS = frozenset({"cached_prompt_tokens", "export_prompt", "import_prompt"})
+"""The EngineCore methods a "core" message may run (EngineFront._core_call)."""
 
 # one sample's update on the wire: SampleUpdate's columns, with one weight version for all tokens
 # where they share it
@@ -174,6 +177,9 @@ class ProcessEngine(EngineFront):
         stream_interval_s: float,
     ) -> None:
         self._send(("add", None, request_id, prompt_token_ids, params, n, stream, stream_interval_s))
+
+    async def _core_call(self, method: str, *args: object) -> Any:
+        return await self._call("core", method, *args)
 
     def _abort(self, request_id: str) -> None:
         if self._closed is None:
@@ -415,6 +421,15 @@ class _EngineSide:
                 continue
             if kind == "transport":
                 self._answer(call_id, True, core_loop.weight_transport())
+                continue
+            if kind == "core":  # an EngineFront._core_call
+                method, *args = args
+                if method not in CORE_CALLS:
+                    self._answer(call_id, False, ValueError(f"'{method}' is not one of {sorted(CORE_CALLS)}"))
+                    continue
+                core_loop.submit(partial(getattr(core, method), *args)).add_done_callback(
+                    partial(self._reply, call_id)
+                )
                 continue
             future = core_loop.submit(partial(commands[kind], *args))
             if kind == "add":

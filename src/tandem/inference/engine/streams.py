@@ -20,6 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any
 
 from tandem.inference.engine.api import (
     EngineDeadError,
@@ -159,6 +160,25 @@ class EngineFront(ABC):
     @abstractmethod
     def stats(self) -> EngineStats:
         """The engine's counters (from another thread or process: as of its latest step)."""
+
+    # ---- prefill on other servers (kv_prefix.py) -------------------------------------------
+
+    async def cached_prompt_tokens(self, token_ids: list[int]) -> int:
+        """Tokens at the start of a prompt whose keys and values the prefix cache holds."""
+        return await self._core_call("cached_prompt_tokens", token_ids)
+
+    async def export_prompt(self, token_ids: list[int], skip_tokens: int = 0) -> bytes:
+        """The cached keys and values of a prompt's reusable blocks after `skip_tokens`."""
+        return await self._core_call("export_prompt", token_ids, skip_tokens)
+
+    async def import_prompt(self, token_ids: list[int], data: bytes) -> int:
+        """Adopt a prefill server's export for a prompt; the prompt tokens now cached. ValueError
+        (nothing changed) for blocks that do not fit this engine."""
+        return await self._core_call("import_prompt", token_ids, data)
+
+    @abstractmethod
+    async def _core_call(self, method: str, *args: object) -> Any:
+        """EngineCore.`method`(*args) run by the core between two steps; its result or error."""
 
     def _deliver(self, outputs: list[tuple[str, Delivery]]) -> None:
         """Hand one step's updates (or a request's error) to the event loops: one wake-up per loop.

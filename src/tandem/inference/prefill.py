@@ -1,0 +1,105 @@
+"""Prefill on other servers: a decode server's side of prefill/decode disaggregation.
+
+With `[inference.prefill] servers`, a server has the prompts it serves computed by other tandem
+servers: for a prompt with at least `min_tokens` tokens beyond what its own prefix cache holds, it
+asks a prefill server for the prompt's keys and values (POST /v1/kv/export, which computes the
+prompt there and answers the blocks this server lacks; engine/kv_prefix.py), takes them into its
+prefix cache (`import_prompt`), and then generates as usual: the prompt is a prefix-cache hit but
+for its last (at most one block of) tokens. Long prompts then stop taking decode steps' time here,
+which is what disaggregation is for: a decode step that shares the device with a prefill chunk
+waits for it.
+
+A prompt goes to the prefill server with the fewest prompts in flight from this server, ties
+broken by its first block's tokens, so that a conversation's turns tend to meet the same
+server's prefix cache.
+
+Invariant: prefilling elsewhere never fails a request. A prefill server that cannot be reached,
+answers late (`timeout_s`) or with an error, or sends blocks this engine refuses (another weight
+version, another model's layout), costs the attempt's time; the prompt is then computed here, the
+failure counted (`tandem_prefill_remote_failures_total`) and logged once per server and kind.
+
+Stand-in: the keys and values travel as HTTP bodies, through host memory on both sides. Between
+GPUs of one node or over RDMA a device-to-device transfer (NCCL, as weights travel) would skip
+both copies; not built yet.
+"""
+
+import asyncio
+import logging
+
+import httpx
+
+from tandem.inference.config import PrefillConfig
+from tandem.inference.engine.api import Engine
+from tandem.inference.engine.block_manager import reusable_blocks
+from tandem.inference.metrics import ServerCounters
+
+log = logging.getLogger("tandem.inference")
+
+
+class PrefillServers:
+    """This server's prefill servers, and the prompts in flight to each."""
+
+    def __init__(
+        self, config: PrefillConfig, block_size: int, api_key: str | None, counters: ServerCounters
+    ) -> None:
+        self.urls = config.servers
+        self.min_tokens = config.min_tokens
+        self.block_size = block_size
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+        self.client = httpx.AsyncClient(
+            timeout=config.timeout_s, headers=headers, limits=httpx.Limits(max_connections=None)
+        )
+        self.in_flight = [0] * len(self.urls)
+        self.counters = counters
+        self._warned: set[tuple[str, str]] = set()
+
+    async def prefill(self, engine: Engine, prompts: list[list[int]]) -> None:
+        """Have the prompts that are worth it computed elsewhere, all at once; never raises."""
+        await asyncio.gather(*(self._prefill(engine, ids) for ids in prompts))
+
+    async def _prefill(self, engine: Engine, ids: list[int]) -> None:
+        if reusable_blocks(len(ids), self.block_size) * self.block_size < self.min_tokens:
+            return
+        held = await engine.cached_prompt_tokens(ids)
+        if len(ids) - held < self.min_tokens:
+            return
+        k = self._pick(ids)
+        url = self.urls[k]
+        self.in_flight[k] += 1
+        start = asyncio.get_running_loop().time()
+        try:
+            response = await self.client.post(
+                f"{url}/v1/kv/export", json={"prompt": ids, "skip_tokens": held}
+            )
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
+            cached = await engine.import_prompt(ids, response.content)
+        except (httpx.HTTPError, RuntimeError, ValueError) as e:
+            self.counters.prefill_remote_failures_total += 1
+            self._warn(url, e)
+        else:
+            self.counters.prefill_remote_prompts_total += 1
+            self.counters.prefill_remote_tokens_total += cached - held
+        finally:
+            self.in_flight[k] -= 1
+            self.counters.prefill_remote_seconds_total += asyncio.get_running_loop().time() - start
+
+    def _pick(self, ids: list[int]) -> int:
+        """The least busy prefill server; among equals, the one the prompt's first block names."""
+        least = min(self.in_flight)
+        candidates = [k for k, count in enumerate(self.in_flight) if count == least]
+        return candidates[hash(tuple(ids[: self.block_size])) % len(candidates)]
+
+    def _warn(self, url: str, error: Exception) -> None:
+        kind = type(error).__name__
+        if (url, kind) not in self._warned:
+            self._warned.add((url, kind))
+            log.warning(
+                "prefill server %s failed (%s: %s); such prompts are computed here (logged once per kind)",
+                url,
+                kind,
+                error,
+            )
+
+    async def close(self) -> None:
+        await self.client.aclose()

@@ -1,0 +1,164 @@
+"""Prefill on other servers (`[inference.prefill]`, prefill.py): a decode server whose prompts a
+prefill server computes, both real servers on 127.0.0.1 (tiny fp32 model). The decode server's
+answers equal transformers' greedy ones; it computes only each prompt's last tokens; the blocks it
+already holds do not travel; and every failure of the prefill server (other weights, gone) leaves
+the answers right, computed locally and counted."""
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from test_server import metrics, reference_greedy
+from transformers import AutoModelForCausalLM
+
+from tandem.config.loader import ConfigError, parse_config
+from tandem.inference.config import InferenceConfig
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, launch_server) -> Any:
+    logs = tmp_path_factory.mktemp("logs")
+    common = ["--model", str(tiny_model), "--engine.block-size", str(BLOCK), "--engine.max-model-len", "512"]
+    with launch_server(common, logs / "prefill.log") as prefill:
+        decode_args = [
+            *common,
+            "--engine.core-process", "true",  # (the engine calls cross the process pipe)
+            "--prefill.servers", json.dumps([prefill.url]),
+            "--prefill.min-tokens", "32",
+            "--prefill.timeout-s", "30",
+        ]  # fmt: skip
+        with launch_server(decode_args, logs / "decode.log") as decode:
+            yield prefill, decode
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model: Path) -> Any:
+    return AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return [(seed * 7919 + 31 * i) % 300 + 10 for i in range(length)]
+
+
+def complete(server: Any, ids: list[int], max_tokens: int = 8) -> list[int]:
+    body = {
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["token_ids"]
+
+
+def delta(server: Any, before: dict[str, float], name: str) -> float:
+    return metrics(server)[name] - before.get(name, 0.0)
+
+
+def test_the_decode_server_computes_only_the_last_tokens(servers: Any, model: Any) -> None:
+    prefill, decode = servers
+    ids = prompt(1, 70)  # 4 reusable blocks, then 6 tokens
+    before_p, before_d = metrics(prefill), metrics(decode)
+    assert complete(decode, ids) == reference_greedy(model, ids, 8)
+    assert delta(prefill, before_p, "tandem_kv_exports_total") == 1
+    assert delta(decode, before_d, "tandem_prefill_remote_prompts_total") == 1
+    assert delta(decode, before_d, "tandem_prefill_remote_tokens_total") == 4 * BLOCK
+    assert delta(decode, before_d, "tandem_prefill_tokens_computed_total") == 6
+    assert delta(decode, before_d, "tandem_prefill_remote_failures_total") == 0
+
+
+def test_concurrent_requests_and_a_second_turn(servers: Any, model: Any) -> None:
+    """16 requests at once; then each one's next turn, where only the new blocks travel."""
+    prefill, decode = servers
+    prompts = [prompt(10 + k, 40 + 5 * k) for k in range(16)]
+
+    async def all_at_once(batch: list[list[int]]) -> list[list[int]]:
+        return await asyncio.gather(*(asyncio.to_thread(complete, decode, ids) for ids in batch))
+
+    before = metrics(decode)
+    replies = asyncio.run(all_at_once(prompts))
+    for ids, reply in zip(prompts, replies, strict=True):
+        assert reply == reference_greedy(model, ids, 8)
+    assert delta(decode, before, "tandem_prefill_remote_prompts_total") == 16
+    turns = [
+        ids + reply + prompt(40 + k, 36) for k, (ids, reply) in enumerate(zip(prompts, replies, strict=True))
+    ]
+    before = metrics(decode)
+    for ids, reply in zip(turns, asyncio.run(all_at_once(turns)), strict=True):
+        assert reply == reference_greedy(model, ids, 8)
+    held = sum(
+        (len(ids) + 8 - 1) // BLOCK * BLOCK for ids in prompts
+    )  # turn 1 as the decode server cached it
+    reusable = sum((len(ids) - 1) // BLOCK * BLOCK for ids in turns)
+    assert delta(decode, before, "tandem_prefill_remote_tokens_total") == reusable - held
+    assert delta(decode, before, "tandem_prefix_cache_hit_tokens_total") == reusable
+
+
+def test_short_prompts_are_computed_here(servers: Any, model: Any) -> None:
+    prefill, decode = servers
+    before = metrics(prefill)
+    ids = prompt(2, 30)  # under prefill.min_tokens
+    assert complete(decode, ids) == reference_greedy(model, ids, 8)
+    assert delta(prefill, before, "tandem_kv_exports_total") == 0
+
+
+def test_other_weights_on_the_prefill_server_fall_back_to_computing_here(
+    servers: Any, model: Any, tiny_model: Path
+) -> None:
+    prefill, decode = servers
+    update = {"path": str(tiny_model), "version": 7}
+    assert httpx.post(decode.url + "/update_weights", json=update, timeout=60).status_code == 200
+    try:
+        before = metrics(decode)
+        ids = prompt(3, 80)
+        assert complete(decode, ids) == reference_greedy(model, ids, 8)
+        assert delta(decode, before, "tandem_prefill_remote_failures_total") == 1
+        assert delta(decode, before, "tandem_prefill_tokens_computed_total") == 80
+        assert "weight version 0" in decode.log()
+        assert httpx.post(prefill.url + "/update_weights", json=update, timeout=60).status_code == 200
+        before = metrics(decode)
+        ids = prompt(4, 80)
+        assert complete(decode, ids) == reference_greedy(model, ids, 8)
+        assert delta(decode, before, "tandem_prefill_remote_prompts_total") == 1
+    finally:
+        for server in servers:
+            httpx.post(server.url + "/update_weights", json={**update, "version": 0}, timeout=60)
+
+
+def test_bad_export_requests_are_4xx(servers: Any) -> None:
+    prefill, _ = servers
+    url = prefill.url + "/v1/kv/export"
+    for body, param in (
+        ({"prompt": [10**6] * 40}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": prompt(5, 40), "skip_tokens": 5}, "skip_tokens"),
+        ({"prompt": prompt(5, 40), "extra": 1}, "extra"),
+    ):
+        response = httpx.post(url, json=body, timeout=60)
+        assert response.status_code == 400, (body, response.text)
+        assert param in response.text
+
+
+def test_a_prefill_server_that_is_gone_costs_nothing_but_time(
+    tiny_model: Path, tmp_path: Path, launch_server, model: Any
+) -> None:
+    gone = "http://127.0.0.1:9"  # the discard port: nothing listens
+    args = ["--model", str(tiny_model), "--prefill.servers", json.dumps([gone]), "--prefill.min-tokens", "16"]
+    with launch_server(args, tmp_path / "decode.log") as decode:
+        ids = prompt(6, 50)
+        assert complete(decode, ids) == reference_greedy(model, ids, 8)
+        assert complete(decode, prompt(7, 50)) == reference_greedy(model, prompt(7, 50), 8)
+        assert metrics(decode)["tandem_prefill_remote_failures_total"] == 2
+        assert decode.log().count(f"prefill server {gone} failed") == 1  # once per kind of failure
+
+
+def test_prefill_servers_must_be_urls() -> None:
+    with pytest.raises(ConfigError, match="prefill.servers.*not a base URL"):
+        parse_config(InferenceConfig, ["--prefill.servers", '["localhost:8000"]'], prog="inference")
