@@ -160,9 +160,48 @@ def test_gpu_placement_and_colocation(tmp_path: Path) -> None:
     assert split.orchestrator.client.api_key == "k"
 
 
+def test_prefill_servers_compute_the_others_prompts(tmp_path: Path) -> None:
+    """deployment.prefill_servers = 1 of 3: the last server computes prompts for the first two,
+    takes weights with them, and gets no rollouts."""
+    plan = plan_run(
+        config(tmp_path, **{"deployment.inference_servers": 3, "deployment.prefill_servers": 1}), []
+    )
+    urls = [f"http://127.0.0.1:{c.port}" for c in plan.inference]
+    assert [c.prefill.servers for c in plan.inference] == [[urls[2]], [urls[2]], []]
+    assert (plan.orchestrator.servers, plan.orchestrator.prefill_servers) == (urls[:2], [urls[2]])
+    assert plan.trainer.weights.num_servers == 3
+    assert [c.weights.server_index for c in plan.inference] == [0, 1, 2]
+    assert [s.name for s in plan.specs()][:3] == ["inference_0", "inference_1", "inference_2"]
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
+        (
+            {"deployment.prefill_servers": 1},
+            "deployment.prefill_servers = 1 of 1 inference server(s) leaves none",
+        ),
+        (
+            {
+                "deployment.inference_servers": 2,
+                "deployment.prefill_servers": 1,
+                "orchestrator.seeded_sampling": True,
+            },
+            "deployment.prefill_servers needs the prefix cache, which is off",
+        ),
+        (
+            {
+                "deployment.inference_servers": 2,
+                "deployment.prefill_servers": 1,
+                "inference.prefill.servers": ["http://x:1"],
+            },
+            "inference.prefill.servers conflicts with deployment.prefill_servers",
+        ),
+        (
+            {"orchestrator.prefill_servers": ["http://x:1"]},
+            "orchestrator.prefill_servers = ['http://x:1'] conflicts with [], which the launcher derives from "
+            "deployment.prefill_servers",
+        ),
         ({"orchestrator.batch_size": 10, "orchestrator.group_size": 4}, "batch_size (10) must be a multiple"),
         ({"seq_len": 16}, "seq_len (16) must exceed sampling.max_tokens (16)"),
         (

@@ -1,6 +1,7 @@
 """The whole `rl` command on CPU: real inference servers, orchestrator and trainer, two steps; with
 the default transport (auto: colocated through shared memory on one host), a resume before the
-first checkpoint, and a 2-rank FSDP trainer broadcasting (gloo) to two servers."""
+first checkpoint, a 2-rank FSDP trainer broadcasting (gloo) to two servers, and a prefill server
+computing two decode servers' prompts."""
 
 import os
 import re
@@ -89,3 +90,27 @@ def test_two_rank_trainer_broadcasts_to_two_servers(tmp_path: Path) -> None:
     assert [r["step"] for r in trainer] == [0, 1]
     assert all(r["mismatch_kl"] <= 1e-6 and r["staleness"] == 0 for r in trainer), trainer
     assert stable_versions(run) == [2]
+
+
+def test_a_prefill_server_computes_the_decode_servers_prompts(tmp_path: Path) -> None:
+    """Two decode servers and one prefill server: the prefill server takes every weight version
+    with the others (colocated transport to 3 servers) and computes their prompts."""
+    out, run = run_rl(
+        tmp_path,
+        *("--deployment.inference_servers", "3", "--deployment.prefill_servers", "1"),
+        *("--inference.prefill.min_tokens", "16", "--orchestrator.max_async_level", "0"),
+    )
+    assert "their prompts computed by: http://127.0.0.1:" in (run / "logs" / "orchestrator.log").read_text()
+    for i in range(3):
+        assert "received policy version 2" in (run / "logs" / f"inference_{i}.log").read_text()
+    computed = [
+        re.search(
+            r"prefill servers computed (\d+) prompt\(s\)", (run / "logs" / f"inference_{i}.log").read_text()
+        )
+        for i in range(2)
+    ]
+    assert all(m is not None for m in computed), out[-3000:]
+    assert sum(int(m.group(1)) for m in computed if m) >= 4  # (both steps: 2 groups each, one request per group)
+    trainer = read_metrics(run / "metrics.jsonl", "trainer")
+    assert [r["step"] for r in trainer] == [0, 1]
+    assert all(r["mismatch_kl"] <= 1e-6 for r in trainer), trainer

@@ -252,15 +252,20 @@ class InferenceClient:
 
 
 class ServerPool:
-    """All servers; `lease()` hands out the least-loaded one (round-robin among equals)."""
+    """All servers; `lease()` hands out the least-loaded one (round-robin among equals). Servers in
+    `weight_only` (prefill servers: docs/inference-engine.md) take every weight update but are
+    never leased."""
 
-    def __init__(self, urls: list[str], cfg: ClientConfig, model: str = "") -> None:
+    def __init__(
+        self, urls: list[str], cfg: ClientConfig, model: str = "", weight_only: list[str] | None = None
+    ) -> None:
         self.clients = [InferenceClient(url, cfg, model) for url in urls]
+        self.every = self.clients + [InferenceClient(url, cfg, model) for url in weight_only or []]
         self.next = 0
         self.slots = asyncio.Semaphore(cfg.max_concurrent_groups)
 
     async def connect(self) -> str:
-        names = await asyncio.gather(*(c.connect() for c in self.clients))
+        names = await asyncio.gather(*(c.connect() for c in self.every))
         return names[0]
 
     def pick(self) -> InferenceClient:
@@ -281,11 +286,11 @@ class ServerPool:
                 client.in_flight -= 1
 
     async def update_weights(self, path: Path) -> list[int]:
-        return list(await asyncio.gather(*(c.update_weights(path) for c in self.clients)))
+        return list(await asyncio.gather(*(c.update_weights(path) for c in self.every)))
 
     async def receive_weights(self, version: int) -> list[int]:
         """All servers at once: the trainer streams to all of them together."""
-        return list(await asyncio.gather(*(c.receive_weights(version) for c in self.clients)))
+        return list(await asyncio.gather(*(c.receive_weights(version) for c in self.every)))
 
     async def close(self) -> None:
-        await asyncio.gather(*(c.close() for c in self.clients))
+        await asyncio.gather(*(c.close() for c in self.every))

@@ -97,18 +97,29 @@ def serve_native(config: InferenceConfig) -> None:
         raise UserError(f"the inference engine died ({engine.dead_reason}; traceback above); server stopped")
 
 
+def check_prefill(config: InferenceConfig) -> None:
+    """Refuse `prefill.servers` where this server could not take their keys and values."""
+    if pick_backend(config) == "vllm":
+        raise UserError(
+            "prefill.servers: prefill on other servers needs the native engine (backend = "
+            '"native"); the vLLM backend cannot take keys and values from another server'
+        )
+    if not config.engine.prefix_caching:
+        raise UserError(
+            "prefill.servers needs engine.prefix_caching: the prompts' keys and values from the "
+            "prefill servers enter this server through its prefix cache"
+        )
+
+
 def serve(config: InferenceConfig) -> None:
     logging.basicConfig(
         level=config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if config.prefill.servers:
+        check_prefill(config)
     if pick_backend(config) == "vllm":
-        if config.prefill.servers:
-            raise UserError(
-                "prefill.servers: prefill on other servers needs the native engine (backend = "
-                '"native"); the vLLM backend cannot take keys and values from another server'
-            )
         from tandem.inference.vllm.serve import serve_vllm
 
         serve_vllm(config)

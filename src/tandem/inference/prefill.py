@@ -102,4 +102,14 @@ class PrefillServers:
             )
 
     async def close(self) -> None:
+        """Log what the prefill servers did for this server, and close the connections."""
+        c = self.counters
+        log.info(
+            "prefill servers computed %d prompt(s) for this server (%d tokens taken into its cache, "
+            "%.1f s waited); %d attempt(s) fell back to computing here",
+            c.prefill_remote_prompts_total,
+            c.prefill_remote_tokens_total,
+            c.prefill_remote_seconds_total,
+            c.prefill_remote_failures_total,
+        )
         await self.client.aclose()

@@ -164,6 +164,7 @@ def check_node_shapes(config: RLConfig) -> None:
         return
     single_node_keys = (
         "inference_servers",
+        "prefill_servers",
         "inference_ports",
         "trainer_nproc",
         "inference_gpus",

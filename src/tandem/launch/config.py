@@ -22,6 +22,12 @@ class DeploymentConfig(Section):
     inference_servers: int | None = Field(
         None, gt=0, description="Inference servers; default: one per inference GPU (one on CPU)."
     )
+    prefill_servers: int = Field(
+        0,
+        ge=0,
+        description="Of the inference servers, how many (the last ones) only compute prompts for the others, "
+        "which only decode (docs/inference-engine.md, 'Prefill on other servers'). Needs the prefix cache.",
+    )
     inference_ports: list[int] | None = Field(
         None, description="Port of each server; default: inference.port, inference.port + 1, ..."
     )

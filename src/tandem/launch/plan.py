@@ -38,6 +38,7 @@ DERIVED_FROM = {
     "run_dir": "the top-level run_dir",
     "resume": "the top-level resume (--resume)",
     "servers": "inference.port / deployment.inference_ports",
+    "prefill_servers": "deployment.prefill_servers",
     "num_ranks": "deployment.trainer_nproc",
     "cp": "trainer.parallel.cp",
     "cp_style": "trainer.parallel.cp_style",
@@ -235,9 +236,40 @@ def plan_run(config: RLConfig, visible_gpus: list[str], cores: int | None = None
         for i, p in enumerate(ports)
     ]
     servers = [local_url(c) for c in per_server]
-    resolved, orchestrator, trainer = _jobs(config, per_server, servers, devices.trainer_nproc, link)
+    per_server, servers, prefill = _split_prefill(config, per_server, servers)
+    resolved, orchestrator, trainer = _jobs(config, per_server, servers, devices.trainer_nproc, link, prefill)
     threads = cpu_threads(config, devices, cores or usable_cores())
     return RunPlan(resolved, devices, per_server, orchestrator, trainer, threads)
+
+
+def _split_prefill(
+    config: RLConfig, per_server: list[InferenceConfig], servers: list[str]
+) -> tuple[list[InferenceConfig], list[str], list[str]]:
+    """With deployment.prefill_servers = K, the last K servers compute prompts for the others
+    (their prefill.servers); returns every server's section, the decode servers' URLs and the
+    prefill servers'."""
+    k = config.deployment.prefill_servers
+    if not k:
+        return per_server, servers, []
+    if k >= len(servers):
+        raise ConfigError(
+            f"deployment.prefill_servers = {k} of {len(servers)} inference server(s) leaves none to decode"
+        )
+    if config.inference.prefill.servers:
+        raise ConfigError(
+            "inference.prefill.servers conflicts with deployment.prefill_servers, from which the launcher "
+            "derives it; set one of them"
+        )
+    if not per_server[0].engine.prefix_caching:
+        raise ConfigError(
+            "deployment.prefill_servers needs the prefix cache, which is off (engine.prefix_caching = false, "
+            "or orchestrator.seeded_sampling, which turns it off): prompts enter the decode servers through it"
+        )
+    decode, prefill = servers[:-k], servers[-k:]
+    per_server = [
+        _update("inference", c, {"prefill": {"servers": prefill}}) for c in per_server[:-k]
+    ] + per_server[-k:]
+    return per_server, decode, prefill
 
 
 def plan_node(
@@ -349,21 +381,27 @@ def _jobs(
     servers: list[str],
     num_ranks: int,
     link: dict[str, Any],
+    prefill: list[str] | None = None,
 ) -> tuple[RLConfig, OrchestratorConfig, RLTrainerConfig]:
     """The orchestrator's and trainer's sections, checked against the servers', and the resolved
-    whole (what run_dir/configs/rl.toml holds)."""
+    whole (what run_dir/configs/rl.toml holds). `servers` take rollouts; `prefill` servers only
+    weights."""
+    prefill = prefill or []
     inference = per_server[0]
     shared, owned = _shared(config), {"run_dir": config.run_dir, "resume": config.resume}
     parallel = config.trainer.parallel
     trainer_shape = {"num_ranks": num_ranks, "cp": parallel.cp, "cp_style": parallel.cp_style}
     orchestrator = _fill(
-        config.orchestrator, "orchestrator", shared, owned | {"servers": servers} | trainer_shape
+        config.orchestrator,
+        "orchestrator",
+        shared,
+        owned | {"servers": servers, "prefill_servers": prefill} | trainer_shape,
     )
     if inference.api_key and orchestrator.client.api_key is None:
         orchestrator = _update("orchestrator", orchestrator, {"client": {"api_key": inference.api_key}})
     orchestrator = _with_weights("orchestrator", orchestrator, config, link)
     trainer = _fill(config.trainer, "trainer", shared, owned)
-    trainer = _with_weights("trainer", trainer, config, link | {"num_servers": len(servers)})
+    trainer = _with_weights("trainer", trainer, config, link | {"num_servers": len(servers) + len(prefill)})
     _check_agreement(inference, orchestrator, trainer)
     resolved = _update("", config, {"inference": inference, "orchestrator": orchestrator, "trainer": trainer})
     return resolved, orchestrator, trainer

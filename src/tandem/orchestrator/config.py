@@ -107,6 +107,11 @@ class OrchestratorConfig(Section):
         ["http://127.0.0.1:8000"],
         description="Base URLs of the inference servers (without /v1); groups go to the least loaded.",
     )
+    prefill_servers: list[str] = Field(
+        [],
+        description="Base URLs of prefill servers (docs/inference-engine.md, 'Prefill on other servers'): "
+        "they take every weight update as the servers do, and no rollouts.",
+    )
     env: EnvConfig = EnvConfig()
     envs: list[EnvConfig] = Field(
         [],

@@ -124,7 +124,7 @@ class Orchestrator:
     def __init__(self, cfg: OrchestratorConfig) -> None:
         self.cfg = cfg
         self.members = load_mixture(cfg.environments)
-        self.pool = ServerPool(cfg.servers, cfg.client)
+        self.pool = ServerPool(cfg.servers, cfg.client, weight_only=cfg.prefill_servers)
         self.policy = PolicySync(cfg.run_dir, self.pool, cfg.weights)
         self.collector = RolloutCollector(self.members, self.pool, cfg)
         self.metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl", source="orchestrator")
@@ -149,6 +149,8 @@ class Orchestrator:
                 check_prompt_lengths(member.env, cfg, lambda m: prompt_tokens(tokenizer, m))
             served = await self.pool.connect()
             log.info("%d server(s) serving %s: %s", len(cfg.servers), served, ", ".join(cfg.servers))
+            if cfg.prefill_servers:
+                log.info("their prompts computed by: %s", ", ".join(cfg.prefill_servers))
             if cfg.monitor.wandb is not None and cfg.monitor.wandb_enabled:
                 config = run_config(cfg.model_dump(mode="json"))
                 self.wandb = WandbRun(cfg.monitor.wandb, cfg.run_dir, cfg.resume, config)
