@@ -9,6 +9,8 @@
 #                                             # ep = 2): benchmarks/trainer_mfu.py --nproc 2 and --nproc 1
 #   PART=cp    bash benchmarks/gpu_multi.sh   # cp = 2, ulysses and ring, at 32k and 64k against cp = 1 on one
 #                                             # GPU: benchmarks/long_context.py (rerun until it says "all done")
+#   PART=prefill bash benchmarks/gpu_multi.sh  # two colocated servers against one decode + one prefill server
+#                                             # (Qwen3-0.6B shape, 2,048-token prompts): benchmarks/prefill_servers.py
 #   STEPS      RL steps per run (default 20);  RL_TIMEOUT  seconds per RL run (default 170)
 #   VARIANT    trainer_mfu's tandem flags (default: the fastest measured on one GPU)
 # Output and logs go to $OUT. On a machine without uv: PYTHONPATH=src and the pure-Python
@@ -47,6 +49,11 @@ rl-shared | rl-split)
   done
   "$PY" benchmarks/rl_timing.py "${runs[@]}" | tee "$OUT/rl_timing.md"
   rm -rf "$work"
+  ;;
+prefill)
+  timeout 570 "$PY" benchmarks/prefill_servers.py --gpus 0,1 --shape qwen3-0.6b --prompt-len 2048 \
+    --output-len 256 --rate 8 --duration 20 --min-tokens 256 --out "$OUT/prefill_servers.json" 2>&1 \
+    | tail -8 | tee "$OUT/prefill_servers.txt"
   ;;
 fsdp)
   two="0.6b:$VARIANT,1.7b:$VARIANT,moe:${VARIANT}_ep2"

@@ -346,3 +346,28 @@ def test_an_unowned_alias_sees_the_memory_without_holding_it() -> None:
     del base, view
     assert torch.cuda.memory_allocated() < before
     assert alias.shape == (32, 32)
+
+
+def test_a_prompt_moves_between_engines_on_cuda(tiny: Path) -> None:
+    """Prefill on other servers (kv_prefix.py) with bf16 caches on the device: blocks gathered and
+    copied to the host by one engine, copied into another's free blocks without a stream sync
+    between its queued steps (a running request keeps it busy meanwhile). The adopting engine
+    answers exactly as an engine that computed the prompts in the same batch and then served
+    them from its own prefix cache, beside the same running request."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    first = SamplingParams(temperature=0.0, max_tokens=1)
+    busy = SamplingParams(max_tokens=40, ignore_eos=True, seed=3)
+    prompts = [list(range(200, 200 + n)) for n in (40, 70, 129)]
+    prefiller, decoder, reference = (EngineCore(engine_config(tiny)) for _ in range(3))
+    for core in (prefiller, reference):
+        run(core, prompts, first)
+    for core in (reference, decoder):
+        core.add_request("busy", list(range(5, 30)), busy, 1)
+        core.step()  # (a step stays queued on the device while the blocks arrive)
+    for ids in prompts:
+        data = prefiller.export_prompt(ids, skip_tokens=0)
+        assert decoder.import_prompt(ids, data) == (len(ids) - 1) // 16 * 16
+    hits = decoder.blocks.hit_tokens_total
+    want, got = run(reference, prompts, greedy), run(decoder, prompts, greedy)
+    assert decoder.blocks.hit_tokens_total - hits == sum((len(ids) - 1) // 16 * 16 for ids in prompts)
+    assert {k: u.token_ids for k, u in got.items()} == {k: u.token_ids for k, u in want.items()}

@@ -389,6 +389,10 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
         """Compute a prompt (prefix-cache hits included) and answer its reusable blocks' keys and
         values after `skip_tokens`, for a decode server (prefill.py, engine/kv_prefix.py)."""
         req = await read_body(request, KVExportRequest)
+        if not config.engine.prefix_caching:
+            raise APIError(
+                400, "this server's prefix cache is off (engine.prefix_caching): it keeps no blocks"
+            )
         server.check_prompt_ids(req.prompt)
         if req.skip_tokens % config.engine.block_size:
             raise APIError(
