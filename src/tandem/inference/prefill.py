@@ -79,7 +79,9 @@ class PrefillServers:
             self._warn(url, e)
         else:
             self.counters.prefill_remote_prompts_total += 1
-            self.counters.prefill_remote_tokens_total += cached - held
+            self.counters.prefill_remote_tokens_total += max(
+                0, cached - held
+            )  # (held ones may be evicted meanwhile)
         finally:
             self.in_flight[k] -= 1
             self.counters.prefill_remote_seconds_total += asyncio.get_running_loop().time() - start
