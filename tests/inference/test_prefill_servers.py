@@ -101,6 +101,26 @@ def test_concurrent_requests_and_a_second_turn(servers: Any, model: Any) -> None
     assert delta(decode, before, "tandem_prefix_cache_hit_tokens_total") == reusable
 
 
+def test_streamed_chat_with_several_samples(servers: Any) -> None:
+    """A streamed chat completion of n = 2 greedy samples through the decode server: its prompt
+    is computed by the prefill server, and both samples equal the prefill server's own answer."""
+    prefill, decode = servers
+    messages = [{"role": "user", "content": "reverse this text, please: " + "tandem " * 12}]
+    body = {"messages": messages, "max_tokens": 8, "temperature": 0, "n": 2, "ignore_eos": True}
+    want = httpx.post(prefill.url + "/v1/chat/completions", json=body, timeout=60).json()
+    before = metrics(decode)
+    texts = {0: "", 1: ""}
+    with httpx.stream(
+        "POST", decode.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    texts[choice["index"]] += choice["delta"].get("content") or ""
+    assert texts[0] == texts[1] == want["choices"][0]["message"]["content"]
+    assert delta(decode, before, "tandem_prefill_remote_prompts_total") == 1
+
+
 def test_short_prompts_are_computed_here(servers: Any, model: Any) -> None:
     prefill, decode = servers
     before = metrics(prefill)
