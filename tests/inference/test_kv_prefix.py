@@ -2,6 +2,7 @@
 importing engine computes only what it did not receive, answers as an engine that computed the
 whole prompt, and refuses blocks that do not fit it, changing nothing."""
 
+import time
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,39 @@ def test_every_cache_layout_moves(family: str, tmp_path: Path) -> None:
     hit, got = hits(decoder, lambda: serve(decoder, ids))
     assert hit == 2 * BLOCK
     assert_same(got, serve(plain, ids))
+
+
+def test_a_staging_buffer_carries_a_prompt(tiny_model: Path, cores: tuple[EngineCore, ...]) -> None:
+    """kv_staging.py on CPU: the blocks packed into the prefill engine's shared memory, mapped and
+    copied by the decode engine; too large, stale or malformed answers are refused."""
+    prefiller, _, plain = cores
+    decoder = EngineCore(engine_config(tiny_model, block_size=BLOCK))
+    ids = prompt(9, 90)  # 5 reusable blocks
+    prefill(prefiller, ids)
+    try:
+        staged = prefiller.export_prompt_staged(ids, 0, 1)
+        assert staged["buffer"] == 1 and staged["token_ids"] == ids[: 5 * BLOCK]
+        with pytest.raises(ValueError, match="waited more than 30 s"):
+            decoder.import_prompt_staged(ids, {**staged, "received": time.monotonic() - 31})
+        with pytest.raises(ValueError, match="not a dtype"):
+            decoder.import_prompt_staged(
+                ids, {**staged, "received": time.monotonic(), "parts": [[0, [1], "load"]]}
+            )
+        with pytest.raises(ValueError, match="outside the staging buffer"):
+            decoder.import_prompt_staged(
+                ids, {**staged, "received": time.monotonic(), "parts": [[1 << 40, [1], "float32"]]}
+            )
+        assert decoder.blocks.cached == {}
+        assert decoder.import_prompt_staged(ids, {**staged, "received": time.monotonic()}) == 5 * BLOCK
+        hit, got = hits(decoder, lambda: serve(decoder, ids))
+        assert hit == 5 * BLOCK
+        assert_same(got, serve(plain, ids))
+        small = EngineCore(engine_config(tiny_model, block_size=BLOCK, prefix_caching=True))
+        small.staging.nbytes = 1024
+        prefill(small, ids)
+        with pytest.raises(ValueError, match="do not fit a staging buffer of 1024"):
+            small.export_prompt_staged(ids, 0, 0)
+        small.close_staging()
+    finally:
+        prefiller.close_staging()
+        decoder.close_staging()

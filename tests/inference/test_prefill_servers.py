@@ -121,6 +121,27 @@ def test_streamed_chat_with_several_samples(servers: Any) -> None:
     assert delta(decode, before, "tandem_prefill_remote_prompts_total") == 1
 
 
+def test_staging_buffers_on_one_machine(
+    servers: Any, model: Any, tiny_model: Path, tmp_path: Path, launch_server
+) -> None:
+    """transport = shared: six prompts, one after another, through the prefill server's four
+    staging buffers (shared memory on CPU), each released after its copy; the decode engine in a
+    process of its own, as on GPUs."""
+    prefill, _ = servers
+    args = [
+        "--model", str(tiny_model), "--engine.block-size", str(BLOCK), "--engine.max-model-len", "512",
+        "--prefill.servers", json.dumps([prefill.url]), "--prefill.min-tokens", "32",
+        "--prefill.transport", "shared", "--engine.core-process", "true",
+    ]  # fmt: skip
+    with launch_server(args, tmp_path / "shared.log") as decode:
+        before = metrics(prefill)
+        for k in range(6):
+            ids = prompt(50 + k, 60 + k)
+            assert complete(decode, ids) == reference_greedy(model, ids, 8)
+        assert delta(prefill, before, "tandem_kv_exports_staged_total") == 6
+        assert metrics(decode)["tandem_prefill_remote_prompts_total"] == 6
+
+
 def test_short_prompts_are_computed_here(servers: Any, model: Any) -> None:
     prefill, decode = servers
     before = metrics(prefill)

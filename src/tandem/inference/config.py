@@ -99,6 +99,20 @@ class PrefillConfig(Section):
     timeout_s: float = Field(
         60, gt=0, description="How long a prompt waits for a prefill server before it is computed here."
     )
+    transport: Literal["http", "shared"] = Field(
+        "http",
+        description="How the blocks travel: http = in the answer's body (any two machines); shared = through "
+        "the prefill server's staging buffers (one machine: CUDA IPC between GPUs, which must all be visible "
+        "to this server, or shared memory on CPU).",
+    )
+    staging_mb: int = Field(
+        256, gt=0, description="As a prefill server: the size of each staging buffer (MiB) for `shared`."
+    )
+    staging_buffers: int = Field(
+        4,
+        gt=0,
+        description="As a prefill server: staging buffers, one per export in flight (allocated at first use).",
+    )
 
     @field_validator("servers")
     @classmethod

@@ -84,6 +84,7 @@ class ServerCounters:
     prefill_remote_failures_total: int = 0
     prefill_remote_seconds_total: float = 0.0
     kv_exports_total: int = 0
+    kv_exports_staged_total: int = 0
 
 
 def metric(lines: list[str], name: str, kind: str, help_text: str, value: float) -> None:
@@ -185,6 +186,13 @@ def render_metrics(stats: EngineStats, counters: ServerCounters, tokens_per_s: f
         "counter",
         "Prompts computed and exported for decode servers (POST /v1/kv/export).",
         counters.kv_exports_total,
+    )
+    metric(
+        lines,
+        "tandem_kv_exports_staged_total",
+        "counter",
+        "Of those, exports handed over through a staging buffer (transport = shared).",
+        counters.kv_exports_staged_total,
     )
     counters.time_to_first_token.render(
         lines,

@@ -24,12 +24,16 @@ both copies; not built yet.
 """
 
 import asyncio
+import base64
+import contextlib
+import itertools
 import logging
+import time
 
 import httpx
 
 from tandem.inference.config import PrefillConfig
-from tandem.inference.engine.api import Engine
+from tandem.inference.engine.api import STAGING_LEASE_S, Engine
 from tandem.inference.engine.block_manager import reusable_blocks
 from tandem.inference.metrics import ServerCounters
 
@@ -50,6 +54,7 @@ class PrefillServers:
             timeout=config.timeout_s, headers=headers, limits=httpx.Limits(max_connections=None)
         )
         self.in_flight = [0] * len(self.urls)
+        self.staged = [config.transport == "shared"] * len(self.urls)  # per server: staging buffers work
         self.counters = counters
         self._warned: set[tuple[str, str]] = set()
 
@@ -68,12 +73,7 @@ class PrefillServers:
         self.in_flight[k] += 1
         start = asyncio.get_running_loop().time()
         try:
-            response = await self.client.post(
-                f"{url}/v1/kv/export", json={"prompt": ids, "skip_tokens": held}
-            )
-            if response.status_code != 200:
-                raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
-            cached = await engine.import_prompt(ids, response.content)
+            cached = await self._fetch(engine, ids, held, k)
         except (httpx.HTTPError, RuntimeError, ValueError) as e:
             self.counters.prefill_remote_failures_total += 1
             self._warn(url, e)
@@ -81,10 +81,35 @@ class PrefillServers:
             self.counters.prefill_remote_prompts_total += 1
             self.counters.prefill_remote_tokens_total += max(
                 0, cached - held
-            )  # (held ones may be evicted meanwhile)
+            )  # (held blocks may go meanwhile)
         finally:
             self.in_flight[k] -= 1
             self.counters.prefill_remote_seconds_total += asyncio.get_running_loop().time() - start
+
+    async def _fetch(self, engine: Engine, ids: list[int], held: int, k: int) -> int:
+        """Prompt `ids` computed by prefill server k and adopted; the prompt tokens now cached."""
+        url = self.urls[k]
+        body = {"prompt": ids, "skip_tokens": held, "staged": self.staged[k]}
+        response = await self.client.post(f"{url}/v1/kv/export", json=body)
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
+        if response.headers.get("content-type", "").startswith("application/octet-stream"):
+            return await engine.import_prompt(ids, response.content)
+        answer, staged = _staged(response)
+        try:
+            return await engine.import_prompt_staged(ids, staged)
+        except RuntimeError as e:  # its buffers cannot be mapped here (another machine, an invisible GPU)
+            self.staged[k] = False
+            log.warning(
+                "prefill server %s: its staging buffers cannot be mapped here (%s); blocks come by HTTP now",
+                url,
+                e,
+            )
+            raise
+        finally:
+            release = {"buffer": staged["buffer"], "lease": answer["lease"]}
+            with contextlib.suppress(httpx.HTTPError):
+                await self.client.post(f"{url}/v1/kv/release", json=release)
 
     def _pick(self, ids: list[int]) -> int:
         """The least busy prefill server; among equals, the one the prompt's first block names."""
@@ -115,3 +140,40 @@ class PrefillServers:
             c.prefill_remote_failures_total,
         )
         await self.client.aclose()
+
+
+def _staged(response: httpx.Response) -> tuple[dict, dict]:
+    """A staged answer and where its blocks lie (the handle decoded, the time it came); ValueError
+    for anything else."""
+    try:
+        answer = response.json()
+        staged = answer["staged"]
+        return answer, {**staged, "handle": base64.b64decode(staged["handle"]), "received": time.monotonic()}
+    except (ValueError, KeyError, TypeError) as e:  # (binascii.Error is a ValueError)
+        raise ValueError(f"a malformed staged answer: {e!r}") from None
+
+
+class StagingLeases:
+    """A prefill server's staging buffers (engine/kv_staging.py), each lent to one export at a time
+    until the decode server releases it or STAGING_LEASE_S pass."""
+
+    def __init__(self, count: int) -> None:
+        self.until = [0.0] * count  # time.monotonic() when each buffer is free again
+        self.leases = [0] * count
+        self._ids = itertools.count(1)
+
+    def lend(self) -> tuple[int, int] | None:
+        """(buffer, lease) of a free buffer, now lent; None when all are lent."""
+        now = time.monotonic()
+        for buffer, until in enumerate(self.until):
+            if until <= now:
+                self.until[buffer], self.leases[buffer] = now + STAGING_LEASE_S, next(self._ids)
+                return buffer, self.leases[buffer]
+        return None
+
+    def release(self, buffer: int, lease: int) -> bool:
+        """Free `buffer` if `lease` still holds it."""
+        if 0 <= buffer < len(self.leases) and self.leases[buffer] == lease and self.until[buffer]:
+            self.until[buffer] = 0.0
+            return True
+        return False

@@ -231,3 +231,15 @@ class KVExportRequest(APIModel):
 
     prompt: list[int] = Field(min_length=1)
     skip_tokens: int = Field(0, ge=0)
+    staged: bool = Field(
+        False, description="Answer through a staging buffer (same machine: kv_staging.py) when one is free."
+    )
+
+
+class KVReleaseRequest(APIModel):
+    """POST /v1/kv/release: the decode server is done with the staging buffer of an export."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    buffer: int = Field(ge=0)
+    lease: int = Field(ge=0)

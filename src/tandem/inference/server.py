@@ -7,6 +7,7 @@ events, and aborts a request in the engine as soon as its client goes away.
 """
 
 import asyncio
+import base64
 import itertools
 import logging
 import time
@@ -34,11 +35,12 @@ from tandem.inference.http import (
     wait_for_resume,
 )
 from tandem.inference.metrics import RateMeter, ServerCounters, render_metrics
-from tandem.inference.prefill import PrefillServers
+from tandem.inference.prefill import PrefillServers, StagingLeases
 from tandem.inference.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     KVExportRequest,
+    KVReleaseRequest,
     SamplingFields,
     UpdateWeightsRequest,
 )
@@ -85,6 +87,7 @@ class Server:
         self.update_lock = asyncio.Lock()
         self.id_prefix = uuid.uuid4().hex[:16]
         self.request_counter = itertools.count()
+        self.staging = StagingLeases(config.prefill.staging_buffers)  # (as a prefill server)
         self.prefill = (
             PrefillServers(config.prefill, config.engine.block_size, config.api_key, self.counters)
             if config.prefill.servers
@@ -408,11 +411,29 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
             ) as updates:
                 async for _ in updates:
                     pass
+            lent = server.staging.lend() if req.staged else None
+            if lent is not None:
+                buffer, lease = lent
+                try:
+                    staged = await engine.export_prompt_staged(req.prompt, req.skip_tokens, buffer)
+                except ValueError as e:  # (too large for a buffer: the body carries it)
+                    server.staging.release(buffer, lease)
+                    log.debug("export not staged: %s", e)
+                else:
+                    staged["handle"] = base64.b64encode(staged["handle"]).decode()
+                    server.counters.kv_exports_total += 1
+                    server.counters.kv_exports_staged_total += 1
+                    return FastJSONResponse({"staged": staged, "lease": lease})
             data = await engine.export_prompt(req.prompt, req.skip_tokens)
         except ValueError as e:
             raise APIError(400, f"cannot prefill this prompt: {e}", "prompt") from None
         server.counters.kv_exports_total += 1
         return Response(data, media_type="application/octet-stream")
+
+    @app.post("/v1/kv/release")
+    async def release_kv(req: KVReleaseRequest) -> dict:
+        """A decode server is done with the staging buffer of an export (prefill.py)."""
+        return {"released": server.staging.release(req.buffer, req.lease)}
 
     @app.post("/pause")
     async def pause() -> dict:

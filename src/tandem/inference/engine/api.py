@@ -12,6 +12,10 @@ from typing import Literal, Protocol
 
 FinishReason = Literal["stop", "length", "abort"]
 
+STAGING_LEASE_S = 60.0
+"""How long a prefill server keeps a staging buffer lent to one export without its release
+(kv_staging.py); the decode server copies out of it only within half that time."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -170,6 +174,16 @@ class Engine(Protocol):
     async def import_prompt(self, token_ids: list[int], data: bytes) -> int:
         """Adopt another engine's `export_prompt` of this prompt into the prefix cache; returns the
         prompt tokens now cached. Raises ValueError, changing nothing, for blocks that do not fit."""
+        ...
+
+    async def export_prompt_staged(self, token_ids: list[int], skip_tokens: int, buffer: int) -> dict:
+        """`export_prompt` packed into the engine's staging buffer `buffer`, for a server of the same
+        machine (kv_staging.py); where it lies, the buffers' handle included."""
+        ...
+
+    async def import_prompt_staged(self, token_ids: list[int], staged: dict) -> int:
+        """Adopt another engine's `export_prompt_staged` (with "received": the time.monotonic() its
+        answer came); returns once its buffer is no longer read. ValueError as `import_prompt`."""
         ...
 
     async def pause(self) -> None: ...

@@ -2,14 +2,12 @@
 
 A prefill server computes a prompt; the decode server that generates from it takes the prompt's
 keys and values into its prefix cache instead of computing them (docs/inference-engine.md,
-"Prefill on other servers"). What moves is the prompt's full blocks, as they lie in the
-exporter's paged cache, in safetensors bytes:
-
-    "token_ids"  int64 [blocks × block_size]: the tokens the blocks hold, from the prompt's start
-    "part.J"     [layers, blocks − skip, block_size, ...]: cache part J (keys and values; or a
-                 latent and indexer keys) of the blocks after the first `skip`, which the
-                 importer said it holds already
-    metadata     weight version, block size, skip, and the cache's layout
+"Prefill on other servers"). What moves (`Prefix`) is the prompt's full blocks as they lie in the
+exporter's paged cache: the tokens they hold, from the prompt's start; each cache part (keys and
+values; or a latent and indexer keys) of the blocks after the first `skip`, which the importer
+said it holds already, as [layers, blocks − skip, block_size, ...]; the weight version, block
+size and cache layout. Two encodings: safetensors bytes (`to_bytes`, over HTTP) and a staging
+buffer shared between the two processes (`pack`/`unpack`, kv_staging.py).
 
 Invariants:
 - Only blocks the prefix cache can reuse move: full blocks before the prompt's last token (the
@@ -24,6 +22,7 @@ Invariants:
 """
 
 import json
+from dataclasses import dataclass
 
 import torch
 from safetensors.torch import load, save
@@ -32,6 +31,18 @@ from tandem.inference.engine.block_manager import BlockManager, reusable_blocks
 from tandem.inference.engine.transfer import host_to_device
 
 METADATA_KEYS = ("weight_version", "block_size", "skip_blocks", "layout")
+
+
+@dataclass
+class Prefix:
+    """A prompt's exported blocks."""
+
+    token_ids: list[int]  # the tokens the blocks hold (a whole number of blocks)
+    skip_blocks: int  # the first blocks, which the importer holds: not in `parts`
+    weight_version: int
+    block_size: int
+    layout: list[list]  # layout() of the exporter's cache
+    parts: list[torch.Tensor]  # per cache part, [layers, blocks − skip, block_size, ...]
 
 
 def cached_tokens(blocks: BlockManager, token_ids: list[int]) -> int:
@@ -52,79 +63,144 @@ def export_prefix(
     weight_version: int,
     token_ids: list[int],
     skip_tokens: int,
-) -> bytes:
+) -> Prefix:
     """The keys and values this cache holds for `token_ids`' reusable blocks, as far as they are
     registered, less the first `skip_tokens` (a multiple of the block size: what the importer
-    holds). Copies them to the host (waits for the device)."""
+    holds); the parts are gathered on the cache's device."""
     size = blocks.block_size
     if skip_tokens % size:
         raise ValueError(f"skip_tokens must be a multiple of the block size {size}, got {skip_tokens}")
     found = blocks.lookup(token_ids, reusable_blocks(len(token_ids), size))
     skip = min(skip_tokens // size, len(found))
     index = torch.tensor(found[skip:], dtype=torch.int64, device=cache[0].device)
-    tensors = {"token_ids": torch.tensor(token_ids[: len(found) * size], dtype=torch.int64)}
-    for j, part in enumerate(cache):
-        tensors[f"part.{j}"] = part.index_select(1, index).cpu()
-    metadata = {
-        "weight_version": str(weight_version),
-        "block_size": str(size),
-        "skip_blocks": str(skip),
-        "layout": json.dumps(layout(cache)),
-    }
-    return save(tensors, metadata)
+    parts = [part.index_select(1, index) for part in cache]
+    return Prefix(token_ids[: len(found) * size], skip, weight_version, size, layout(cache), parts)
 
 
-def import_prefix(
-    blocks: BlockManager, cache: list[torch.Tensor], weight_version: int, token_ids: list[int], data: bytes
+def adopt_prefix(
+    blocks: BlockManager, cache: list[torch.Tensor], weight_version: int, token_ids: list[int], prefix: Prefix
 ) -> int:
-    """Adopt the exported blocks `data` for `token_ids` into the prefix cache; returns how many of
-    `token_ids`' first tokens the cache now holds. Raises ValueError (nothing changed) for blocks
-    that do not fit: other weights, block size, layout or tokens."""
-    metadata, tensors = _read(data)
+    """Adopt `prefix` for `token_ids` into the prefix cache; returns how many of `token_ids`' first
+    tokens the cache now holds. Raises ValueError (nothing changed) for blocks that do not fit:
+    other weights, block size, layout or tokens. The copies into the cache are queued on the
+    device's stream (the caller waits for them if it must release the source)."""
     size = blocks.block_size
-    if int(metadata["weight_version"]) != weight_version:
+    if prefix.weight_version != weight_version:
         raise ValueError(
-            f"the prefill server computed them with weight version {metadata['weight_version']}; "
+            f"the prefill server computed them with weight version {prefix.weight_version}; "
             f"this server serves {weight_version}"
         )
-    if int(metadata["block_size"]) != size:
-        raise ValueError(f"block size {metadata['block_size']} there, {size} here")
-    if json.loads(metadata["layout"]) != layout(cache):
-        raise ValueError(f"cache layout {metadata['layout']} there, {json.dumps(layout(cache))} here")
-    held = tensors["token_ids"].tolist()
+    if prefix.block_size != size:
+        raise ValueError(f"block size {prefix.block_size} there, {size} here")
+    if prefix.layout != layout(cache):
+        raise ValueError(f"cache layout {json.dumps(prefix.layout)} there, {json.dumps(layout(cache))} here")
+    held = prefix.token_ids
     num_blocks = len(held) // size
     if num_blocks > reusable_blocks(len(token_ids), size) or held != token_ids[: len(held)]:
         raise ValueError("the exported blocks hold other tokens than this prompt's")
-    skip = int(metadata["skip_blocks"])
-    for j, part in enumerate(cache):
-        given = tensors.get(f"part.{j}")
+    skip = prefix.skip_blocks
+    if len(prefix.parts) != len(cache):
+        raise ValueError(f"{len(prefix.parts)} cache parts there, {len(cache)} here")
+    for j, (given, part) in enumerate(zip(prefix.parts, cache, strict=True)):
         expected = (part.shape[0], num_blocks - skip, *part.shape[2:])
-        if given is None or tuple(given.shape) != expected or given.dtype != part.dtype:
-            raise ValueError(f"part.{j}: expected {part.dtype} {list(expected)}, got {_describe(given)}")
+        if tuple(given.shape) != expected or given.dtype != part.dtype:
+            raise ValueError(
+                f"part.{j}: expected {part.dtype} {list(expected)}, got {given.dtype} {list(given.shape)}"
+            )
     to_write = blocks.adopt(token_ids, skip, num_blocks)
     if to_write:
         src = torch.tensor([i - skip for i, _ in to_write], dtype=torch.int64)
         dst = torch.tensor([block for _, block in to_write], dtype=torch.int64, device=cache[0].device)
-        for j, part in enumerate(cache):
-            part.index_copy_(1, dst, host_to_device(tensors[f"part.{j}"].index_select(1, src), part.device))
+        for given, part in zip(prefix.parts, cache, strict=True):
+            rows = given.index_select(1, src.to(given.device))
+            part.index_copy_(1, dst, rows if rows.device == part.device else _to(rows, part.device))
     return cached_tokens(blocks, token_ids)
 
 
-def _read(data: bytes) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    """An exported prefix's metadata and tensors; ValueError for anything else."""
+def _to(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Rows on `device`: from the host without a stream sync; from another GPU peer to peer."""
+    return host_to_device(rows, device) if rows.device.type == "cpu" else rows.to(device, non_blocking=True)
+
+
+# ---- safetensors bytes (HTTP) -------------------------------------------------------------------
+
+
+def to_bytes(prefix: Prefix) -> bytes:
+    """The prefix as safetensors: "token_ids", "part.J" and the rest in the metadata (copies the
+    parts to the host: waits for the device)."""
+    tensors = {"token_ids": torch.tensor(prefix.token_ids, dtype=torch.int64)}
+    tensors |= {f"part.{j}": part.cpu() for j, part in enumerate(prefix.parts)}
+    metadata = {
+        "weight_version": str(prefix.weight_version),
+        "block_size": str(prefix.block_size),
+        "skip_blocks": str(prefix.skip_blocks),
+        "layout": json.dumps(prefix.layout),
+    }
+    return save(tensors, metadata)
+
+
+def from_bytes(data: bytes) -> Prefix:
+    """`to_bytes`' prefix; ValueError for anything else."""
     try:
         tensors = load(data)
         length = int.from_bytes(data[:8], "little")  # (safetensors: the header's length, then the header)
         metadata = json.loads(data[8 : 8 + length]).get("__metadata__") or {}
+        missing = [key for key in METADATA_KEYS if key not in metadata] + ["token_ids"] * (
+            "token_ids" not in tensors
+        )
+        if missing:
+            raise ValueError(f"no {', '.join(missing)}")
+        count = len(json.loads(metadata["layout"]))
+        return Prefix(
+            tensors["token_ids"].tolist(),
+            int(metadata["skip_blocks"]),
+            int(metadata["weight_version"]),
+            int(metadata["block_size"]),
+            json.loads(metadata["layout"]),
+            [tensors[f"part.{j}"] for j in range(count)],
+        )
     except Exception as e:  # noqa: BLE001 — safetensors' own error type is not exported
-        raise ValueError(f"not an exported prefix (safetensors): {e}") from None
-    missing = [key for key in METADATA_KEYS if key not in metadata] + ["token_ids"] * (
-        "token_ids" not in tensors
-    )
-    if missing:
-        raise ValueError(f"not an exported prefix: no {', '.join(missing)}")
-    return metadata, tensors
+        raise ValueError(f"not an exported prefix: {e}") from None
 
 
-def _describe(tensor: torch.Tensor | None) -> str:
-    return "nothing" if tensor is None else f"{tensor.dtype} {list(tensor.shape)}"
+# ---- a staging buffer shared between two processes (kv_staging.py) ----------------------------
+
+
+def pack(prefix: Prefix, buffer: torch.Tensor) -> dict:
+    """Copy the prefix's parts into `buffer` (uint8, on their device, or host memory) one after
+    another; returns the rest of the prefix and where each part lies (JSON-able). ValueError if
+    the buffer is too small. The copies are queued: the caller waits before lending the buffer."""
+    offset, where = 0, []
+    for part in prefix.parts:
+        nbytes = part.numel() * part.element_size()
+        if offset + nbytes > buffer.numel():
+            total = sum(p.numel() * p.element_size() for p in prefix.parts)
+            raise ValueError(
+                f"the prompt's blocks ({total} bytes) do not fit a staging buffer of {buffer.numel()}"
+            )
+        buffer[offset : offset + nbytes].view(part.dtype).view(part.shape).copy_(part)
+        where.append([offset, list(part.shape), str(part.dtype).removeprefix("torch.")])
+        offset += -(-nbytes // 256) * 256  # (each part aligned for any dtype's view)
+    return {
+        "token_ids": prefix.token_ids,
+        "skip_blocks": prefix.skip_blocks,
+        "weight_version": prefix.weight_version,
+        "block_size": prefix.block_size,
+        "layout": prefix.layout,
+        "parts": where,
+    }
+
+
+def unpack(packed: dict, buffer: torch.Tensor) -> Prefix:
+    """The prefix `pack` wrote into `buffer`, its parts as views of the buffer."""
+    parts = []
+    for offset, shape, dtype in packed["parts"]:
+        dt = getattr(torch, str(dtype), None)
+        if not isinstance(dt, torch.dtype):
+            raise ValueError(f"not a dtype: {dtype!r}")
+        nbytes = torch.Size(shape).numel() * dt.itemsize
+        if offset < 0 or offset + nbytes > buffer.numel():
+            raise ValueError(f"a part at byte {offset} of {nbytes} bytes lies outside the staging buffer")
+        parts.append(buffer[offset : offset + nbytes].view(dt).view(shape))
+    fields = ("token_ids", "skip_blocks", "weight_version", "block_size", "layout")
+    return Prefix(*(packed[k] for k in fields), parts)  # type: ignore[arg-type]

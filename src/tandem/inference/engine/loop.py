@@ -168,6 +168,7 @@ class CoreLoop:
                 timings["deliver"] += time.perf_counter() - delivering
         finally:
             self._close("the engine is not running")
+            self.core.close_staging()
             if self.receiver is not None:
                 self.receiver.close()
 

@@ -69,7 +69,9 @@ EXIT_WAIT_S = 30.0  # for the engine process to exit once stopped, or once its p
 
 log = logging.getLogger("tandem.inference")
 
-CORE_CALLS = frozenset({"cached_prompt_tokens", "export_prompt", "import_prompt"})
+CORE_CALLS = frozenset(
+    {"cached_prompt_tokens", "export_prompt", "export_prompt_staged", "import_prompt", "import_prompt_staged"}
+)
 """The EngineCore methods a "core" message may run (EngineFront._core_call)."""
 
 # one sample's update on the wire: SampleUpdate's columns, with one weight version for all tokens

@@ -176,6 +176,14 @@ class EngineFront(ABC):
         (nothing changed) for blocks that do not fit this engine."""
         return await self._core_call("import_prompt", token_ids, data)
 
+    async def export_prompt_staged(self, token_ids: list[int], skip_tokens: int, buffer: int) -> dict:
+        """`export_prompt` packed into staging buffer `buffer` (kv_staging.py); where it lies."""
+        return await self._core_call("export_prompt_staged", token_ids, skip_tokens, buffer)
+
+    async def import_prompt_staged(self, token_ids: list[int], staged: dict) -> int:
+        """Adopt a staged export (kv_staging.py); returns once the buffer may be released."""
+        return await self._core_call("import_prompt_staged", token_ids, staged)
+
     @abstractmethod
     async def _core_call(self, method: str, *args: object) -> Any:
         """EngineCore.`method`(*args) run by the core between two steps; its result or error."""

@@ -1,0 +1,75 @@
+"""Staging buffers for prefill on other servers: a prompt's blocks handed from one server to
+another of the same machine through memory both can map, not through HTTP bodies.
+
+The prefill server's engine owns `count` buffers of `nbytes` (CUDA IPC on its GPU, named shared
+memory on CPU: tandem.transport.shared_buffers), allocated at its first staged export. An export
+packs the prompt's blocks into one buffer (kv_prefix.pack) and waits for the copy; the answer
+carries the buffers' handle and where the parts lie. The decode server's engine maps the buffers
+once per handle and copies the blocks straight into its cache: on GPUs, device to device (peer to
+peer between two GPUs: the prefill server's GPU must be visible to the decode server), with no
+pass through the host.
+
+Who may use a buffer: the prefill server lends each one to one export at a time (`StagingLeases`, in its
+server process: prefill.py) until the decode server releases it (POST /v1/kv/release) or
+STAGING_LEASE_S (api.py) pass. The
+decode server copies only within half of that of the answer and waits for its copy to finish
+before it releases the buffer, so a buffer is never reused under a copy that is reading it.
+"""
+
+import time
+
+import torch
+
+from tandem.inference.engine.api import STAGING_LEASE_S as LEASE_S
+from tandem.inference.engine.kv_prefix import Prefix, pack, unpack
+from tandem.transport.shared_buffers import OpenedBuffers, SharedBuffers
+
+
+class StagingBuffers:
+    """The exporting engine's buffers (allocated at first use)."""
+
+    def __init__(self, count: int, nbytes: int, device: torch.device) -> None:
+        self.count, self.nbytes, self.device = count, nbytes, device
+        self.buffers: SharedBuffers | None = None
+
+    def stage(self, prefix: Prefix, index: int) -> dict:
+        """Pack `prefix` into buffer `index` and wait for the copy; what the importer needs."""
+        if not 0 <= index < self.count:
+            raise ValueError(f"staging buffer {index} does not exist (there are {self.count})")
+        if self.buffers is None:
+            self.buffers = SharedBuffers(self.count, self.nbytes, self.device)
+        packed = pack(prefix, self.buffers.tensors[index])
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return {**packed, "handle": self.buffers.handle, "buffer": index}
+
+    def close(self) -> None:
+        if self.buffers is not None:
+            self.buffers.close()
+            self.buffers = None
+
+
+class OpenedStaging:
+    """The importing engine's mappings of prefill servers' buffers, one per handle."""
+
+    def __init__(self) -> None:
+        self.opened: dict[bytes, OpenedBuffers] = {}
+
+    def prefix(self, staged: dict) -> Prefix:
+        """The staged prefix, its parts views of the mapped buffer. ValueError if the answer is
+        older than half a lease (the buffer may be lent again by now) or malformed."""
+        if time.monotonic() - staged["received"] > LEASE_S / 2:
+            raise ValueError(f"the staged blocks waited more than {LEASE_S / 2:g} s to be copied")
+        handle = staged["handle"]
+        if handle not in self.opened:
+            self.opened[handle] = OpenedBuffers(handle)
+        buffers = self.opened[handle].tensors
+        index = staged["buffer"]
+        if not 0 <= index < len(buffers):
+            raise ValueError(f"staging buffer {index} does not exist (there are {len(buffers)})")
+        return unpack(staged, buffers[index])
+
+    def close(self) -> None:
+        for opened in self.opened.values():
+            opened.close()
+        self.opened.clear()
