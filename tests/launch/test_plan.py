@@ -172,6 +172,18 @@ def test_prefill_servers_compute_the_others_prompts(tmp_path: Path) -> None:
     assert plan.trainer.weights.num_servers == 3
     assert [c.weights.server_index for c in plan.inference] == [0, 1, 2]
     assert [s.name for s in plan.specs()][:3] == ["inference_0", "inference_1", "inference_2"]
+    assert [c.prefill.transport for c in plan.inference[:2]] == ["shared", "shared"]
+    on_gpus = {
+        "deployment.inference_servers": 3,
+        "deployment.prefill_servers": 1,
+        "deployment.inference_gpus": ["0", "1", "2"],
+        "deployment.trainer_gpus": ["3"],
+    }
+    specs = {s.name: s for s in plan_run(config(tmp_path, **on_gpus), gpus(4)).specs()}
+    visible = [specs[f"inference_{i}"].env["CUDA_VISIBLE_DEVICES"] for i in range(3)]
+    assert visible == ["0,2", "1,2", "2"]  # a decode server maps its prefill server's buffers (CUDA IPC)
+    over_http = plan_run(config(tmp_path, **on_gpus, **{"inference.prefill.transport": "http"}), gpus(4))
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in over_http.specs()][:3] == ["0", "1", "2"]
 
 
 @pytest.mark.parametrize(

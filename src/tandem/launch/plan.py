@@ -103,7 +103,7 @@ class RunPlan:
                 ProcessSpec(
                     f"inference_{i}" if len(self.inference) > 1 else "inference",
                     [python, "-m", INFERENCE_MODULE, "@", str(self.config_dir / f"inference_{i}.toml")],
-                    env={"CUDA_VISIBLE_DEVICES": ",".join(gpus)} | self._threads(),
+                    env={"CUDA_VISIBLE_DEVICES": ",".join(self._visible_gpus(cfg, gpus))} | self._threads(),
                     role="service",
                     health_url=f"{local_url(cfg)}/health",
                 )
@@ -133,6 +133,17 @@ class RunPlan:
                 )
             )
         return specs
+
+    def _visible_gpus(self, cfg: InferenceConfig, gpus: list[str]) -> list[str]:
+        """A server's GPUs, then those of its prefill servers when it maps their staging buffers
+        (CUDA IPC needs them visible; the server runs on the first)."""
+        visible = list(gpus)
+        if cfg.prefill.transport == "shared":
+            urls = [local_url(c) for c in self.inference]
+            for url in cfg.prefill.servers:
+                if url in urls:
+                    visible += [g for g in self.devices.inference[urls.index(url)] if g not in visible]
+        return visible
 
     def supervisor(
         self, console: Console, prog: str, peer_event: Callable[[], tuple[str, str] | None] | None = None
@@ -266,9 +277,10 @@ def _split_prefill(
             "or orchestrator.seeded_sampling, which turns it off): prompts enter the decode servers through it"
         )
     decode, prefill = servers[:-k], servers[-k:]
-    per_server = [
-        _update("inference", c, {"prefill": {"servers": prefill}}) for c in per_server[:-k]
-    ] + per_server[-k:]
+    section = {"servers": prefill}
+    if "transport" not in config.inference.prefill.model_fields_set:
+        section["transport"] = "shared"  # (one machine: the staging buffers)
+    per_server = [_update("inference", c, {"prefill": section}) for c in per_server[:-k]] + per_server[-k:]
     return per_server, decode, prefill
 
 

@@ -514,9 +514,11 @@ class EngineCore:
     def import_prompt_staged(self, token_ids: list[int], staged: dict) -> int:
         """Adopt a prefill server's staged export; returns once the copies out of its buffer are
         done, so that the buffer can be released."""
-        cached = self._adopt(token_ids, self.opened_staging.prefix(staged))
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        prefix = self.opened_staging.prefix(staged)
+        cached = self._adopt(token_ids, prefix)
+        if self.device.type == "cuda":  # (the peer copy may run on either GPU's stream)
+            for device in {self.device, *(part.device for part in prefix.parts)}:
+                torch.cuda.synchronize(device)
         return cached
 
     def close_staging(self) -> None:

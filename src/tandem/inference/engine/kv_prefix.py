@@ -112,14 +112,12 @@ def adopt_prefix(
         src = torch.tensor([i - skip for i, _ in to_write], dtype=torch.int64)
         dst = torch.tensor([block for _, block in to_write], dtype=torch.int64, device=cache[0].device)
         for given, part in zip(prefix.parts, cache, strict=True):
-            rows = given.index_select(1, src.to(given.device))
-            part.index_copy_(1, dst, rows if rows.device == part.device else _to(rows, part.device))
+            if given.device.type == "cpu":  # (the rows this cache lacks, through pinned memory)
+                rows = host_to_device(given.index_select(1, src), part.device)
+            else:  # (another GPU's buffer: all of it, peer to peer, then the rows here)
+                rows = given.to(part.device, non_blocking=True).index_select(1, src.to(part.device))
+            part.index_copy_(1, dst, rows)
     return cached_tokens(blocks, token_ids)
-
-
-def _to(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Rows on `device`: from the host without a stream sync; from another GPU peer to peer."""
-    return host_to_device(rows, device) if rows.device.type == "cpu" else rows.to(device, non_blocking=True)
 
 
 # ---- safetensors bytes (HTTP) -------------------------------------------------------------------

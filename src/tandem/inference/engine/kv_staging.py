@@ -16,6 +16,7 @@ decode server copies only within half of that of the answer and waits for its co
 before it releases the buffer, so a buffer is never reused under a copy that is reading it.
 """
 
+import os
 import time
 
 import torch
@@ -37,6 +38,11 @@ class StagingBuffers:
         if not 0 <= index < self.count:
             raise ValueError(f"staging buffer {index} does not exist (there are {self.count})")
         if self.buffers is None:
+            if self.device.type != "cuda" and _shm_free() < self.count * self.nbytes:
+                raise ValueError(  # (writing past a full /dev/shm would kill the process with SIGBUS)
+                    f"/dev/shm has {_shm_free() >> 20} MiB free, less than {self.count} staging buffers of "
+                    f"{self.nbytes >> 20} MiB (prefill.staging_buffers, prefill.staging_mb)"
+                )
             self.buffers = SharedBuffers(self.count, self.nbytes, self.device)
         packed = pack(prefix, self.buffers.tensors[index])
         if self.device.type == "cuda":
@@ -73,3 +79,9 @@ class OpenedStaging:
         for opened in self.opened.values():
             opened.close()
         self.opened.clear()
+
+
+def _shm_free() -> int:
+    """Bytes free in /dev/shm, where POSIX shared memory lives on Linux."""
+    stat = os.statvfs("/dev/shm")
+    return stat.f_bavail * stat.f_frsize
