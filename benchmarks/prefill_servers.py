@@ -3,19 +3,20 @@ on the same devices: real servers on 127.0.0.1, an open-loop stream of long-prom
 
 Layouts, each given the same devices (CPU cores, or GPUs):
 - colocated: S servers, each computing and decoding its own prompts; requests round-robin;
-- split: S − 1 decode servers and one prefill server, whose keys and values the decode servers take
-  into their prefix caches (prefill.py; over HTTP, the stand-in transport).
+- split-shared, split-http: S − 1 decode servers and one prefill server, whose keys and values the
+  decode servers take into their prefix caches (prefill.py), through its staging buffers (CUDA
+  IPC, or shared memory on CPU) or in HTTP bodies.
 
 The load: requests arrive at a fixed rate (`--rate` per second) for `--duration` seconds, each a
 prompt of `--prompt-len` new tokens (no shared prefix) and `--output-len` streamed tokens, sent to
 the decode servers only. Per layout: output tok/s over the run, time to first token and the gaps
-between streamed tokens (p50 / p99) at the clients, and, for split, how many prompts the prefill
-server computed and the seconds they waited for it. A decode step that shares its device with a
+between streamed tokens (p50 / p99) at the clients, and, for split layouts, how many prompts the
+prefill server computed and the seconds they waited for it. A decode step that shares its device with a
 prefill chunk waits for it, which shows in the gaps' tail; that tail is what disaggregation is for.
 
     uv run python benchmarks/prefill_servers.py                    # CPU: 2 servers, a core each
     python benchmarks/prefill_servers.py --gpus 0,1 --shape qwen3-0.6b --prompt-len 2048 \\
-        --output-len 256 --rate 8 --out prefill_servers.json      # two GPUs
+        --output-len 256 --rate 8 --layouts colocated split-shared split-http   # two GPUs
 """
 
 import argparse
@@ -119,14 +120,18 @@ def measure(args: argparse.Namespace, model: Path, layout: str) -> dict:
     devices = args.gpus.split(",") if args.gpus else [f"cpu:{args.threads}"] * args.servers
     servers = []
     try:
-        if layout == "split":
+        if layout.startswith("split-"):
             prefill, prefill_port = start(
                 args, model, devices[-1], [], args.work_dir / f"{layout}-prefill.log"
             )
             servers.append(prefill)
             url = json.dumps([f"http://127.0.0.1:{prefill_port}"])
+            transport = layout.removeprefix("split-")
             extra = ["--prefill.servers", url, "--prefill.min-tokens", str(args.min_tokens)]
+            extra += ["--prefill.transport", transport]
             decode_devices = devices[:-1]
+            if transport == "shared" and args.gpus:  # (CUDA IPC: the prefill server's GPU visible too)
+                decode_devices = [f"{d},{devices[-1]}" for d in decode_devices]
         else:
             extra, decode_devices = [], devices
         ports = []
@@ -178,7 +183,12 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=2.0, help="requests per second")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals")
     parser.add_argument("--min-tokens", type=int, default=64, help="prefill.min_tokens of the decode servers")
-    parser.add_argument("--layouts", nargs="+", default=["colocated", "split", "colocated", "split"])
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        choices=["colocated", "split-shared", "split-http"],
+        default=["colocated", "split-shared", "colocated", "split-shared"],
+    )
     parser.add_argument("--startup-timeout", type=float, default=900)
     parser.add_argument(
         "--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "tandem-prefill-servers"
