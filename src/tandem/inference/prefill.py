@@ -1,13 +1,16 @@
-"""Prefill on other servers: a decode server's side of prefill/decode disaggregation.
+"""Prefill on other servers (prefill/decode disaggregation), the HTTP sides of it.
 
-With `[inference.prefill] servers`, a server has the prompts it serves computed by other tandem
-servers: for a prompt with at least `min_tokens` tokens beyond what its own prefix cache holds, it
-asks a prefill server for the prompt's keys and values (POST /v1/kv/export, which computes the
-prompt there and answers the blocks this server lacks; engine/kv_prefix.py), takes them into its
-prefix cache (`import_prompt`), and then generates as usual: the prompt is a prefix-cache hit but
-for its last (at most one block of) tokens. Long prompts then stop taking decode steps' time here,
-which is what disaggregation is for: a decode step that shares the device with a prefill chunk
-waits for it.
+A decode server (`[inference.prefill] servers`, `PrefillServers`) has the prompts it serves
+computed by other tandem servers: for a prompt with at least `min_tokens` tokens beyond what its
+own prefix cache holds, it asks a prefill server for the prompt's keys and values (POST
+/v1/kv/export, which computes the prompt there and answers the blocks this server lacks;
+engine/kv_prefix.py), takes them into its prefix cache, and then generates as usual: the prompt
+is a prefix-cache hit but for its last (at most one block of) tokens. Long prompts then stop
+taking decode steps' time here: a decode step that shares the device with a prefill chunk waits
+for it. The blocks come in the answer's body (`transport = "http"`) or, between servers of one
+machine, through the prefill server's staging buffers (`"shared"`: engine/kv_staging.py), which
+the prefill server lends one export at a time (`StagingLeases`) until the decode server
+releases them (POST /v1/kv/release).
 
 A prompt goes to the prefill server with the fewest prompts in flight from this server, ties
 broken by its first block's tokens, so that a conversation's turns tend to meet the same
@@ -17,10 +20,10 @@ Invariant: prefilling elsewhere never fails a request. A prefill server that can
 answers late (`timeout_s`) or with an error, or sends blocks this engine refuses (another weight
 version, another model's layout), costs the attempt's time; the prompt is then computed here, the
 failure counted (`tandem_prefill_remote_failures_total`) and logged once per server and kind.
+Staging buffers this server cannot map switch that prefill server to bodies.
 
-Stand-in: the keys and values travel as HTTP bodies, through host memory on both sides. Between
-GPUs of one node or over RDMA a device-to-device transfer (NCCL, as weights travel) would skip
-both copies; not built yet.
+Between machines the bodies pass through host memory and TCP: a stand-in for a network transfer
+of the blocks (NCCL, as weights travel), not built yet (docs/inference-engine.md).
 """
 
 import asyncio
