@@ -173,6 +173,7 @@ def test_prefill_servers_compute_the_others_prompts(tmp_path: Path) -> None:
     assert [c.weights.server_index for c in plan.inference] == [0, 1, 2]
     assert [s.name for s in plan.specs()][:3] == ["inference_0", "inference_1", "inference_2"]
     assert [c.prefill.transport for c in plan.inference[:2]] == ["shared", "shared"]
+    assert {c.backend for c in plan.inference} == {"native"}
     on_gpus = {
         "deployment.inference_servers": 3,
         "deployment.prefill_servers": 1,
@@ -208,6 +209,10 @@ def test_prefill_servers_compute_the_others_prompts(tmp_path: Path) -> None:
                 "inference.prefill.servers": ["http://x:1"],
             },
             "inference.prefill.servers conflicts with deployment.prefill_servers",
+        ),
+        (
+            {"deployment.inference_servers": 2, "deployment.prefill_servers": 1, "inference.backend": "vllm"},
+            "deployment.prefill_servers needs the native engine; inference.backend is 'vllm'",
         ),
         (
             {"orchestrator.prefill_servers": ["http://x:1"]},

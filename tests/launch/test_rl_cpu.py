@@ -110,7 +110,9 @@ def test_a_prefill_server_computes_the_decode_servers_prompts(tmp_path: Path) ->
         for i in range(2)
     ]
     assert all(m is not None for m in computed), out[-3000:]
-    assert sum(int(m.group(1)) for m in computed if m) >= 4  # (both steps: 2 groups each, one request per group)
+    assert (
+        sum(int(m.group(1)) for m in computed if m) >= 4
+    )  # (both steps: 2 groups each, one request per group)
     trainer = read_metrics(run / "metrics.jsonl", "trainer")
     assert [r["step"] for r in trainer] == [0, 1]
     assert all(r["mismatch_kl"] <= 1e-6 for r in trainer), trainer

@@ -276,11 +276,14 @@ def _split_prefill(
             "deployment.prefill_servers needs the prefix cache, which is off (engine.prefix_caching = false, "
             "or orchestrator.seeded_sampling, which turns it off): prompts enter the decode servers through it"
         )
+    if config.inference.backend == "vllm":
+        raise ConfigError("deployment.prefill_servers needs the native engine; inference.backend is 'vllm'")
     decode, prefill = servers[:-k], servers[-k:]
     section = {"servers": prefill}
     if "transport" not in config.inference.prefill.model_fields_set:
         section["transport"] = "shared"  # (one machine: the staging buffers)
-    per_server = [_update("inference", c, {"prefill": section}) for c in per_server[:-k]] + per_server[-k:]
+    native = [_update("inference", c, {"backend": "native"}) for c in per_server]  # (auto could pick vLLM)
+    per_server = [_update("inference", c, {"prefill": section}) for c in native[:-k]] + native[-k:]
     return per_server, decode, prefill
 
 
