@@ -190,15 +190,25 @@ def pack(prefix: Prefix, buffer: torch.Tensor) -> dict:
 
 
 def unpack(packed: dict, buffer: torch.Tensor) -> Prefix:
-    """The prefix `pack` wrote into `buffer`, its parts as views of the buffer."""
-    parts = []
-    for offset, shape, dtype in packed["parts"]:
-        dt = getattr(torch, str(dtype), None)
-        if not isinstance(dt, torch.dtype):
-            raise ValueError(f"not a dtype: {dtype!r}")
-        nbytes = torch.Size(shape).numel() * dt.itemsize
-        if offset < 0 or offset + nbytes > buffer.numel():
-            raise ValueError(f"a part at byte {offset} of {nbytes} bytes lies outside the staging buffer")
-        parts.append(buffer[offset : offset + nbytes].view(dt).view(shape))
-    fields = ("token_ids", "skip_blocks", "weight_version", "block_size", "layout")
-    return Prefix(*(packed[k] for k in fields), parts)  # type: ignore[arg-type]
+    """The prefix `pack` wrote into `buffer`, its parts as views of the buffer; ValueError for a
+    description that does not fit the buffer."""
+    try:
+        parts = []
+        for offset, shape, dtype in packed["parts"]:
+            dt = getattr(torch, str(dtype), None)
+            if not isinstance(dt, torch.dtype):
+                raise ValueError(f"not a dtype: {dtype!r}")
+            nbytes = torch.Size(shape).numel() * dt.itemsize
+            if offset < 0 or offset % 256 or offset + nbytes > buffer.numel():
+                raise ValueError(f"a part at byte {offset} of {nbytes} bytes lies outside the staging buffer")
+            parts.append(buffer[offset : offset + nbytes].view(dt).view(shape))
+        return Prefix(
+            [int(t) for t in packed["token_ids"]],
+            int(packed["skip_blocks"]),
+            int(packed["weight_version"]),
+            int(packed["block_size"]),
+            list(packed["layout"]),
+            parts,
+        )
+    except (KeyError, TypeError, RuntimeError) as e:
+        raise ValueError(f"a malformed staged prefix: {e!r}") from None
