@@ -15,6 +15,10 @@ least recently released goes first, after the blocks that hold nothing reusable.
 weights makes every registered block stale: `reset_prefix_cache` forgets them all, and a
 sequence that started before cannot register blocks after (its keys mix two weight versions).
 
+Blocks computed by another engine (prefill on other servers: kv_prefix.py) enter through
+`adopt`: taken like blocks for new tokens, registered under the same chained hashes, and released
+at once, so a request admitted next finds them as it finds its own.
+
 Besides each sequence's `block_table` list, the block tables live in one persistent array (a
 row per sequence holding blocks, kept up to date as blocks are added), so a step's batch of
 tables is one fancy-indexing copy instead of a Python loop over sequences.
@@ -103,23 +107,14 @@ class BlockManager:
         if not self.cached or seq.block_table:  # (nothing is registered without prefix_caching)
             return 0
         seq.cache_epoch = self.epoch
-        size = self.block_size
-        parent = None
-        for i in range(reusable_blocks(seq.num_tokens, size)):
-            tokens = tuple(seq.token_ids[i * size : (i + 1) * size])
-            key = hash((parent, tokens))
-            block = self.cached.get(key)
-            if block is None or self.block_keys[block][1] != tokens:
-                break
-            if self.ref_counts[block] == 0:
-                del self.evictable[block]
-            self.ref_counts[block] += 1
-            seq.block_table.append(block)
-            parent = key
-        if seq.block_table:
-            seq.num_hashed = len(seq.block_table)
-            seq.num_cached = seq.num_hashed * size
-            seq.prefix_hash = parent
+        found = self.lookup(seq.token_ids, reusable_blocks(seq.num_tokens, self.block_size))
+        for block in found:
+            self._pin(block)
+        if found:
+            seq.block_table = found
+            seq.num_hashed = len(found)
+            seq.num_cached = seq.num_hashed * self.block_size
+            seq.prefix_hash = self.block_keys[found[-1]][0]
             self._write(seq, 0)
         return seq.num_cached
 
@@ -180,9 +175,7 @@ class BlockManager:
                 key = hash((parent, tokens))
                 block = self.cached.get(key)
                 if block is not None and self.block_keys[block][1] == tokens:
-                    if self.ref_counts[block] == 0:
-                        del self.evictable[block]
-                    self.ref_counts[block] += 1
+                    self._pin(block)
                 elif block is not None or i < first or not self.num_free:
                     break  # (another prefix under this hash; a block we do not have; no room)
                 else:
@@ -198,6 +191,12 @@ class BlockManager:
                 if self.ref_counts[block] == 0:
                     self.evictable[block] = None
         return to_write
+
+    def _pin(self, block: int) -> None:
+        """One more user of a registered block (no longer evictable)."""
+        if self.ref_counts[block] == 0:
+            del self.evictable[block]
+        self.ref_counts[block] += 1
 
     def reset_prefix_cache(self) -> None:
         """Forget every registered block (new weights make their keys and values stale)."""
