@@ -38,7 +38,8 @@ want moe && part moe 110 python3 benchmarks/moe_decode.py --num-layers 12 --out 
 want pieces && part pieces 300 python3 benchmarks/prompt_graphs.py --out "$OUT/prompt_graphs.json"
 want pieces_http && part pieces_http 240 python3 benchmarks/inference_throughput.py --num-requests 256 --prompt-len 128 \
   --output-len 256 --skip-transformers --compare-prompt-graphs --out "$OUT/http_pieces.json"
-want gpu_tests && part gpu_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_engine_cuda.py
+want gpu_tests && part gpu_tests 180 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_engine_cuda.py \
+  tests/gpu/test_prefill_servers_gpu.py
 want prefix && part prefix 120 python3 benchmarks/prefix_cache.py --out "$OUT/prefix.json"
 tail -n 3 "$OUT/gpu_tests.log" 2>/dev/null
 python3 benchmarks/engine_report.py "$OUT"
