@@ -89,6 +89,31 @@ def test_each_node_starts_its_own_processes(tmp_path: Path) -> None:
     assert sorted(trainer.files()) == ["rl", "trainer"]
 
 
+def test_prefill_servers_on_each_inference_node(tmp_path: Path) -> None:
+    """cluster.prefill_servers_per_node = 1 of 4: on each inference node the last server computes
+    the node's other three servers' prompts through its staging buffers (loopback URL, its GPU
+    visible to them); the orchestrator sends rollouts to the six decode servers and weights to all."""
+    cfg = config(tmp_path, **{"cluster.gpus_per_node": 4, "cluster.prefill_servers_per_node": 1})
+    cluster = resolve_cluster(cfg)
+    node = plan_node(cfg, cluster, cluster.unit(1), ["0", "1", "2", "3"])
+    assert [c.prefill.servers for c in node.inference] == [["http://127.0.0.1:8003"]] * 3 + [[]]
+    assert {c.prefill.transport for c in node.inference[:3]} == {"shared"}
+    specs = {s.name: s for s in node.specs()}
+    assert [specs[f"inference_{j}"].env["CUDA_VISIBLE_DEVICES"] for j in range(4)] == [
+        "0,3",
+        "1,3",
+        "2,3",
+        "3",
+    ]
+    urls = cluster.server_urls(4)
+    assert node.orchestrator.servers == urls[0:3] + urls[4:7]
+    assert node.orchestrator.prefill_servers == [urls[3], urls[7]]
+    trainer = plan_node(cfg, cluster, cluster.unit("trainer-0"), ["0", "1", "2", "3"])
+    assert trainer.trainer.weights.num_servers == 8
+    with pytest.raises(ConfigError, match="cluster.prefill_servers_per_node = 4 of 4 inference server"):
+        check_plans(config(tmp_path, **{"cluster.gpus_per_node": 4, "cluster.prefill_servers_per_node": 4}))
+
+
 def test_cpu_nodes(tmp_path: Path) -> None:
     cfg = config(tmp_path, **{"cluster.trainer_ranks_per_node": 2})
     cluster = resolve_cluster(cfg)
@@ -145,6 +170,10 @@ def test_submit_time_checks_plan_every_node(tmp_path: Path) -> None:
         (
             {"cluster.inference_nodes": 0, "cluster.trainer_nodes": 1, "cluster.servers_per_node": 2},
             "use deployment",
+        ),
+        (
+            {"cluster.inference_nodes": 0, "cluster.trainer_nodes": 1, "cluster.prefill_servers_per_node": 1},
+            "cluster.prefill_servers_per_node applies to several nodes",
         ),
         ({}, "a run on several nodes starts through [slurm], [kubernetes] (--k8s), or one"),
     ],

@@ -149,11 +149,11 @@ def check_node_shapes(config: RLConfig) -> None:
     cfg = config.cluster
     gpus = cfg.gpus_per_node or 0
     if not is_multi_node(config):
-        for key in ("servers_per_node", "trainer_ranks_per_node"):
-            if getattr(cfg, key) is not None:
+        for key in ("servers_per_node", "trainer_ranks_per_node", "prefill_servers_per_node"):
+            if getattr(cfg, key):
                 raise ConfigError(
                     f"cluster.{key} applies to several nodes; with cluster.inference_nodes = 0 one node "
-                    "runs everything: use deployment.inference_servers / deployment.trainer_nproc"
+                    "runs everything: use deployment.inference_servers / trainer_nproc / prefill_servers"
                 )
         if cfg.trainer_nodes > 1 or cfg.orchestrator_node == "own":
             raise ConfigError(

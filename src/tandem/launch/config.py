@@ -95,6 +95,12 @@ class ClusterConfig(Section):
         gt=0,
         description="Inference servers on each inference node; default: one per GPU (one on CPU nodes).",
     )
+    prefill_servers_per_node: int = Field(
+        0,
+        ge=0,
+        description="Of each inference node's servers, how many (the last ones) compute prompts for the node's "
+        "others, through staging buffers within the node (docs/inference-engine.md, 'Prefill on other servers').",
+    )
     trainer_nodes: int = Field(1, gt=0, description="Nodes that run the trainer (torchrun, one agent each).")
     trainer_ranks_per_node: int | None = Field(
         None,

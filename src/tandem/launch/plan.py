@@ -247,44 +247,40 @@ def plan_run(config: RLConfig, visible_gpus: list[str], cores: int | None = None
         for i, p in enumerate(ports)
     ]
     servers = [local_url(c) for c in per_server]
-    per_server, servers, prefill = _split_prefill(config, per_server, servers)
+    k = dep.prefill_servers
+    per_server = _with_prefill(config, per_server, k, "deployment.prefill_servers")
+    servers, prefill = (servers[:-k], servers[-k:]) if k else (servers, [])
     resolved, orchestrator, trainer = _jobs(config, per_server, servers, devices.trainer_nproc, link, prefill)
     threads = cpu_threads(config, devices, cores or usable_cores())
     return RunPlan(resolved, devices, per_server, orchestrator, trainer, threads)
 
 
-def _split_prefill(
-    config: RLConfig, per_server: list[InferenceConfig], servers: list[str]
-) -> tuple[list[InferenceConfig], list[str], list[str]]:
-    """With deployment.prefill_servers = K, the last K servers compute prompts for the others
-    (their prefill.servers); returns every server's section, the decode servers' URLs and the
-    prefill servers'."""
-    k = config.deployment.prefill_servers
+def _with_prefill(
+    config: RLConfig, per_server: list[InferenceConfig], k: int, key: str
+) -> list[InferenceConfig]:
+    """With `key` = K > 0, the last K of one machine's servers compute prompts for the others
+    (their prefill.servers, through staging buffers unless inference.prefill.transport says
+    otherwise); every server runs the native engine. Returns the servers' sections."""
     if not k:
-        return per_server, servers, []
-    if k >= len(servers):
-        raise ConfigError(
-            f"deployment.prefill_servers = {k} of {len(servers)} inference server(s) leaves none to decode"
-        )
+        return per_server
+    if k >= len(per_server):
+        raise ConfigError(f"{key} = {k} of {len(per_server)} inference server(s) leaves none to decode")
     if config.inference.prefill.servers:
         raise ConfigError(
-            "inference.prefill.servers conflicts with deployment.prefill_servers, from which the launcher "
-            "derives it; set one of them"
+            f"inference.prefill.servers conflicts with {key}, from which the launcher derives it; set one of them"
         )
     if not per_server[0].engine.prefix_caching:
         raise ConfigError(
-            "deployment.prefill_servers needs the prefix cache, which is off (engine.prefix_caching = false, "
+            f"{key} needs the prefix cache, which is off (engine.prefix_caching = false, "
             "or orchestrator.seeded_sampling, which turns it off): prompts enter the decode servers through it"
         )
     if config.inference.backend == "vllm":
-        raise ConfigError("deployment.prefill_servers needs the native engine; inference.backend is 'vllm'")
-    decode, prefill = servers[:-k], servers[-k:]
-    section = {"servers": prefill}
+        raise ConfigError(f"{key} needs the native engine; inference.backend is 'vllm'")
+    section: dict[str, Any] = {"servers": [local_url(c) for c in per_server[-k:]]}
     if "transport" not in config.inference.prefill.model_fields_set:
         section["transport"] = "shared"  # (one machine: the staging buffers)
     native = [_update("inference", c, {"backend": "native"}) for c in per_server]  # (auto could pick vLLM)
-    per_server = [_update("inference", c, {"prefill": section}) for c in native[:-k]] + native[-k:]
-    return per_server, decode, prefill
+    return [_update("inference", c, {"prefill": section}) for c in native[:-k]] + native[-k:]
 
 
 def plan_node(
@@ -316,9 +312,16 @@ def plan_node(
         )
         for i, p in enumerate(here)
     ]
+    k = config.cluster.prefill_servers_per_node
+    if per_server:
+        per_server = _with_prefill(config, per_server, k, "cluster.prefill_servers_per_node")
     num_ranks = ranks * cluster.config.trainer_nodes
     urls = cluster.server_urls(servers)
-    resolved, orchestrator, trainer = _jobs(config, per_server or [inference], urls, num_ranks, link)
+    decode = [url for i, url in enumerate(urls) if i % servers < servers - k]
+    prefill = [url for i, url in enumerate(urls) if i % servers >= servers - k]
+    resolved, orchestrator, trainer = _jobs(
+        config, per_server or [inference], decode, num_ranks, link, prefill
+    )
     threads = cpu_threads(config, devices, cores or usable_cores())
     return RunPlan(resolved, devices, per_server, orchestrator, trainer, threads, unit, cluster)
 
