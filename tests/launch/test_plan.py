@@ -208,7 +208,8 @@ def test_prefill_servers_compute_the_others_prompts(tmp_path: Path) -> None:
                 "deployment.prefill_servers": 1,
                 "inference.prefill.servers": ["http://x:1"],
             },
-            "inference.prefill.servers conflicts with deployment.prefill_servers",
+            "inference.prefill.servers = ['http://x:1'] conflicts with ['http://127.0.0.1:8001'], which the "
+            "launcher derives from deployment.prefill_servers",
         ),
         (
             {"deployment.inference_servers": 2, "deployment.prefill_servers": 1, "inference.backend": "vllm"},
@@ -337,6 +338,25 @@ def test_dry_run_prints_plan_and_starts_nothing(
     )
     assert "-m tandem.inference.cli @" in out and "-m tandem.orchestrator.cli @" in out
     assert not (tmp_path / "run").exists()
+
+    main(
+        [
+            "@",
+            str(toml),
+            "--deployment.inference_servers",
+            "3",
+            "--deployment.prefill_servers",
+            "1",
+            "--dry-run",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert (
+        "# prefill servers (no rollouts; the other servers take their prompts from them): http://127.0.0.1:"
+        in out
+    )
+    again = plan_run(build_config(RLConfig, [write(tmp_path / "again.toml", out)]), [])  # plans as it reads
+    assert again.orchestrator.prefill_servers == [f"http://127.0.0.1:{again.inference[2].port}"]
 
 
 def test_cli_error_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

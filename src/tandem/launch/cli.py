@@ -37,6 +37,11 @@ def describe(plan: RunPlan) -> str:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in spec.env.items())
         health = f"  (waits for {spec.health_url})" if spec.health_url else ""
         lines.append(f"#   [{spec.name}] {env} {shlex.join(spec.argv)}{health}")
+    if plan.orchestrator.prefill_servers:
+        lines.append(
+            f"# prefill servers (no rollouts; the other servers take their prompts from them): "
+            f"{', '.join(plan.orchestrator.prefill_servers)}"
+        )
     return to_toml(plan.config) + "\n" + "\n".join(lines) + "\n"
 
 

@@ -265,9 +265,11 @@ def _with_prefill(
         return per_server
     if k >= len(per_server):
         raise ConfigError(f"{key} = {k} of {len(per_server)} inference server(s) leaves none to decode")
-    if config.inference.prefill.servers:
+    derived = [local_url(c) for c in per_server[-k:]]
+    if config.inference.prefill.servers not in ([], derived):  # (a resolved config repeats the derived ones)
         raise ConfigError(
-            f"inference.prefill.servers conflicts with {key}, from which the launcher derives it; set one of them"
+            f"inference.prefill.servers = {config.inference.prefill.servers} conflicts with {derived}, which "
+            f"the launcher derives from {key}; set that instead"
         )
     if not per_server[0].engine.prefix_caching:
         raise ConfigError(
@@ -276,7 +278,7 @@ def _with_prefill(
         )
     if config.inference.backend == "vllm":
         raise ConfigError(f"{key} needs the native engine; inference.backend is 'vllm'")
-    section: dict[str, Any] = {"servers": [local_url(c) for c in per_server[-k:]]}
+    section: dict[str, Any] = {"servers": derived}
     if "transport" not in config.inference.prefill.model_fields_set:
         section["transport"] = "shared"  # (one machine: the staging buffers)
     native = [_update("inference", c, {"backend": "native"}) for c in per_server]  # (auto could pick vLLM)
