@@ -1,6 +1,6 @@
 """The ranks of the context-parallelism equivalence tests (gloo on CPU).
 
-    python cp_worker.py RANKS DENSE MOE OUT
+    python cp_worker.py RANKS DENSE MOE GLM5 OUT
 
 Imports torch and tandem once, then forks RANKS processes that form a gloo group as torchrun's
 ranks do (RANK, WORLD_SIZE, MASTER_ADDR/PORT), so the 4-rank test pays for one import of torch
@@ -14,7 +14,11 @@ writes, per case, the global loss and the full gradients (in checkpoint names) t
 columns of each row a rank held.
 
 The packed rows hold documents that cross the boundaries of every cp split used here, and a
-width (46) that ring and cp = 4 must pad.
+width (46) that ring and cp = 4 must pad. GLM-5's indexer keeps 4 keys per query, so its choice
+matters, and it and the sparse path run a few queries at a time (chunks that split each rank's
+columns at other places than cp does). The model kind "glm5" with attention "sparse" builds
+GLM-5 with the sdpa backend and switches its attention to the sparse path, which CPU backends
+do not choose.
 """
 
 import multiprocessing
@@ -25,6 +29,8 @@ import sys
 import torch
 
 from tandem.config.base import ModelConfig, cp_width_multiple
+from tandem.models.layers.dsa import Indexer
+from tandem.models.layers.mla import LatentAttention
 from tandem.trainer.config import ParallelConfig
 from tandem.trainer.model import build_trainer_model
 from tandem.trainer.optim import build_optimizer
@@ -58,6 +64,13 @@ CASES = {
     "moe": ("moe", "sft", {}),
     "moe-ulysses2-ep2-full": ("moe", "sft", {"cp": 2, "ep": 2, "activation_checkpointing": "full"}),
     "moe-ring2-ep2": ("moe", "sft", {"cp": 2, "cp_style": "ring", "ep": 2}),
+    "glm5": ("glm5", "sft", {}),
+    "glm5-ring2-ep2": ("glm5", "sft", {"cp": 2, "cp_style": "ring", "ep": 2}),
+    "glm5-ulysses4-full": ("glm5", "sft", {"cp": 4, "activation_checkpointing": "full"}),
+    "glm5sparse": ("glm5", "sft", {}, "sparse"),
+    "glm5sparse-ring4": ("glm5", "sft", {"cp": 4, "cp_style": "ring"}, "sparse"),
+    "glm5rl": ("glm5", "rl", {}),
+    "glm5rl-ring2": ("glm5", "rl", {"cp": 2, "cp_style": "ring"}),
 }
 
 
@@ -130,14 +143,28 @@ def rl_step_stats(
     }
 
 
+def latent_chunks(model: torch.nn.Module, sparse: bool) -> None:
+    """GLM-5's indexer and sparse attention a few queries at a time (and the sparse path on)."""
+    for module in model.modules():
+        if isinstance(module, LatentAttention):
+            module.sparse = sparse
+            module.sparse_chunk_elements = 3 * len(DOCS) * 4 * 80  # ~3 queries of 4 keys, L + r <= 80
+        if isinstance(module, Indexer):
+            module.chunk_elements = 5 * len(DOCS) * module.heads * 48  # ~5 queries of <= 48 keys
+
+
 def run_rank(paths: dict[str, str], out: str) -> None:
     torch.set_num_threads(1)
     world = init_distributed("cpu")
     results = {}
     for name, (kind, loss, options, *attention) in CASES.items():
         parallel = ParallelConfig(**options)
-        model_cfg = ModelConfig(name=paths[kind], device="cpu", attention=(attention or ["auto"])[0])
+        backend = (attention or ["auto"])[0]
+        model_cfg = ModelConfig(
+            name=paths[kind], device="cpu", attention="sdpa" if backend == "sparse" else backend
+        )
         model = build_trainer_model(model_cfg, world, parallel)
+        latent_chunks(model, sparse=backend == "sparse")
         group, groups = data_shard(world, parallel.cp)
         if loss == "sft":
             value = sft_loss(model, world.size, group, groups)
@@ -168,7 +195,8 @@ def forked_rank(rank: int, ranks: int, port: int, paths: dict[str, str], out: st
 
 
 def main() -> None:
-    ranks, paths, out = int(sys.argv[1]), {"dense": sys.argv[2], "moe": sys.argv[3]}, sys.argv[4]
+    ranks, out = int(sys.argv[1]), sys.argv[5]
+    paths = {"dense": sys.argv[2], "moe": sys.argv[3], "glm5": sys.argv[4]}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

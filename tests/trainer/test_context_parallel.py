@@ -4,7 +4,8 @@ One launch of 4 gloo ranks (forked after one import of torch) runs every case of
 cross the shard boundaries: tiny Qwen3 with cp = 2 and 4, Ulysses (4 ranks: KV heads replicated)
 and ring (zigzag; with both CPU attention backends), with selective activation checkpointing;
 the RL trainer's loss; tiny Qwen3-MoE with cp = 2 and ep = 2 on the same 4 ranks (with full
-checkpointing). Each case matches its cp = 1 case: the loss within 1e-5, every gradient within
+checkpointing); tiny GLM-5 (latent attention gathered in both styles, the indexer's choice of 4
+keys per query shared by a later layer, dense and sparse attention, ep = 2, the RL loss). Each case matches its cp = 1 case: the loss within 1e-5, every gradient within
 1e-5 of that tensor's largest entry (the tied embedding's gradient reaches ~70 here, where fp32
 sums in another order differ by ~1e-5 absolute; measured differences are below 5e-7 relative).
 """
@@ -18,12 +19,14 @@ import pytest
 import torch
 from cp_worker import CASES, WIDTH
 from process_output import failure
+from transformers import AutoModelForCausalLM
 
 from tandem.cli import UserError
 from tandem.config.base import ModelConfig, cp_width_multiple
-from tandem.models.context_parallel import apply_context_parallel, check_heads
-from tandem.models.registry import family
+from tandem.models.context_parallel import check_heads
+from tandem.models.loading import save_model
 from tandem.models.tiny import TinyShape, build_tiny_model, tiny_config
+from tandem.models.tokenizer import train_tokenizer
 from tandem.orchestrator.config import OrchestratorConfig
 from tandem.trainer.config import ParallelConfig
 from tandem.trainer.model import build_trainer_model
@@ -37,11 +40,27 @@ SMALL = {"num_layers": 2, "hidden_size": 64, "head_dim": 16, "intermediate_size"
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     root = tmp_path_factory.mktemp("cp")
     dense = build_tiny_model(out=root / "dense", **SMALL)
     moe = build_tiny_model(out=root / "moe", num_experts=4, moe_intermediate_size=32, **SMALL)
-    return dense, moe
+    return dense, moe, tiny_glm5(root / "glm5")
+
+
+def tiny_glm5(out: Path) -> Path:
+    """GLM-5 with 4 keys per query chosen by layers 0 and 2's indexers (layer 1 shares layer 0's)."""
+    tokenizer = train_tokenizer()
+    shape = TinyShape(family="glm_moe_dsa", num_experts=4, moe_intermediate_size=32, index_topk=4, **SMALL)
+    config = tiny_config(
+        shape.model_copy(update={"num_layers": 3}),
+        len(tokenizer),
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+    )
+    config.indexer_types = ["full", "shared", "full"]
+    torch.manual_seed(0)
+    save_model(AutoModelForCausalLM.from_config(config), tokenizer, out)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -96,18 +115,6 @@ def test_bad_parallel_settings_fail_at_start_in_one_line(models: tuple[Path, Pat
         )
     with pytest.raises(ValueError, match=r"cp \(2\) must divide num_ranks \(3\)"):
         OrchestratorConfig(num_ranks=3, cp=2)
-
-
-def test_latent_attention_refuses_context_parallelism() -> None:
-    """GLM-5's attention and indexer do not go through the split documents: refused, not wrong."""
-    import torch.distributed as dist
-
-    init_distributed("cpu")
-    config = tiny_config(TinyShape(family="glm_moe_dsa", num_experts=4, moe_intermediate_size=32), 512, 1, 0)
-    with torch.device("meta"):
-        model = family("glm_moe_dsa").build(config, "sdpa")
-    with pytest.raises(ValueError, match=r"cp > 1 is not implemented for multi-head latent attention"):
-        apply_context_parallel(model, dist.group.WORLD, "ring")
 
 
 def test_rl_trainer_refuses_rows_longer_than_seq_len() -> None:

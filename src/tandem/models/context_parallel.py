@@ -21,6 +21,12 @@ document with no loss). Attention is the one place that needs other ranks' token
   rank with an online softmax, as Llama 3's context parallelism does: the same arithmetic, one
   collective instead of N − 1, and each layer holds the row's K/V, kv_heads · d wide, once.)
 
+Multi-head latent attention (GLM-5) gathers in either style: its heads share one compressed key
+per token (kv_lora_rank + rope channels, layers/mla.py), so there are no KV heads to split; each
+rank gathers those and the indexer's keys over the whole row and its queries choose and attend
+among them by global column (`TokenDocuments`, layers/dsa.py). The style then only sets which
+columns a rank holds: ring's zigzag balances the causal work, Ulysses' contiguous columns do not.
+
 Documents may cross rank boundaries: document boundaries come from the whole rows' position ids,
 which every rank has, and each column keeps its own position id (for RoPE).
 
@@ -34,6 +40,7 @@ rank the gradient of the activations it owns, so the sum over a group's ranks is
 of the whole micro-batch's loss, as FSDP's reduction over all ranks expects (parallelism.py).
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +50,7 @@ from torch import nn
 from tandem.config.base import CPStyle, cp_width_multiple
 from tandem.models.expert_parallel import all_to_all
 from tandem.models.layers.attention import PackedDocs
+from tandem.models.layers.dsa import TokenDocuments
 from tandem.models.layers.mla import LatentAttention
 from tandem.models.layers.transformer import Attention
 
@@ -157,10 +165,14 @@ class RingDocs:
 
 
 class ContextParallel:
-    """This rank's place in its cp group, and how a micro-batch's rows are split over the group."""
+    """This rank's place in its cp group, and how a micro-batch's rows are split over the group.
 
-    def __init__(self, group: dist.ProcessGroup, style: CPStyle) -> None:
-        self.group, self.style = group, style
+    `latent`: the model's attention is multi-head latent attention (GLM-5), which gathers its
+    compressed keys over the whole row in either style (layers/mla.py); the style then only sets
+    which columns a rank holds."""
+
+    def __init__(self, group: dist.ProcessGroup, style: CPStyle, latent: bool = False) -> None:
+        self.group, self.style, self.latent = group, style, latent
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.width_multiple = cp_width_multiple(self.size, style)
 
@@ -178,7 +190,7 @@ class ContextParallel:
 
     def shard(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, backend: str
-    ) -> tuple[torch.Tensor, torch.Tensor, UlyssesDocs | RingDocs]:
+    ) -> tuple[torch.Tensor, torch.Tensor, UlyssesDocs | RingDocs | TokenDocuments]:
         """This rank's token ids and position ids [rows, W/N] of the whole rows, and the attention
         layout every layer uses."""
         rows, width = input_ids.shape
@@ -189,14 +201,22 @@ class ContextParallel:
         padding_positions = torch.arange(pad, device=device).expand(rows, pad)
         position_ids = torch.cat([position_ids, padding_positions.to(position_ids.dtype)], dim=1)
         mine = self.columns(padded, device)
-        if self.style == "ulysses":
+        if self.latent:
+            gather = functools.partial(gather_columns, group=self.group, order=self._order(padded, device))
+            docs = TokenDocuments.from_positions(position_ids, mine, gather)
+        elif self.style == "ulysses":
             docs = UlyssesDocs(PackedDocs.from_positions(position_ids, backend), self.group, self.size)
         else:
-            everyone = torch.cat([self.columns(padded, device, r) for r in range(self.size)])
             docs = RingDocs(
-                PackedDocs.from_positions(position_ids, backend, mine), self.group, everyone.argsort()
+                PackedDocs.from_positions(position_ids, backend, mine),
+                self.group,
+                self._order(padded, device),
             )
         return input_ids[:, mine], position_ids[:, mine], docs
+
+    def _order(self, width: int, device: torch.device) -> torch.Tensor:
+        """The ranks' columns, concatenated in rank order → column order."""
+        return torch.cat([self.columns(width, device, r) for r in range(self.size)]).argsort()
 
     def tokens(self, t: torch.Tensor) -> torch.Tensor:
         """The entries of a token-aligned tensor [rows, W] (loss mask, input ids...) that this rank's
@@ -210,15 +230,10 @@ class ContextParallel:
 def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, style: CPStyle) -> None:
     """Split the model's rows over `group` (checking first that `style` can split its heads)."""
     cp = dist.get_world_size(group)
-    if any(isinstance(m, LatentAttention) for m in model.modules()):
-        # (its attention and indexer read documents of their own, not the split ones)
-        raise ValueError(
-            "trainer.parallel.cp > 1 is not implemented for multi-head latent attention (GLM-5, "
-            "glm_moe_dsa): use cp = 1"
-        )
     for attention in (m for m in model.modules() if isinstance(m, Attention)):
         check_heads(attention.num_heads, attention.num_kv_heads, cp, style)
-    model.context_parallel = ContextParallel(group, style)
+    latent = any(isinstance(m, LatentAttention) for m in model.modules())
+    model.context_parallel = ContextParallel(group, style, latent)
 
 
 def token_view(model: nn.Module):  # noqa: ANN201 (Callable[[Tensor], Tensor])

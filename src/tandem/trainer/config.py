@@ -76,7 +76,8 @@ class ParallelConfig(Section):
         "ulysses",
         description="ulysses: all-to-all from sequence- to head-sharded around attention (query heads must "
         "be a multiple of cp; KV heads a multiple or divisor of it); ring: keys and values gathered "
-        "from the cp ranks, rows split in 2·cp zigzag chunks for causal balance (any head counts).",
+        "from the cp ranks, rows split in 2·cp zigzag chunks for causal balance (any head counts). "
+        "GLM-5's latent attention gathers its compressed keys in both styles; ring balances it.",
     )
     activation_checkpointing: Literal["none", "full", "selective"] = Field(
         "none",

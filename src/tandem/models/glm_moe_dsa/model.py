@@ -18,7 +18,6 @@ from transformers import PretrainedConfig
 
 from tandem.models.decoder_config import causal_lm, check_common, rope_parameters, rotary
 from tandem.models.glm4_moe.model import check_moe, moe
-from tandem.models.layers.attention import PackedDocs
 from tandem.models.layers.dsa import Indexer, TokenDocuments
 from tandem.models.layers.mla import LatentAttention
 from tandem.models.layers.mlp import MLP
@@ -93,11 +92,19 @@ class IndexedDecoderLayer(DecoderLayer):
 class IndexedCausalLM(CausalLM):
     supports_shared_prompts = False  # the indexer's documents (layers/dsa.py) know no branches
 
+    def documents(self, position_ids: torch.Tensor) -> TokenDocuments:
+        """MLA layers find documents per token (layers/dsa.py), under context parallelism too."""
+        return TokenDocuments.from_positions(position_ids)
+
     def blocks(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, _: PackedDocs, position_ids: torch.Tensor
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        docs: TokenDocuments,
+        position_ids: torch.Tensor,
     ) -> torch.Tensor:
-        """MLA layers pass the indexer's choice on; they find documents per token themselves."""
-        docs = TokenDocuments.from_positions(position_ids)
+        """MLA layers pass the indexer's choice on."""
         chosen = None
         for layer in self.layers:
             x, chosen = layer(x, cos, sin, docs, chosen)

@@ -24,6 +24,7 @@ q_nope · (W_UK c) = (W_UKᵀ q_nope) · c and Σ p·(W_UV c) = W_UV (Σ p·c), 
 never leave the latent space (kv_lora_rank + rope channels per token, shared by all heads).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,29 +40,55 @@ SPARSE_CHUNK_ELEMENTS = 1 << 28  # at most this many gathered latent channels [r
 
 @dataclass
 class TokenDocuments:
-    """Which document each token of a packed batch belongs to: doc_ids [rows, width]."""
+    """Which document each token of a packed batch belongs to, and which tokens are this rank's
+    queries.
+
+    doc_ids [rows, width] covers the whole rows (every key). Under context parallelism
+    (models/context_parallel.py) a rank's queries are only `query_columns` of each row (global
+    column indices, ascending) and `gather` turns a tensor of its columns [rows, queries, ...]
+    into the whole rows' [rows, width, ...] (gradients flow back to each column's rank); without
+    it the queries are every column and `gather` is None.
+    """
 
     doc_ids: torch.Tensor
+    query_columns: torch.Tensor | None = None
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
-    def from_positions(cls, position_ids: torch.Tensor) -> "TokenDocuments":
+    def from_positions(
+        cls,
+        position_ids: torch.Tensor,
+        query_columns: torch.Tensor | None = None,
+        gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> "TokenDocuments":
+        """From the whole rows' position ids (a document starts where they restart at 0)."""
         starts = position_ids == 0
         starts[:, 0] = True  # a row always begins a document
-        return cls(starts.cumsum(dim=1))
+        return cls(starts.cumsum(dim=1), query_columns, gather)
+
+    def whole(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of x [rows, queries, ...] → the whole rows' [rows, width, ...]."""
+        return x if self.gather is None else self.gather(x)
+
+    def _queries(self, start: int, end: int) -> torch.Tensor:
+        """The global columns of this rank's queries start…end."""
+        if self.query_columns is None:
+            return torch.arange(start, end, device=self.doc_ids.device)
+        return self.query_columns[start:end]
 
     def visible(self, start: int, end: int) -> torch.Tensor:
-        """[rows, end - start, width]: query start + i may see key j (same document, j ≤ its position)."""
+        """[rows, end - start, width]: query start + i may see key j (same document, j ≤ its column)."""
         width = self.doc_ids.shape[1]
-        query = torch.arange(start, end, device=self.doc_ids.device)
+        query = self._queries(start, end)
         causal = torch.arange(width, device=self.doc_ids.device)[None, :] <= query[:, None]
-        return (self.doc_ids[:, start:end, None] == self.doc_ids[:, None, :]) & causal
+        return (self.doc_ids[:, query, None] == self.doc_ids[:, None, :]) & causal
 
     def visible_chosen(self, chosen: torch.Tensor, start: int) -> torch.Tensor:
-        """chosen key indices [rows, C, k] of the queries start…start + C → whether each is visible."""
+        """chosen key columns [rows, C, k] of the queries start…start + C → whether each is visible."""
         rows, count, k = chosen.shape
-        query = torch.arange(start, start + count, device=chosen.device)
+        query = self._queries(start, start + count)
         key_doc = self.doc_ids.gather(1, chosen.reshape(rows, count * k)).view(rows, count, k)
-        return (key_doc == self.doc_ids[:, start : start + count, None]) & (chosen <= query[None, :, None])
+        return (key_doc == self.doc_ids[:, query, None]) & (chosen <= query[None, :, None])
 
 
 def chunk_size(elements_per_query: int, budget: int) -> int:
@@ -92,21 +119,22 @@ class Indexer(nn.Module):
         sin: torch.Tensor,
         docs: TokenDocuments,
     ) -> torch.Tensor:
-        """x [rows, width, dim], q_resid [rows, width, q_lora_rank] → chosen keys [rows, width, k],
-        k = min(topk, width); a query with fewer visible keys than k also gets invisible ones,
-        which attention masks."""
-        rows, width, _ = x.shape
-        q = self.wq(q_resid).view(rows, width, self.heads, self.head_dim)
+        """x [rows, queries, dim], q_resid [rows, queries, q_lora_rank] of this rank's columns →
+        chosen key columns [rows, queries, k] of the whole rows, k = min(topk, width); a query
+        with fewer visible keys than k also gets invisible ones, which attention masks."""
+        rows, queries, _ = x.shape
+        width = docs.doc_ids.shape[1]
+        q = self.wq(q_resid).view(rows, queries, self.heads, self.head_dim)
         k = self.k_norm(self.wk(x))[:, :, None]
         q = self._rotate(q, cos, sin).float()
-        k = self._rotate(k, cos, sin)[:, :, 0].float()
+        k = docs.whole(self._rotate(k, cos, sin)[:, :, 0].float())
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.heads**-0.5
         keys = k.transpose(-1, -2)[:, None]  # [rows, 1, D, width]
         count = min(self.topk, width)
         chosen = []
         step = chunk_size(rows * self.heads * width, self.chunk_elements)
-        for start in range(0, width, step):
-            end = min(start + step, width)
+        for start in range(0, queries, step):
+            end = min(start + step, queries)
             scores = F.relu(torch.matmul(q[:, start:end], keys) * self.head_dim**-0.5)  # [rows, C, H, width]
             index = torch.matmul(weights[:, start:end, None], scores).squeeze(-2)  # [rows, C, width]
             index = index.masked_fill(~docs.visible(start, end), float("-inf"))
@@ -127,8 +155,7 @@ def chosen_mask(chosen: torch.Tensor, width: int) -> torch.Tensor:
 def sparse_latent_attention(
     q_nope: torch.Tensor,
     q_rope: torch.Tensor,
-    latent: torch.Tensor,
-    k_rope: torch.Tensor,
+    keys: torch.Tensor,
     w_uk: torch.Tensor,
     w_uv: torch.Tensor,
     chosen: torch.Tensor,
@@ -138,28 +165,28 @@ def sparse_latent_attention(
 ) -> torch.Tensor:
     """Attention of each query over its chosen keys, in the latent space (module docstring).
 
-    q_nope [rows, width, H, n], q_rope [rows, width, H, r], latent [rows, width, L] (normed),
-    k_rope [rows, width, r] (rotated), w_uk [H, n, L], w_uv [H, v, L], chosen [rows, width, k]
-    → [rows, width, H, v].
+    q_nope [rows, queries, H, n], q_rope [rows, queries, H, r] (rotated), keys [rows, width, L + r]
+    (each key's normed latent and rotated k_rope, of the whole rows), w_uk [H, n, L], w_uv [H, v, L],
+    chosen [rows, queries, k] → [rows, queries, H, v].
     """
-    rows, width, _ = latent.shape
+    rows, queries = q_nope.shape[:2]
     k = chosen.shape[-1]
-    step = chunk_size(rows * k * (latent.shape[-1] + k_rope.shape[-1]), chunk_elements)
-    keys = torch.cat([latent, k_rope], dim=-1)  # [rows, width, L + r]: one gather per chunk
+    rank = w_uk.shape[-1]
+    step = chunk_size(rows * k * keys.shape[-1], chunk_elements)
     q_latent = torch.einsum("bshn,hnl->bshl", q_nope, w_uk)
-    queries = torch.cat([q_latent, q_rope], dim=-1)  # [rows, width, H, L + r]
+    latent_queries = torch.cat([q_latent, q_rope], dim=-1)  # [rows, queries, H, L + r]
     outs = []
-    for start in range(0, width, step):
-        end = min(start + step, width)
+    for start in range(0, queries, step):
+        end = min(start + step, queries)
         visible = docs.visible_chosen(chosen[:, start:end], start)
         outs.append(
             checkpoint(
                 _chunk_attention,
-                queries[:, start:end],
+                latent_queries[:, start:end],
                 keys,
                 chosen[:, start:end],
                 visible,
-                latent.shape[-1],
+                rank,
                 scale,
                 use_reentrant=False,
             )  # fmt: skip

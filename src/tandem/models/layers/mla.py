@@ -9,10 +9,15 @@ Per token x (H heads; n, r, v the nope, rope and value widths; L = kv_lora_rank)
     k = [W_UK c (per head, n) | k_rope],   v = W_UV c (per head, v)      (W_UK, W_UV: rows of Wkv_b)
     q_rope, k_rope rotated (interleaved pairs);   out = Wo · attention(q, k, v)
 
-Wq_a and Wkv_a read the same input and run as one matmul (`wq_kv_a`). Attention is restricted to
-the keys the indexer chose (a "full" layer runs its own indexer, a "shared" one reuses the
+Wq_a and Wkv_a read the same input and run as one matmul (`wq_kv_a`). Attention is restricted
+to the keys the indexer chose (a "full" layer runs its own indexer, a "shared" one reuses the
 previous full layer's choice), densely or sparsely (layers/dsa.py); scores are scaled by
 `scale` (1/√(n + r), times YaRN's mscale² when the checkpoint says so).
+
+Under context parallelism a rank computes its own columns' queries and [c | k_rope] and gathers
+the latter over the whole row (`TokenDocuments.whole`): L + r channels per token, whatever the
+cp style, since every head reads them and they cannot be split by head as Ulysses splits
+grouped-query attention. The indexer gathers its keys the same way.
 """
 
 import torch
@@ -69,16 +74,19 @@ class LatentAttention(nn.Module):
         docs: TokenDocuments,
         chosen: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [rows, width, dim] → (output [rows, width, dim], the chosen keys [rows, width, k])."""
-        rows, width, _ = x.shape
+        """x [rows, queries, dim] of this rank's columns → (output [rows, queries, dim], the chosen
+        key columns [rows, queries, k]); the keys are the whole rows' (`docs.whole`)."""
+        rows, queries, _ = x.shape
         q_a, kv_a = self.wq_kv_a(x).split([self.q_lora_rank, self.kv_lora_rank + self.rope_dim], dim=-1)
         q_resid = self.q_norm(q_a)
-        q = self.wq_b(q_resid).view(rows, width, self.num_heads, self.nope_dim + self.rope_dim)
+        q = self.wq_b(q_resid).view(rows, queries, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        latent = self.kv_norm(latent)
-        q_rope = apply_rotary_interleaved(q_rope, cos, sin)
         k_rope = apply_rotary_interleaved(k_rope[:, :, None], cos, sin)[:, :, 0]
+        # every head's keys and values come from these L + r channels per token: the one tensor
+        # context parallelism gathers
+        keys = docs.whole(torch.cat([self.kv_norm(latent), k_rope], dim=-1))
+        q_rope = apply_rotary_interleaved(q_rope, cos, sin)
         if self.indexer is not None:
             chosen = self.indexer(x, q_resid, cos, sin, docs)
         elif chosen is None:
@@ -88,36 +96,28 @@ class LatentAttention(nn.Module):
                 [self.nope_dim, self.v_dim], dim=1
             )
             out = sparse_latent_attention(
-                q_nope,
-                q_rope,
-                latent,
-                k_rope,
-                w_uk,
-                w_uv,
-                chosen,
-                docs,
-                self.scale,
-                self.sparse_chunk_elements,
+                q_nope, q_rope, keys, w_uk, w_uv, chosen, docs, self.scale, self.sparse_chunk_elements
             )
         else:
-            out = self._dense(q_nope, q_rope, latent, k_rope, chosen, docs)
-        return self.wo(out.reshape(rows, width, self.num_heads * self.v_dim)), chosen
+            out = self._dense(q_nope, q_rope, keys, chosen, docs)
+        return self.wo(out.reshape(rows, queries, self.num_heads * self.v_dim)), chosen
 
     def _dense(
         self,
         q_nope: torch.Tensor,
         q_rope: torch.Tensor,
-        latent: torch.Tensor,
-        k_rope: torch.Tensor,
+        keys: torch.Tensor,
         chosen: torch.Tensor,
         docs: TokenDocuments,
     ) -> torch.Tensor:
         """Keys and values expanded per head, one SDPA call under visible & chosen."""
-        rows, width, heads, _ = q_nope.shape
+        rows, queries, heads, _ = q_nope.shape
+        latent, k_rope = keys.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        width = keys.shape[1]
         k_nope, v = self.wkv_b(latent).view(rows, width, heads, -1).split([self.nope_dim, self.v_dim], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope[:, :, None].expand(-1, -1, heads, -1)], dim=-1)
-        mask = (docs.visible(0, width) & chosen_mask(chosen, width))[:, None]
+        mask = (docs.visible(0, queries) & chosen_mask(chosen, width))[:, None]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale=self.scale
         )

@@ -126,9 +126,7 @@ class CausalLM(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         if self.context_parallel is None:
-            docs = PackedDocs.from_positions(
-                position_ids, self.attention_backend, shared_prompts=self.shared_prompts
-            )
+            docs = self.documents(position_ids)
         else:
             input_ids, position_ids, docs = self.context_parallel.shard(
                 input_ids, position_ids, self.attention_backend
@@ -136,6 +134,13 @@ class CausalLM(nn.Module):
         x = self.embed(input_ids)
         cos, sin = self.rotary(position_ids, x.dtype)
         return self.norm(self.blocks(x, cos, sin, docs, position_ids))
+
+    def documents(self, position_ids: torch.Tensor) -> PackedDocs:
+        """What every layer's attention needs to know of the rows' documents (a family whose
+        attention finds them otherwise overrides this)."""
+        return PackedDocs.from_positions(
+            position_ids, self.attention_backend, shared_prompts=self.shared_prompts
+        )
 
     def blocks(
         self,
