@@ -76,7 +76,9 @@ def test_a_decode_server_answers_as_the_prefill_server(
         with start_server(
             decode_args, tmp_path / "decode.log", env={"CUDA_VISIBLE_DEVICES": visible}
         ) as decode:
-            prompts = [[(7 * i + k) % 300 + 10 for i in range(n)] for k, n in enumerate((40, 129, 300, 70, 64, 90))]
+            prompts = [
+                [(7 * i + k) % 300 + 10 for i in range(n)] for k, n in enumerate((40, 129, 300, 70, 64, 90))
+            ]
             for ids in prompts:
                 assert greedy(decode.url, ids) == greedy(prefill.url, ids)
             staged = counter(prefill.url, "tandem_kv_exports_staged_total")
