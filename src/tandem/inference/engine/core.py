@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from tandem.inference.config import InferenceConfig
-from tandem.inference.engine import kv_prefix
 from tandem.inference.engine.api import (
     FinishReason,
     RequestLimits,
@@ -25,9 +24,9 @@ from tandem.inference.engine.api import (
 )
 from tandem.inference.engine.block_manager import BlockManager
 from tandem.inference.engine.fp8 import check_device as check_fp8_device
-from tandem.inference.engine.kv_staging import OpenedStaging, StagingBuffers
 from tandem.inference.engine.model_runner import Feed, ModelRunner, RunOutput, kv_cache_blocks
 from tandem.inference.engine.models import build_model
+from tandem.inference.engine.prompt_transfer import PromptTransfer
 from tandem.inference.engine.sampler import (
     PendingSample,
     SampleResult,
@@ -44,7 +43,7 @@ from tandem.inference.engine.weights import apply_checkpoint
 from tandem.models.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
 
 
-class EngineCore:
+class EngineCore(PromptTransfer):
     def __init__(self, config: InferenceConfig) -> None:
         cfg = config.engine
         self.device = resolve_device(config.model.device)
@@ -107,9 +106,7 @@ class EngineCore:
         self.timings = {"schedule": 0.0, "model": 0.0, "sample": 0.0, "append": 0.0}
         self._in_flight: _Launched | None = None  # the step queued on the device, tokens not read yet
         self._touched: dict[str, Request] = {}  # requests with undelivered updates
-        prefill = config.prefill  # (as a prefill server: staging buffers; as a decode server: their mappings)
-        self.staging = StagingBuffers(prefill.staging_buffers, prefill.staging_mb << 20, self.device)
-        self.opened_staging = OpenedStaging()
+        self.init_prompt_transfer(config.prefill)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -492,48 +489,6 @@ class EngineCore:
         apply_checkpoint(self.model, tensors)
         self.blocks.reset_prefix_cache()
         self.weight_version = version
-
-    # ---- prefill on other servers (kv_prefix.py, kv_staging.py) -------------------------------
-
-    def cached_prompt_tokens(self, token_ids: list[int]) -> int:
-        """Tokens at the start of a prompt that the prefix cache holds and would reuse."""
-        return kv_prefix.cached_tokens(self.blocks, token_ids)
-
-    def export_prompt(self, token_ids: list[int], skip_tokens: int) -> bytes:
-        """The cached keys and values of a prompt's reusable blocks after `skip_tokens`, as bytes."""
-        return kv_prefix.to_bytes(self._export(token_ids, skip_tokens))
-
-    def export_prompt_staged(self, token_ids: list[int], skip_tokens: int, buffer: int) -> dict:
-        """The same packed into staging buffer `buffer`; where it lies (kv_staging.py)."""
-        return self.staging.stage(self._export(token_ids, skip_tokens), buffer)
-
-    def import_prompt(self, token_ids: list[int], data: bytes) -> int:
-        """Adopt a prefill server's export for this prompt; returns the prompt tokens now cached."""
-        return self._adopt(token_ids, kv_prefix.from_bytes(data))
-
-    def import_prompt_staged(self, token_ids: list[int], staged: dict) -> int:
-        """Adopt a prefill server's staged export; returns once the copies out of its buffer are
-        done, so that the buffer can be released."""
-        prefix = self.opened_staging.prefix(staged)
-        cached = self._adopt(token_ids, prefix)
-        if self.device.type == "cuda":  # (the peer copy may run on either GPU's stream)
-            for device in {self.device, *(part.device for part in prefix.parts)}:
-                torch.cuda.synchronize(device)
-        return cached
-
-    def close_staging(self) -> None:
-        """Free the staging buffers and unmap other servers' (shared memory outlives a process)."""
-        self.staging.close()
-        self.opened_staging.close()
-
-    def _export(self, token_ids: list[int], skip_tokens: int) -> kv_prefix.Prefix:
-        cache = self.runner.kv_cache
-        return kv_prefix.export_prefix(self.blocks, cache, self.weight_version, token_ids, skip_tokens)
-
-    def _adopt(self, token_ids: list[int], prefix: kv_prefix.Prefix) -> int:
-        return kv_prefix.adopt_prefix(
-            self.blocks, self.runner.kv_cache, self.weight_version, token_ids, prefix
-        )
 
 
 def _eos_ids(hf_model: torch.nn.Module, tokenizer: object) -> frozenset[int]:
