@@ -6,6 +6,7 @@ the answers right, computed locally and counted."""
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,58 @@ def test_staging_buffers_on_one_machine(
             assert complete(decode, ids) == reference_greedy(model, ids, 8)
         assert delta(prefill, before, "tandem_kv_exports_staged_total") == 6
         assert metrics(decode)["tandem_prefill_remote_prompts_total"] == 6
+
+
+def test_p2p_links_between_servers(tiny_model: Path, tmp_path: Path, launch_server, model: Any) -> None:
+    """transport = p2p (gloo on CPU): the link forms in the background while the first prompts'
+    blocks come in bodies; then 8 prompts at once are each sent over it; a link the prefill
+    server dropped costs one prompt computed here, and bodies carry the blocks after that."""
+    common = ["--model", str(tiny_model), "--engine.block-size", str(BLOCK), "--engine.max-model-len", "512"]
+    prefill_args = [
+        *common,
+        "--engine.core-process",
+        "true",
+        "--prefill.staging-buffers",
+        "8",
+    ]  # one a prompt
+    with launch_server(prefill_args, tmp_path / "prefill.log") as prefill:
+        args = [
+            *common, "--prefill.servers", json.dumps([prefill.url]), "--prefill.min-tokens", "32",
+            "--prefill.transport", "p2p", "--engine.core-process", "true",
+        ]  # fmt: skip
+        with launch_server(args, tmp_path / "decode.log") as decode:
+            for k in range(40):  # until the link is up
+                ids = prompt(60 + k, 50)
+                assert complete(decode, ids) == reference_greedy(model, ids, 8)
+                if metrics(prefill).get("tandem_kv_sends_total"):
+                    break
+                time.sleep(0.1)
+            assert metrics(prefill)["tandem_kv_sends_total"] == 1
+            assert "blocks come over a p2p link" in decode.log()
+
+            prompts = [prompt(100 + k, 40 + 9 * k) for k in range(8)]
+            before_p, before_d = metrics(prefill), metrics(decode)
+
+            async def all_at_once() -> list[list[int]]:
+                return await asyncio.gather(*(asyncio.to_thread(complete, decode, ids) for ids in prompts))
+
+            for ids, reply in zip(prompts, asyncio.run(all_at_once()), strict=True):
+                assert reply == reference_greedy(model, ids, 8)
+            assert delta(prefill, before_p, "tandem_kv_sends_total") == 8
+            computed = sum(len(ids) - (len(ids) - 1) // BLOCK * BLOCK for ids in prompts)  # the last tokens
+            assert delta(decode, before_d, "tandem_prefill_tokens_computed_total") == computed
+            assert delta(decode, before_d, "tandem_prefill_remote_prompts_total") == 8
+            assert delta(decode, before_d, "tandem_prefill_remote_failures_total") == 0
+
+            assert httpx.post(prefill.url + "/v1/kv/unlink", json={"link": 1}, timeout=10).status_code == 200
+            before_p, before_d = metrics(prefill), metrics(decode)
+            for k in range(2):
+                ids = prompt(200 + k, 60)
+                assert complete(decode, ids) == reference_greedy(model, ids, 8)
+            assert delta(decode, before_d, "tandem_prefill_remote_failures_total") == 1
+            assert delta(decode, before_d, "tandem_prefill_remote_prompts_total") == 1  # by body
+            assert delta(prefill, before_p, "tandem_kv_sends_total") == 0
+            assert "p2p link: HTTP 400" in decode.log()
 
 
 def test_short_prompts_are_computed_here(servers: Any, model: Any) -> None:

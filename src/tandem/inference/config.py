@@ -99,11 +99,19 @@ class PrefillConfig(Section):
     timeout_s: float = Field(
         60, gt=0, description="How long a prompt waits for a prefill server before it is computed here."
     )
-    transport: Literal["http", "shared"] = Field(
+    transport: Literal["http", "shared", "p2p"] = Field(
         "http",
         description="How the blocks travel: http = in the answer's body (any two machines); shared = through "
         "the prefill server's staging buffers (one machine: CUDA IPC between GPUs, which must all be visible "
-        "to this server, or shared memory on CPU).",
+        "to this server, or shared memory on CPU); p2p = sent from those buffers over a link of each "
+        "(prefill, decode) pair (NCCL between GPUs, gloo on CPU; any two machines; the prefill server's "
+        "host must accept connections on ports its OS picks).",
+    )
+    transfer_timeout_s: float = Field(
+        10,
+        gt=0,
+        description="p2p: how long a link may take to form, and one transfer to complete, before the link is "
+        "dropped and that prefill server's prompts travel by HTTP (the decode engine waits for a transfer).",
     )
     staging_mb: int = Field(
         256, gt=0, description="As a prefill server: the size of each staging buffer (MiB) for `shared`."

@@ -85,6 +85,7 @@ class ServerCounters:
     prefill_remote_seconds_total: float = 0.0
     kv_exports_total: int = 0
     kv_exports_staged_total: int = 0
+    kv_sends_total: int = 0
 
 
 def metric(lines: list[str], name: str, kind: str, help_text: str, value: float) -> None:
@@ -191,8 +192,15 @@ def render_metrics(stats: EngineStats, counters: ServerCounters, tokens_per_s: f
         lines,
         "tandem_kv_exports_staged_total",
         "counter",
-        "Of those, exports handed over through a staging buffer (transport = shared).",
+        "Of those, exports handed over through a staging buffer (transport = shared or p2p).",
         counters.kv_exports_staged_total,
+    )
+    metric(
+        lines,
+        "tandem_kv_sends_total",
+        "counter",
+        "Of those, exports sent over a decode server's p2p link (POST /v1/kv/send).",
+        counters.kv_sends_total,
     )
     counters.time_to_first_token.render(
         lines,

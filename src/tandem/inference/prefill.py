@@ -10,7 +10,13 @@ taking decode steps' time here: a decode step that shares the device with a pref
 for it. The blocks come in the answer's body (`transport = "http"`) or, between servers of one
 machine, through the prefill server's staging buffers (`"shared"`: engine/kv_staging.py), which
 the prefill server lends one export at a time (`StagingLeases`) until the decode server
-releases them (POST /v1/kv/release).
+releases them (POST /v1/kv/release). Between any two machines (`"p2p"`) they are sent from
+those buffers over a link of the pair (engine/kv_link.py): at its first prompt for a prefill
+server the decode server asks for a link (POST /v1/kv/link) and joins it in the background,
+meanwhile and whenever the link is down the blocks come in bodies; once it is ready, each
+staged export is sent (POST /v1/kv/send) and received one at a time per link (`locks`), so
+that both sides take the link's transfers in one order. A link that fails is dropped on both
+sides (POST /v1/kv/unlink) and formed again after LINK_RETRY_S.
 
 A prompt goes to the prefill server with the fewest prompts in flight from this server, ties
 broken by its first block's tokens, so that a conversation's turns tend to meet the same
@@ -22,8 +28,6 @@ version, another model's layout), costs the attempt's time; the prompt is then c
 failure counted (`tandem_prefill_remote_failures_total`) and logged once per server and kind.
 Staging buffers this server cannot map switch that prefill server to bodies.
 
-Between machines the bodies pass through host memory and TCP: a stand-in for a network transfer
-of the blocks (NCCL, as weights travel), not built yet (docs/inference-engine.md).
 """
 
 import asyncio
@@ -32,15 +36,20 @@ import contextlib
 import itertools
 import logging
 import time
+from urllib.parse import urlparse
 
 import httpx
 
 from tandem.inference.config import PrefillConfig
 from tandem.inference.engine.api import STAGING_LEASE_S, Engine
 from tandem.inference.engine.block_manager import reusable_blocks
+from tandem.inference.engine.kv_prefix import packed_bytes
 from tandem.inference.metrics import ServerCounters
 
 log = logging.getLogger("tandem.inference")
+
+LINK_RETRY_S = 60.0
+"""How long after a p2p link failed a decode server asks that prefill server for a new one."""
 
 
 class PrefillServers:
@@ -60,6 +69,17 @@ class PrefillServers:
         self.staged = [config.transport == "shared"] * len(self.urls)  # per server: staging buffers work
         self.counters = counters
         self._warned: set[tuple[str, str]] = set()
+        # p2p, per server: its link's state ("none", "connecting", "ready", "failed"), this side's
+        # number for it and the prefill server's, when a failed one may be formed again, the lock
+        # that keeps one transfer at a time on it
+        self.p2p = config.transport == "p2p"
+        self.transfer_timeout_s = config.transfer_timeout_s
+        self.link_states = ["none"] * len(self.urls)
+        self.links = [0] * len(self.urls)
+        self.remote_links = [0] * len(self.urls)
+        self.retry_at = [0.0] * len(self.urls)
+        self.locks = [asyncio.Lock() for _ in self.urls]
+        self._connecting: set[asyncio.Task] = set()
 
     async def prefill(self, engine: Engine, prompts: list[list[int]]) -> None:
         """Have the prompts that are worth it computed elsewhere, all at once; never raises."""
@@ -92,7 +112,8 @@ class PrefillServers:
     async def _fetch(self, engine: Engine, ids: list[int], held: int, k: int) -> int:
         """Prompt `ids` computed by prefill server k and adopted; the prompt tokens now cached."""
         url = self.urls[k]
-        body = {"prompt": ids, "skip_tokens": held, "staged": self.staged[k]}
+        linked = self.p2p and self._linked(engine, k)
+        body = {"prompt": ids, "skip_tokens": held, "staged": self.staged[k] or linked}
         response = await self.client.post(f"{url}/v1/kv/export", json=body)
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
@@ -100,6 +121,8 @@ class PrefillServers:
             return await engine.import_prompt(ids, response.content)
         answer, staged = _staged(response)
         try:
+            if linked:
+                return await self._receive(engine, ids, answer, staged, k)
             return await engine.import_prompt_staged(ids, staged)
         except RuntimeError as e:  # its buffers cannot be mapped here (another machine, an invisible GPU)
             self.staged[k] = False
@@ -113,6 +136,79 @@ class PrefillServers:
             release = {"buffer": staged["buffer"], "lease": answer["lease"]}
             with contextlib.suppress(httpx.HTTPError):
                 await self.client.post(f"{url}/v1/kv/release", json=release)
+
+    async def _receive(self, engine: Engine, ids: list[int], answer: dict, staged: dict, k: int) -> int:
+        """A staged export's blocks sent over server k's link and adopted."""
+        nbytes = packed_bytes(staged)  # (a malformed answer: nothing is sent, the link stays)
+        async with self.locks[k]:
+            if self.link_states[k] != "ready":
+                raise RuntimeError("the p2p link was dropped meanwhile")
+            send = {
+                "link": self.remote_links[k],
+                "buffer": staged["buffer"],
+                "lease": answer["lease"],
+                "nbytes": nbytes,
+            }
+            try:
+                response = await self.client.post(f"{self.urls[k]}/v1/kv/send", json=send)
+            except httpx.HTTPError as e:  # (whether the send was queued there is unknown)
+                await self._drop_link(engine, k, e)
+                raise
+            if response.status_code != 200:  # nothing was queued; the link may be gone there
+                error = RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
+                await self._drop_link(engine, k, error)
+                raise error
+            try:
+                return await engine.import_prompt_sent(ids, staged, self.links[k])
+            except RuntimeError as e:  # the transfer failed, and the link with it
+                await self._drop_link(engine, k, e)
+                raise
+
+    def _linked(self, engine: Engine, k: int) -> bool:
+        """Whether server k's link is ready; starts forming it when there is none."""
+        state = self.link_states[k]
+        if state == "none" or (state == "failed" and time.monotonic() >= self.retry_at[k]):
+            self.link_states[k] = "connecting"
+            task = asyncio.create_task(self._connect(engine, k))
+            self._connecting.add(task)
+            task.add_done_callback(self._connecting.discard)
+        return state == "ready"
+
+    async def _connect(self, engine: Engine, k: int) -> None:
+        url = self.urls[k]
+        try:
+            response = await self.client.post(f"{url}/v1/kv/link")
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
+            answer = response.json()
+            self.remote_links[k] = int(answer["link"])
+            self.links[k] = await engine.join_link(
+                urlparse(url).hostname, int(answer["port"]), self.remote_links[k]
+            )
+            deadline = time.monotonic() + self.transfer_timeout_s
+            while (state := await engine.link_state(self.links[k])) == "connecting":
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the link did not form within {self.transfer_timeout_s:g} s")
+                await asyncio.sleep(0.05)
+            if state != "ready":
+                raise RuntimeError(state)
+        except Exception as e:  # noqa: BLE001 — bodies carry the blocks instead
+            await self._drop_link(engine, k, e)
+        else:
+            self.link_states[k] = "ready"
+            log.info("prefill server %s: blocks come over a p2p link", url)
+
+    async def _drop_link(self, engine: Engine, k: int, error: Exception) -> None:
+        """End server k's link on both sides; bodies carry its blocks until LINK_RETRY_S pass."""
+        self.link_states[k], self.retry_at[k] = "failed", time.monotonic() + LINK_RETRY_S
+        self._warn(self.urls[k], RuntimeError(f"p2p link: {error}"))
+        if self.links[k]:
+            with contextlib.suppress(Exception):
+                await engine.close_link(self.links[k])
+        if self.remote_links[k]:
+            with contextlib.suppress(httpx.HTTPError):
+                await self.client.post(f"{self.urls[k]}/v1/kv/unlink", json={"link": self.remote_links[k]})
+        self.links[k] = self.remote_links[k] = 0
 
     def _pick(self, ids: list[int]) -> int:
         """The least busy prefill server; among equals, the one the prompt's first block names."""
@@ -142,6 +238,12 @@ class PrefillServers:
             c.prefill_remote_seconds_total,
             c.prefill_remote_failures_total,
         )
+        for task in list(self._connecting):
+            task.cancel()
+        for k, remote in enumerate(self.remote_links):  # (the prefill server ends its side of the link)
+            if remote:
+                with contextlib.suppress(httpx.HTTPError):
+                    await self.client.post(f"{self.urls[k]}/v1/kv/unlink", json={"link": remote}, timeout=2)
         await self.client.aclose()
 
 
@@ -174,9 +276,17 @@ class StagingLeases:
                 return buffer, self.leases[buffer]
         return None
 
+    def holds(self, buffer: int, lease: int) -> bool:
+        """Whether `lease` still holds `buffer`."""
+        return (
+            0 <= buffer < len(self.leases)
+            and self.leases[buffer] == lease
+            and self.until[buffer] > time.monotonic()
+        )
+
     def release(self, buffer: int, lease: int) -> bool:
         """Free `buffer` if `lease` still holds it."""
-        if 0 <= buffer < len(self.leases) and self.leases[buffer] == lease and self.until[buffer]:
+        if self.holds(buffer, lease):
             self.until[buffer] = 0.0
             return True
         return False

@@ -243,3 +243,19 @@ class KVReleaseRequest(APIModel):
 
     buffer: int = Field(ge=0)
     lease: int = Field(ge=0)
+
+
+class KVSendRequest(KVReleaseRequest):
+    """POST /v1/kv/send: send the staged export that `lease` holds over link `link`
+    (engine/kv_link.py); `nbytes` is the extent of its packed blocks."""
+
+    link: int = Field(ge=1)
+    nbytes: int = Field(gt=0)
+
+
+class KVUnlinkRequest(APIModel):
+    """POST /v1/kv/unlink: the decode server dropped link `link`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    link: int = Field(ge=1)

@@ -41,6 +41,8 @@ from tandem.inference.protocol import (
     CompletionRequest,
     KVExportRequest,
     KVReleaseRequest,
+    KVSendRequest,
+    KVUnlinkRequest,
     SamplingFields,
     UpdateWeightsRequest,
 )
@@ -434,6 +436,32 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
     async def release_kv(req: KVReleaseRequest) -> dict:
         """A decode server is done with the staging buffer of an export (prefill.py)."""
         return {"released": server.staging.release(req.buffer, req.lease)}
+
+    @app.post("/v1/kv/link")
+    async def open_kv_link() -> dict:
+        """A link for a decode server whose blocks travel by `p2p` (engine/kv_link.py)."""
+        if not config.engine.prefix_caching:
+            raise APIError(
+                400, "this server's prefix cache is off (engine.prefix_caching): it keeps no blocks"
+            )
+        return await engine.open_link()
+
+    @app.post("/v1/kv/send")
+    async def send_kv(req: KVSendRequest) -> dict:
+        """Send a staged export's blocks over a link; answered once the send is queued."""
+        if not server.staging.holds(req.buffer, req.lease):
+            raise APIError(400, f"lease {req.lease} does not hold staging buffer {req.buffer}", "lease")
+        try:
+            await engine.send_staged(req.link, req.buffer, req.nbytes)
+        except (ValueError, RuntimeError) as e:
+            raise APIError(400, f"cannot send: {e}", "link") from None
+        server.counters.kv_sends_total += 1
+        return {"sent": req.nbytes}
+
+    @app.post("/v1/kv/unlink")
+    async def close_kv_link(req: KVUnlinkRequest) -> dict:
+        await engine.close_link(req.link)
+        return {"closed": req.link}
 
     @app.post("/pause")
     async def pause() -> dict:

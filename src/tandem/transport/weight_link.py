@@ -223,16 +223,22 @@ def deadline(seconds: float) -> float:
 def new_group(link: Link, rank: int, size: int, device: torch.device) -> dist.ProcessGroup:
     """The broadcast group over the link's store (trainer rank 0 is rank 0): NCCL for GPU tensors,
     gloo for CPU ones. Runs one warm-up broadcast, so the first update pays no set-up."""
-    store = dist.PrefixStore("group", link.store)
     timeout = timedelta(seconds=link.settings.transfer_timeout_s)
+    group = process_group(dist.PrefixStore("group", link.store), rank, size, device, timeout)
+    broadcast(group, torch.zeros(WARM_UP_ELEMENTS, device=device)).wait()
+    return group
+
+
+def process_group(
+    store: dist.Store, rank: int, size: int, device: torch.device, timeout: timedelta
+) -> dist.ProcessGroup:
+    """A process group of its own over `store` (not torch.distributed's default group): NCCL for
+    GPU tensors, gloo for CPU ones."""
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        group = dist.ProcessGroupNCCL(store, rank, size, options)
-    else:
-        group = dist.ProcessGroupGloo(store, rank, size, timeout)
-    broadcast(group, torch.zeros(WARM_UP_ELEMENTS, device=device)).wait()
-    return group
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
 def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Work:

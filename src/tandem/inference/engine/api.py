@@ -186,6 +186,36 @@ class Engine(Protocol):
         answer came); returns once its buffer is no longer read. ValueError as `import_prompt`."""
         ...
 
+    async def open_link(self) -> dict:
+        """As a prefill server: a link for a decode server (kv_link.py), waiting for it to join;
+        {"link": its number, "port": the port of the store where the two meet}."""
+        ...
+
+    async def join_link(self, host: str, port: int, link: int) -> int:
+        """As a decode server: join link `link` of the prefill engine whose store is at host:port
+        (returns at once; `link_state` says when it is ready); this side's number for it."""
+        ...
+
+    async def link_state(self, number: int) -> str:
+        """ "ready", "connecting" or "failed: why" (ValueError: no such link)."""
+        ...
+
+    async def close_link(self, number: int) -> None:
+        """End this side of a link (nothing if there is none)."""
+        ...
+
+    async def send_staged(self, number: int, buffer: int, nbytes: int) -> None:
+        """As a prefill server: queue the first `nbytes` of staging buffer `buffer` (a staged
+        export's packed blocks) on link `number`; the buffer is not packed again before the send
+        is done. ValueError / RuntimeError: nothing was queued."""
+        ...
+
+    async def import_prompt_sent(self, token_ids: list[int], staged: dict, number: int) -> int:
+        """As a decode server: receive on link `number` the blocks the prefill engine queued there
+        for this staged export and adopt them; the prompt tokens now cached. RuntimeError: the
+        transfer failed (the link with it); ValueError as `import_prompt`."""
+        ...
+
     async def pause(self) -> None: ...
 
     async def resume(self) -> None: ...

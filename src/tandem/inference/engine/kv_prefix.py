@@ -189,6 +189,15 @@ def pack(prefix: Prefix, buffer: torch.Tensor) -> dict:
     }
 
 
+def packed_bytes(packed: dict) -> int:
+    """How many bytes of its buffer a `pack` description covers; ValueError if malformed."""
+    try:
+        return max((int(offset) + torch.Size(shape).numel() * getattr(torch, str(dtype)).itemsize
+                    for offset, shape, dtype in packed["parts"]), default=0)  # fmt: skip
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"a malformed description of packed blocks: {e!r}") from None
+
+
 def unpack(packed: dict, buffer: torch.Tensor) -> Prefix:
     """The prefix `pack` wrote into `buffer`, its parts as views of the buffer; ValueError for a
     description that does not fit the buffer."""

@@ -22,6 +22,7 @@ import time
 import torch
 
 from tandem.inference.engine.api import STAGING_LEASE_S as LEASE_S
+from tandem.inference.engine.kv_link import KVLink, Transfer
 from tandem.inference.engine.kv_prefix import Prefix, pack, unpack
 from tandem.transport.shared_buffers import OpenedBuffers, SharedBuffers
 
@@ -32,11 +33,14 @@ class StagingBuffers:
     def __init__(self, count: int, nbytes: int, device: torch.device) -> None:
         self.count, self.nbytes, self.device = count, nbytes, device
         self.buffers: SharedBuffers | None = None
+        self.sending: dict[int, Transfer] = {}  # buffers a kv link is sending (kv_link.py)
 
     def stage(self, prefix: Prefix, index: int) -> dict:
         """Pack `prefix` into buffer `index` and wait for the copy; what the importer needs."""
         if not 0 <= index < self.count:
             raise ValueError(f"staging buffer {index} does not exist (there are {self.count})")
+        if index in self.sending and not self.sending[index].done.is_set():
+            raise ValueError(f"staging buffer {index} is still being sent")
         if self.buffers is None:
             if self.device.type != "cuda" and _shm_free() < self.count * self.nbytes:
                 raise ValueError(  # (writing past a full /dev/shm would kill the process with SIGBUS)
@@ -48,6 +52,12 @@ class StagingBuffers:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return {**packed, "handle": self.buffers.handle, "buffer": index}
+
+    def send(self, link: KVLink, index: int, nbytes: int) -> None:
+        """Queue the first `nbytes` of buffer `index` on `link` (which must be staged: a lease)."""
+        if self.buffers is None or not 0 <= index < self.count or not 0 < nbytes <= self.nbytes:
+            raise ValueError(f"staging buffer {index} holds no {nbytes} bytes to send")
+        self.sending[index] = link.send(self.buffers.tensors[index][:nbytes])
 
     def close(self) -> None:
         if self.buffers is not None:

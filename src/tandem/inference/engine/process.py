@@ -70,8 +70,11 @@ EXIT_WAIT_S = 30.0  # for the engine process to exit once stopped, or once its p
 log = logging.getLogger("tandem.inference")
 
 CORE_CALLS = frozenset(
-    {"cached_prompt_tokens", "export_prompt", "export_prompt_staged", "import_prompt", "import_prompt_staged"}
-)
+    {
+        "cached_prompt_tokens", "export_prompt", "export_prompt_staged", "import_prompt", "import_prompt_staged",
+        "open_link", "join_link", "link_state", "close_link", "send_staged", "import_prompt_sent",
+    }
+)  # fmt: skip
 """The EngineCore methods a "core" message may run (EngineFront._core_call)."""
 
 # one sample's update on the wire: SampleUpdate's columns, with one weight version for all tokens

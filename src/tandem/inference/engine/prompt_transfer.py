@@ -1,8 +1,9 @@
 """Prompts moved between engines (prefill on other servers): the engine core's side.
 
 A prefill server's core exports the keys and values of a prompt it computed (kv_prefix.py), as
-bytes or packed into one of its staging buffers (kv_staging.py); a decode server's core adopts
-them into its own prefix cache. These are the methods the fronts reach through `core` calls
+bytes or packed into one of its staging buffers (kv_staging.py), which a decode server's core
+maps (one machine) or receives over a link (kv_link.py, any two machines); the decode server's
+core adopts them into its own prefix cache. These are the methods the fronts reach through `core` calls
 (api.py `EngineFront`); EngineCore (core.py) inherits them, and provides `blocks`, `runner`,
 `weight_version` and `device`.
 """
@@ -12,6 +13,7 @@ import torch
 from tandem.inference.config import PrefillConfig
 from tandem.inference.engine import kv_prefix
 from tandem.inference.engine.block_manager import BlockManager
+from tandem.inference.engine.kv_link import KVLinks
 from tandem.inference.engine.kv_staging import OpenedStaging, StagingBuffers
 from tandem.inference.engine.model_runner import ModelRunner
 
@@ -26,6 +28,7 @@ class PromptTransfer:
         """As a prefill server: staging buffers to lend; as a decode server: other servers' mapped."""
         self.staging = StagingBuffers(prefill.staging_buffers, prefill.staging_mb << 20, self.device)
         self.opened_staging = OpenedStaging()
+        self.links = KVLinks(self.device, prefill.transfer_timeout_s)
 
     def cached_prompt_tokens(self, token_ids: list[int]) -> int:
         """Tokens at the start of a prompt that the prefix cache holds and would reuse."""
@@ -53,10 +56,41 @@ class PromptTransfer:
                 torch.cuda.synchronize(device)
         return cached
 
+    def open_link(self) -> dict:
+        """As a prefill server: a link for a decode server, waiting for it to join (kv_link.py)."""
+        return self.links.open()
+
+    def join_link(self, host: str, port: int, link: int) -> int:
+        """As a decode server: join a prefill engine's link; this side's number for it."""
+        return self.links.join(host, port, link)
+
+    def link_state(self, number: int) -> str:
+        """ "ready", "connecting" or "failed: why"."""
+        return self.links.get(number).state
+
+    def close_link(self, number: int) -> None:
+        self.links.close(number)
+
+    def send_staged(self, number: int, buffer: int, nbytes: int) -> None:
+        """As a prefill server: queue the first `nbytes` of staging buffer `buffer` (a staged
+        export's packed blocks) on link `number`."""
+        self.staging.send(self.links.get(number), buffer, nbytes)
+
+    def import_prompt_sent(self, token_ids: list[int], staged: dict, number: int) -> int:
+        """As a decode server: receive on link `number` the staged export the prefill engine
+        queued there (`send_staged`) and adopt it; returns the prompt tokens now cached."""
+        received = self.links.get(number).receive(kv_prefix.packed_bytes(staged))
+        cached = self._adopt(token_ids, kv_prefix.unpack(staged, received))
+        if self.device.type == "cuda":  # (the next receive overwrites the link's buffer)
+            torch.cuda.current_stream(self.device).synchronize()
+        return cached
+
     def close_staging(self) -> None:
-        """Free the staging buffers and unmap other servers' (shared memory outlives a process)."""
+        """Free the staging buffers, unmap other servers' (shared memory outlives a process), and
+        end the links."""
         self.staging.close()
         self.opened_staging.close()
+        self.links.close_all()
 
     def _export(self, token_ids: list[int], skip_tokens: int) -> kv_prefix.Prefix:
         cache = self.runner.kv_cache

@@ -161,7 +161,7 @@ class EngineFront(ABC):
     def stats(self) -> EngineStats:
         """The engine's counters (from another thread or process: as of its latest step)."""
 
-    # ---- prefill on other servers (kv_prefix.py) -------------------------------------------
+    # ---- prefill on other servers (kv_prefix.py, kv_staging.py, kv_link.py) -------------------------------------------
 
     async def cached_prompt_tokens(self, token_ids: list[int]) -> int:
         """Tokens at the start of a prompt whose keys and values the prefix cache holds."""
@@ -183,6 +183,29 @@ class EngineFront(ABC):
     async def import_prompt_staged(self, token_ids: list[int], staged: dict) -> int:
         """Adopt a staged export (kv_staging.py); returns once the buffer may be released."""
         return await self._core_call("import_prompt_staged", token_ids, staged)
+
+    async def open_link(self) -> dict:
+        """As a prefill server: a link for a decode server (kv_link.py); {"link", "port"}."""
+        return await self._core_call("open_link")
+
+    async def join_link(self, host: str, port: int, link: int) -> int:
+        """As a decode server: join link `link` of the prefill engine whose store is at host:port."""
+        return await self._core_call("join_link", host, port, link)
+
+    async def link_state(self, number: int) -> str:
+        """ "ready", "connecting" or "failed: why"."""
+        return await self._core_call("link_state", number)
+
+    async def close_link(self, number: int) -> None:
+        await self._core_call("close_link", number)
+
+    async def send_staged(self, number: int, buffer: int, nbytes: int) -> None:
+        """Queue a staged export's packed blocks (staging buffer `buffer`) on link `number`."""
+        await self._core_call("send_staged", number, buffer, nbytes)
+
+    async def import_prompt_sent(self, token_ids: list[int], staged: dict, number: int) -> int:
+        """Receive on link `number` the blocks of a staged export and adopt them."""
+        return await self._core_call("import_prompt_sent", token_ids, staged, number)
 
     @abstractmethod
     async def _core_call(self, method: str, *args: object) -> Any:

@@ -1,0 +1,219 @@
+"""Prompts' blocks sent between the engines of any two machines (`prefill.transport = "p2p"`).
+
+A (prefill, decode) pair of servers shares a link: a process group of two ranks (the prefill
+engine rank 0, the decode engine rank 1; NCCL between GPUs, gloo on CPU) over a TCPStore that the
+prefill engine hosts, and on each side a thread that runs the link's transfers one at a time, so
+that no engine step waits for a slow peer and every transfer has a deadline.
+
+How a pair meets (inference/prefill.py drives it over HTTP):
+1. The decode server asks the prefill server for a link (POST /v1/kv/link); the prefill engine
+   starts its store (once, on a port the OS picks), numbers the link and starts its side, which
+   waits for the peer; the answer names the link and the store's port.
+2. The decode engine joins through the store at the prefill server's host and that port; both
+   threads run one warm-up transfer (NCCL sets up its communicator there) and the link is
+   ready. Until then, and for good if it fails, that prefill server's prompts travel by HTTP.
+
+A transfer: after a staged export (the blocks packed into one of the prefill server's staging
+buffers, kv_staging.py) the decode server asks for them (POST /v1/kv/send): the prefill engine
+queues a send of the buffer's packed bytes and answers at once; the decode engine receives them
+into its link buffer, waiting at most `timeout_s`, and adopts them. Point-to-point operations
+between two ranks are matched in the order they are issued, so both sides must take a pair's
+transfers in one order: the decode server asks for one transfer at a time per link (prefill.py
+holds the link's lock from the send request until the receive is done).
+
+Failure: a transfer (or the warm-up) that does not complete by its deadline fails the link on
+that side: its group is aborted (NCCL) and its thread ends. The decode server then drops the
+link on both sides and that prefill server's prompts travel by HTTP from then on. A staging
+buffer whose send has not completed is not packed again (kv_staging.py `StagingBuffers.sending`).
+"""
+
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tandem.transport.weight_link import process_group
+
+log = logging.getLogger("tandem.inference")
+
+GROUP_TIMEOUT_MARGIN_S = 60.0
+"""The groups' own timeout exceeds every deadline here by this much, so that NCCL's watchdog
+(which may end the process) never fires before a link has aborted itself."""
+
+
+@dataclass
+class Transfer:
+    """One send or receive on a link; `done` is set when it completed or failed (`error`)."""
+
+    op: str  # "send" | "recv"
+    tensor: torch.Tensor
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class KVLink:
+    """One side of a (prefill, decode) pair: its group and the thread that runs its transfers."""
+
+    def __init__(
+        self,
+        name: str,
+        connect: Callable[[], dist.Store],
+        rank: int,
+        device: torch.device,
+        timeout_s: float,
+    ) -> None:
+        self.name, self.rank, self.device, self.timeout_s = name, rank, device, timeout_s
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self._queue: queue.SimpleQueue[Transfer | None] = queue.SimpleQueue()
+        self._group: dist.ProcessGroup | None = None
+        self._closed = False
+        self._buffer: torch.Tensor | None = None  # receives, grown as needed
+        self._thread = threading.Thread(
+            target=self._run, args=(connect,), name=f"kv-link-{name}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def state(self) -> str:
+        """ "ready", "connecting", or "failed: why"."""
+        if self.error is not None:
+            return f"failed: {self.error}"
+        return "ready" if self.ready.is_set() else "connecting"
+
+    def send(self, tensor: torch.Tensor) -> Transfer:
+        """Queue a send of `tensor` (whose contents must stay until the transfer is done)."""
+        return self._submit(Transfer("send", tensor))
+
+    def receive(self, nbytes: int) -> torch.Tensor:
+        """The peer's next send of `nbytes` bytes, in the link's buffer (valid until the next
+        receive); blocks until it is in. RuntimeError if it fails or misses its deadline."""
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        transfer = self._submit(Transfer("recv", self._buffer[:nbytes]))
+        if not transfer.done.wait(self.timeout_s + GROUP_TIMEOUT_MARGIN_S / 2):
+            self._fail(
+                TimeoutError(f"the link's thread did not finish a receive within {self.timeout_s:g} s")
+            )
+            raise RuntimeError(f"kv link {self.name}: receiving {nbytes} bytes did not finish")
+        if transfer.error is not None:
+            raise RuntimeError(f"kv link {self.name}: receiving {nbytes} bytes failed: {transfer.error}")
+        return transfer.tensor
+
+    def close(self) -> None:
+        self._closed = True
+        self._queue.put(None)
+        self._abort()
+
+    def _submit(self, transfer: Transfer) -> Transfer:
+        if not self.ready.is_set() or self.error is not None or self._closed:
+            raise RuntimeError(f"kv link {self.name} is {'closed' if self._closed else self.state}")
+        self._queue.put(transfer)
+        return transfer
+
+    def _run(self, connect: Callable[[], dist.Store]) -> None:
+        try:
+            store = dist.PrefixStore(f"kv/{self.name}", connect())
+            timeout = timedelta(seconds=self.timeout_s + GROUP_TIMEOUT_MARGIN_S)
+            self._group = process_group(store, self.rank, 2, self.device, timeout)
+            warm_up = torch.zeros(1, device=self.device)
+            self._transfer(Transfer("send" if self.rank == 0 else "recv", warm_up))
+            self.ready.set()
+            while (transfer := self._queue.get()) is not None:
+                try:
+                    self._transfer(transfer)
+                except BaseException as e:  # noqa: BLE001 — the transfer's caller hears of it
+                    transfer.error = e
+                    raise
+                finally:
+                    transfer.done.set()
+        except BaseException as e:  # noqa: BLE001 — a thread's end: the link is failed
+            if not self._closed:
+                self._fail(e)
+        self._fail_pending()
+
+    def _transfer(self, transfer: Transfer) -> None:
+        assert self._group is not None
+        tensors, peer = [transfer.tensor], 1 - self.rank
+        work = (
+            self._group.send(tensors, peer, 0)
+            if transfer.op == "send"
+            else self._group.recv(tensors, peer, 0)
+        )
+        # (NCCL: with a timeout the host waits for completion, or raises when it passes)
+        work.wait(timedelta(seconds=self.timeout_s))
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+            log.warning("kv link %s failed: %s", self.name, error)
+        self._abort()
+
+    def _abort(self) -> None:
+        group = self._group
+        if group is not None and isinstance(group, getattr(dist, "ProcessGroupNCCL", ())):
+            group.abort()  # (ends a transfer that waits for a peer; gloo's end at their timeout)
+
+    def _fail_pending(self) -> None:
+        while True:
+            try:
+                transfer = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if transfer is not None:
+                transfer.error = RuntimeError(f"kv link {self.name} ended")
+                transfer.done.set()
+
+
+class KVLinks:
+    """An engine's links, by number: those it opened as a prefill server (peers meet at its
+    store) and those it joined as a decode server."""
+
+    def __init__(self, device: torch.device, timeout_s: float) -> None:
+        self.device, self.timeout_s = device, timeout_s
+        self.links: dict[int, KVLink] = {}
+        self._store: dist.TCPStore | None = None
+        self._numbers = itertools.count(1)
+
+    def open(self) -> dict:
+        """A new link's prefill side, waiting for its peer: {"link": its number, "port": the store's}."""
+        if self._store is None:
+            self._store = dist.TCPStore(
+                "127.0.0.1", 0, None, True, timedelta(seconds=self.timeout_s), wait_for_workers=False
+            )  # (a master store listens on every interface)
+        number, store = next(self._numbers), self._store
+        self.links[number] = KVLink(f"p{number}", lambda: store, 0, self.device, self.timeout_s)
+        return {"link": number, "port": store.port}
+
+    def join(self, host: str, port: int, link: int) -> int:
+        """Join link `link` of the prefill engine whose store is at host:port; this side's number."""
+        number = next(self._numbers)
+
+        def connect() -> dist.Store:
+            return dist.TCPStore(host, port, None, False, timedelta(seconds=self.timeout_s))
+
+        self.links[number] = KVLink(f"p{link}", connect, 1, self.device, self.timeout_s)
+        return number
+
+    def get(self, number: int) -> KVLink:
+        if number not in self.links:
+            raise ValueError(f"kv link {number} does not exist here")
+        return self.links[number]
+
+    def close(self, number: int) -> None:
+        link = self.links.pop(number, None)
+        if link is not None:
+            link.close()
+
+    def close_all(self) -> None:
+        for number in list(self.links):
+            self.close(number)
+        self._store = None
