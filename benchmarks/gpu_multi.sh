@@ -52,7 +52,8 @@ rl-shared | rl-split)
   ;;
 prefill)
   timeout 570 "$PY" benchmarks/prefill_servers.py --gpus 0,1 --shape qwen3-0.6b --prompt-len 2048 \
-    --output-len 256 --rate 8 --duration 20 --min-tokens 256 --out "$OUT/prefill_servers.json" 2>&1 \
+    --output-len 256 --rate 8 --duration 20 --min-tokens 256 --layouts colocated split-shared split-p2p \
+    split-http --out "$OUT/prefill_servers.json" 2>&1 \
     | tail -8 | tee "$OUT/prefill_servers.txt"
   ;;
 fsdp)

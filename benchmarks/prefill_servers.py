@@ -3,9 +3,10 @@ on the same devices: real servers on 127.0.0.1, an open-loop stream of long-prom
 
 Layouts, each given the same devices (CPU cores, or GPUs):
 - colocated: S servers, each computing and decoding its own prompts; requests round-robin;
-- split-shared, split-http: S − 1 decode servers and one prefill server, whose keys and values the
-  decode servers take into their prefix caches (prefill.py), through its staging buffers (CUDA
-  IPC, or shared memory on CPU) or in HTTP bodies.
+- split-shared, split-p2p, split-http: S − 1 decode servers and one prefill server, whose keys and
+  values the decode servers take into their prefix caches (prefill.py), through its staging
+  buffers (CUDA IPC, or shared memory on CPU), sent from them over a link per pair (NCCL, gloo on
+  CPU; formed during the warm-up) or in HTTP bodies.
 
 The load: requests arrive at a fixed rate (`--rate` per second) for `--duration` seconds, each a
 prompt of `--prompt-len` new tokens (no shared prefix) and `--output-len` streamed tokens, sent to
@@ -16,7 +17,7 @@ prefill chunk waits for it, which shows in the gaps' tail; that tail is what dis
 
     uv run python benchmarks/prefill_servers.py                    # CPU: 2 servers, a core each
     python benchmarks/prefill_servers.py --gpus 0,1 --shape qwen3-0.6b --prompt-len 2048 \\
-        --output-len 256 --rate 8 --layouts colocated split-shared split-http   # two GPUs
+        --output-len 256 --rate 8 --layouts colocated split-shared split-p2p split-http   # two GPUs
 """
 
 import argparse
@@ -186,7 +187,7 @@ def main() -> None:
     parser.add_argument(
         "--layouts",
         nargs="+",
-        choices=["colocated", "split-shared", "split-http"],
+        choices=["colocated", "split-shared", "split-p2p", "split-http"],
         default=["colocated", "split-shared", "colocated", "split-shared"],
     )
     parser.add_argument("--startup-timeout", type=float, default=900)

@@ -1,7 +1,7 @@
 """Prefill on other servers on GPUs: a decode server takes a prefill server's blocks through its
 staging buffers (CUDA IPC; kv_staging.py) and through HTTP bodies, on one GPU and, where there is
-a second, peer to peer between two; its greedy answers equal the prefill server's own, and the
-prefill server handed every prompt over as asked.
+a second, peer to peer between two, and over a p2p link (NCCL; two GPUs); its greedy answers
+equal the prefill server's own, and the prefill server handed every prompt over as asked.
 
 Marked `gpu`; skipped without CUDA (the two-GPU case without a second GPU). Run with
 `pytest tests/gpu -m gpu`.
@@ -84,4 +84,40 @@ def test_a_decode_server_answers_as_the_prefill_server(
             staged = counter(prefill.url, "tandem_kv_exports_staged_total")
             assert staged == (len(prompts) if transport == "shared" else 0)
             assert counter(decode.url, "tandem_prefill_remote_prompts_total") == len(prompts)
+            assert counter(decode.url, "tandem_prefill_remote_failures_total") == 0
+
+
+def test_a_p2p_link_between_two_gpus(model: Path, tmp_path: Path) -> None:
+    """transport = p2p over NCCL (kv_link.py), each server seeing only its own GPU: once the link
+    is up (the first prompts' blocks come in bodies meanwhile), every prompt's blocks are sent
+    over it and the answers equal the prefill server's."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (NCCL puts no two ranks of a group on one GPU)")
+    common = ["--model", str(model), "--model.dtype", "bfloat16", "--engine.kv-cache-memory-gb", "1"]
+    with start_server(
+        [*common, "--prefill.staging-mb", "64"],
+        tmp_path / "prefill.log",
+        env={"CUDA_VISIBLE_DEVICES": gpus(1)},
+    ) as prefill:
+        decode_args = [
+            *common, "--prefill.servers", json.dumps([prefill.url]), "--prefill.min-tokens", "32",
+            "--prefill.transport", "p2p",
+        ]  # fmt: skip
+        with start_server(
+            decode_args, tmp_path / "decode.log", env={"CUDA_VISIBLE_DEVICES": gpus(0)}
+        ) as decode:
+            for k in range(100):  # until the link is up (NCCL's set-up included)
+                ids = [(11 * i + k) % 300 + 10 for i in range(64)]
+                assert greedy(decode.url, ids) == greedy(prefill.url, ids)
+                if counter(prefill.url, "tandem_kv_sends_total"):
+                    break
+            else:
+                pytest.fail("the p2p link did not come up within 100 prompts")
+            sent = counter(prefill.url, "tandem_kv_sends_total")
+            prompts = [
+                [(7 * i + k) % 300 + 10 for i in range(n)] for k, n in enumerate((40, 129, 300, 70, 64, 90))
+            ]
+            for ids in prompts:
+                assert greedy(decode.url, ids) == greedy(prefill.url, ids)
+            assert counter(prefill.url, "tandem_kv_sends_total") == sent + len(prompts)
             assert counter(decode.url, "tandem_prefill_remote_failures_total") == 0
