@@ -114,6 +114,47 @@ def test_prefill_servers_on_each_inference_node(tmp_path: Path) -> None:
         check_plans(config(tmp_path, **{"cluster.gpus_per_node": 4, "cluster.prefill_servers_per_node": 4}))
 
 
+def test_prefill_nodes(tmp_path: Path) -> None:
+    """cluster.prefill_nodes = 1 of 3 inference nodes: the last node's servers compute the first
+    two nodes' prompts, whose servers take the blocks over p2p links and see only their own GPUs;
+    the orchestrator sends rollouts to the decode nodes' servers and weights to all."""
+    hosts = ["inf-a", "inf-b", "inf-c", "train-a"]
+    overrides = {"cluster.inference_nodes": 3, "cluster.trainer_nodes": 1, "cluster.hosts": hosts}
+    cfg = config(tmp_path, **overrides, **{"cluster.gpus_per_node": 2, "cluster.prefill_nodes": 1})
+    cluster = resolve_cluster(cfg)
+    urls = cluster.server_urls(2)
+    prefill_urls = ["http://inf-c:8000", "http://inf-c:8001"]
+    for index in (0, 1):
+        node = plan_node(cfg, cluster, cluster.unit(index), ["0", "1"])
+        assert [c.prefill.servers for c in node.inference] == [prefill_urls] * 2
+        assert {(c.prefill.transport, c.backend) for c in node.inference} == {("p2p", "native")}
+        specs = {s.name: s for s in node.specs()}
+        assert [specs[f"inference_{j}"].env["CUDA_VISIBLE_DEVICES"] for j in (0, 1)] == ["0", "1"]
+    prefill = plan_node(cfg, cluster, cluster.unit(2), ["0", "1"])
+    assert [c.prefill.servers for c in prefill.inference] == [[], []]
+    assert {c.backend for c in prefill.inference} == {"native"}
+    orchestrator = plan_node(cfg, cluster, cluster.unit(0), ["0", "1"]).orchestrator
+    assert orchestrator.servers == urls[:4] and orchestrator.prefill_servers == prefill_urls
+    trainer = plan_node(cfg, cluster, cluster.unit("trainer-0"), ["0", "1"])
+    assert trainer.trainer.weights.num_servers == 6
+    for bad, message in (
+        (
+            {"cluster.prefill_nodes": 3},
+            "cluster.prefill_nodes = 3 of 3 inference node.s. leaves none to decode",
+        ),
+        (
+            {"cluster.prefill_nodes": 1, "cluster.prefill_servers_per_node": 1},
+            "cluster.prefill_nodes and cluster.prefill_servers_per_node both place prefill servers",
+        ),
+        (
+            {"cluster.prefill_nodes": 1, "inference.backend": "vllm"},
+            "cluster.prefill_nodes needs the native engine",
+        ),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            check_plans(config(tmp_path, **overrides, **{"cluster.gpus_per_node": 2, **bad}))
+
+
 def test_cpu_nodes(tmp_path: Path) -> None:
     cfg = config(tmp_path, **{"cluster.trainer_ranks_per_node": 2})
     cluster = resolve_cluster(cfg)
@@ -174,6 +215,10 @@ def test_submit_time_checks_plan_every_node(tmp_path: Path) -> None:
         (
             {"cluster.inference_nodes": 0, "cluster.trainer_nodes": 1, "cluster.prefill_servers_per_node": 1},
             "cluster.prefill_servers_per_node applies to several nodes",
+        ),
+        (
+            {"cluster.inference_nodes": 0, "cluster.trainer_nodes": 1, "cluster.prefill_nodes": 1},
+            "cluster.prefill_nodes applies to several nodes",
         ),
         ({}, "a run on several nodes starts through [slurm], [kubernetes] (--k8s), or one"),
     ],

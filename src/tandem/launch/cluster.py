@@ -149,7 +149,12 @@ def check_node_shapes(config: RLConfig) -> None:
     cfg = config.cluster
     gpus = cfg.gpus_per_node or 0
     if not is_multi_node(config):
-        for key in ("servers_per_node", "trainer_ranks_per_node", "prefill_servers_per_node"):
+        for key in (
+            "servers_per_node",
+            "trainer_ranks_per_node",
+            "prefill_servers_per_node",
+            "prefill_nodes",
+        ):
             if getattr(cfg, key):
                 raise ConfigError(
                     f"cluster.{key} applies to several nodes; with cluster.inference_nodes = 0 one node "
@@ -177,6 +182,15 @@ def check_node_shapes(config: RLConfig) -> None:
                 f"{cfg.inference_nodes} use cluster.servers_per_node / cluster.trainer_ranks_per_node / "
                 "cluster.gpus_per_node"
             )
+    if cfg.prefill_nodes and cfg.prefill_nodes >= cfg.inference_nodes:
+        raise ConfigError(
+            f"cluster.prefill_nodes = {cfg.prefill_nodes} of {cfg.inference_nodes} inference node(s) leaves "
+            "none to decode"
+        )
+    if cfg.prefill_nodes and cfg.prefill_servers_per_node:
+        raise ConfigError(
+            "cluster.prefill_nodes and cluster.prefill_servers_per_node both place prefill servers: set one"
+        )
     servers = cfg.servers_per_node
     if gpus and servers and gpus % servers:
         raise ConfigError(

@@ -101,6 +101,13 @@ class ClusterConfig(Section):
         description="Of each inference node's servers, how many (the last ones) compute prompts for the node's "
         "others, through staging buffers within the node (docs/inference-engine.md, 'Prefill on other servers').",
     )
+    prefill_nodes: int = Field(
+        0,
+        ge=0,
+        description="Of the inference nodes, how many (the last ones) run only prefill servers, which compute "
+        "the other inference nodes' prompts and send the keys and values over a p2p link per pair of servers "
+        "(NCCL; docs/inference-engine.md, 'Prefill on other servers').",
+    )
     trainer_nodes: int = Field(1, gt=0, description="Nodes that run the trainer (torchrun, one agent each).")
     trainer_ranks_per_node: int | None = Field(
         None,

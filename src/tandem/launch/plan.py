@@ -266,23 +266,37 @@ def _with_prefill(
     if k >= len(per_server):
         raise ConfigError(f"{key} = {k} of {len(per_server)} inference server(s) leaves none to decode")
     derived = [local_url(c) for c in per_server[-k:]]
-    if config.inference.prefill.servers not in ([], derived):  # (a resolved config repeats the derived ones)
+    decode = _decode_servers(
+        config, per_server[:-k], derived, key, "shared"
+    )  # (one machine: staging buffers)
+    return decode + _native(per_server[-k:])
+
+
+def _decode_servers(
+    config: RLConfig, per_server: list[InferenceConfig], prefill_urls: list[str], key: str, transport: str
+) -> list[InferenceConfig]:
+    """Servers whose prompts the servers at `prefill_urls` compute (derived from `key`), their
+    blocks coming by `transport` unless inference.prefill.transport says otherwise."""
+    if config.inference.prefill.servers not in ([], prefill_urls):  # (a resolved config repeats them)
         raise ConfigError(
-            f"inference.prefill.servers = {config.inference.prefill.servers} conflicts with {derived}, which "
-            f"the launcher derives from {key}; set that instead"
+            f"inference.prefill.servers = {config.inference.prefill.servers} conflicts with {prefill_urls}, "
+            f"which the launcher derives from {key}; set that instead"
         )
-    if not per_server[0].engine.prefix_caching:
+    if not all(c.engine.prefix_caching for c in per_server):
         raise ConfigError(
             f"{key} needs the prefix cache, which is off (engine.prefix_caching = false, "
             "or orchestrator.seeded_sampling, which turns it off): prompts enter the decode servers through it"
         )
     if config.inference.backend == "vllm":
         raise ConfigError(f"{key} needs the native engine; inference.backend is 'vllm'")
-    section: dict[str, Any] = {"servers": derived}
+    section: dict[str, Any] = {"servers": prefill_urls}
     if "transport" not in config.inference.prefill.model_fields_set:
-        section["transport"] = "shared"  # (one machine: the staging buffers)
-    native = [_update("inference", c, {"backend": "native"}) for c in per_server]  # (auto could pick vLLM)
-    return [_update("inference", c, {"prefill": section}) for c in native[:-k]] + native[-k:]
+        section["transport"] = transport
+    return [_update("inference", c, {"prefill": section}) for c in _native(per_server)]
+
+
+def _native(per_server: list[InferenceConfig]) -> list[InferenceConfig]:
+    return [_update("inference", c, {"backend": "native"}) for c in per_server]  # (auto could pick vLLM)
 
 
 def plan_node(
@@ -321,6 +335,13 @@ def plan_node(
     urls = cluster.server_urls(servers)
     decode = [url for i, url in enumerate(urls) if i % servers < servers - k]
     prefill = [url for i, url in enumerate(urls) if i % servers >= servers - k]
+    if config.cluster.prefill_nodes:  # the last inference nodes compute the others' prompts
+        first = (cluster.config.inference_nodes - config.cluster.prefill_nodes) * servers
+        decode, prefill = urls[:first], urls[first:]
+        if unit.role == "inference" and unit.index * servers < first:
+            per_server = _decode_servers(config, per_server, prefill, "cluster.prefill_nodes", "p2p")
+        else:
+            per_server = _native(per_server)
     resolved, orchestrator, trainer = _jobs(
         config, per_server or [inference], decode, num_ranks, link, prefill
     )
