@@ -119,6 +119,8 @@ class KVLink:
 
     def _run(self, connect: Callable[[], dist.Store]) -> None:
         try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # (NCCL's communicator and streams on the engine's GPU)
             store = dist.PrefixStore(f"kv/{self.name}", connect())
             timeout = timedelta(seconds=self.timeout_s + GROUP_TIMEOUT_MARGIN_S)
             self._group = process_group(store, self.rank, 2, self.device, timeout)
