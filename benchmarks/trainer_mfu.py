@@ -18,7 +18,9 @@ drawn once with a fixed seed), random-init weights, one optimizer step per itera
   AdamW's moments in bf16 with stochastic rounding (`optim.moments_dtype = "bfloat16"`, needs
   `master`; `bf16moments` is its own flag, not `bf16`). Suffixes combine:
   `tandem_master_keep`, `moe:tandem_master_keep_logits_bf16moments`; `ac` and `sac`: full and
-  selective activation checkpointing (`parallel.activation_checkpointing`). With `master` on one GPU
+  selective activation checkpointing (`parallel.activation_checkpointing`); `short`: GLM-5 skips
+  its indexers where no document is longer than index_topk (`model.sparse_attention =
+  "long_documents"`; with `--max-doc-tokens 2048`: `glm-5:tandem_short,glm-5:tandem`). With `master` on one GPU
   the model is not wrapped by FSDP at all (nothing to shard or cast), so `keep` changes nothing
   there. With `--nproc N` a tandem variant runs on N GPUs through torchrun: FSDP over all N,
   each rank training its own copy of the batch (tokens/s and MFU are per GPU, rank 0's), and
@@ -125,14 +127,17 @@ def hf_config(shape: str):  # noqa: ANN201 (a transformers config)
     })  # fmt: skip
 
 
+MAX_DOC_TOKENS = 2304  # --max-doc-tokens
+
+
 def document_lengths(seed: int = 0) -> list[list[int]]:
-    """Per row, lengths of documents drawn from 256–2,304 tokens filling exactly WIDTH."""
+    """Per row, lengths of documents drawn from 256–MAX_DOC_TOKENS tokens filling exactly WIDTH."""
     generator = torch.Generator().manual_seed(seed)
     rows = []
     for _ in range(ROWS):
         lengths, left = [], WIDTH
         while left:
-            n = min(left, int(torch.randint(256, 2305, (1,), generator=generator)))
+            n = min(left, int(torch.randint(256, MAX_DOC_TOKENS + 1, (1,), generator=generator)))
             lengths.append(n)
             left -= n
         rows.append(lengths)
@@ -264,6 +269,7 @@ def run_tandem(
     bf16_moments: bool = False,
     ep: int = 1,
     checkpointing: str = "none",
+    short: bool = False,
 ) -> dict:
     from tandem.config.base import ModelConfig
     from tandem.trainer.config import OptimConfig, ParallelConfig
@@ -276,7 +282,10 @@ def run_tandem(
     with tempfile.TemporaryDirectory() as tmp:
         name = str(write_config_dir(config, Path(tmp)))
         head = "keep" if keep_logits else "recompute"
-        model_cfg = ModelConfig(name=name, attention=attention, dtype=weights, head_logits=head)
+        sparse = "long_documents" if short else "always"
+        model_cfg = ModelConfig(
+            name=name, attention=attention, dtype=weights, head_logits=head, sparse_attention=sparse
+        )
         parallel = ParallelConfig(
             reshard_after_forward=not keep, ep=ep, activation_checkpointing=checkpointing
         )
@@ -309,6 +318,7 @@ def run_tandem(
             (f"ep{ep}", ep > 1),
             ("ac", checkpointing == "full"),
             ("sac", checkpointing == "selective"),
+            ("short", short),
         )
         if on
     )
@@ -439,11 +449,12 @@ def run_one(variant: str, steps: int, warmup: int) -> list[dict]:
         return [{"variant": variant, **run_rl(impl, steps, warmup)}]
     if impl.startswith("tandem"):
         backend = impl.split("-", 1)[1] if "-" in impl else "auto"
-        # tandem_<flag>_<flag>: bf16, keep, master, logits, bf16moments, ep<N>, ac or sac (whole
-        # tokens of a set)
+        # tandem_<flag>_<flag>: bf16, keep, master, logits, bf16moments, ep<N>, ac or sac, short
+        # (whole tokens of a set)
         flags = set(impl.split("-", 1)[0].split("_")[1:])
         ep = next((int(f[2:]) for f in flags if re.fullmatch(r"ep[1-9][0-9]*", f)), 1)
-        unknown = flags - {"bf16", "keep", "master", "logits", "bf16moments", f"ep{ep}", *CHECKPOINTING}
+        known = {"bf16", "keep", "master", "logits", "bf16moments", "short", f"ep{ep}", *CHECKPOINTING}
+        unknown = flags - known
         if unknown:
             raise ValueError(f"unknown tandem flags {sorted(unknown)} in {variant}")
         if set(CHECKPOINTING) <= flags:
@@ -452,7 +463,7 @@ def run_one(variant: str, steps: int, warmup: int) -> list[dict]:
         weights = "bfloat16" if "bf16" in flags else FAMILY_WEIGHTS.get(shape, "auto")
         run = run_tandem(
             shape, backend, steps, warmup, weights, "keep" in flags, "master" in flags, "logits" in flags,
-            "bf16moments" in flags, ep, checkpointing,
+            "bf16moments" in flags, ep, checkpointing, "short" in flags,
         )  # fmt: skip
         return [{"variant": variant, **run}]
     return [{"variant": variant, **run_hf(shape, impl == "hf_compiled", steps, warmup)}]
@@ -477,6 +488,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main() -> None:
+    global MAX_DOC_TOKENS, PROFILE_DIR, DEVICE
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--variants", default=DEFAULT_VARIANTS, help="comma-separated; 'families' = " + FAMILY_VARIANTS
@@ -499,10 +511,17 @@ def main() -> None:
         default="cuda",
         help="cpu: a check of the tandem variants' flow (the smoke shape; gloo ranks under --nproc)",
     )
+    parser.add_argument(
+        "--max-doc-tokens",
+        type=int,
+        default=MAX_DOC_TOKENS,
+        help="the packed batch's longest document (GLM-5's `short` flag skips the indexers only where no "
+        "document is longer than index_topk, 2,048)",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    MAX_DOC_TOKENS = args.max_doc_tokens
     if args.one:
-        global PROFILE_DIR, DEVICE
         PROFILE_DIR = args.out.parent if args.profile else None
         DEVICE = args.device
         from tandem.trainer.parallel import shutdown
@@ -539,6 +558,8 @@ def main() -> None:
             "--warmup",
             str(args.warmup),
             *(["--profile"] if args.profile else []),
+            "--max-doc-tokens",
+            str(args.max_doc_tokens),
             "--device",
             args.device,
         ]

@@ -225,6 +225,39 @@ def test_glm5_sparse_attention_equals_the_dense_mask(checkpoint: Path) -> None:
         )
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa_docs"])
+def test_glm5_short_documents_skip_the_indexer_exactly(checkpoint: Path, backend: str) -> None:
+    """sparse_attention = "long_documents": with no document longer than the indexers' top-k (19
+    here) the indexers do not run and attention reads every visible key through the packed backend,
+    which gives the logits and gradients of running them (they would choose every visible key);
+    with a longer document (top-k 10) the indexers run as always."""
+    if model_type(checkpoint) != "glm_moe_dsa":
+        pytest.skip("GLM-5 only")
+    ids, positions = packed_batch()
+    weights = torch.randn(2, 19, 97, generator=torch.Generator().manual_seed(8))
+    for topk, skipped in ((19, True), (10, False)):
+        results = []
+        for short in (False, True):
+            model, _ = tandem_model(checkpoint, backend)
+            model.dense_short_documents = short
+            calls = []
+            for layer in model.layers:
+                if layer.attention.indexer is not None:
+                    layer.attention.indexer.topk = topk
+                    layer.attention.indexer.register_forward_hook(lambda *_, calls=calls: calls.append(1))
+            logits = model(ids, positions)
+            (logits * weights).sum().backward()
+            assert (not calls) == (short and skipped)
+            results.append((logits, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+        (indexed, indexed_grads), (short, short_grads) = results
+        torch.testing.assert_close(short, indexed, rtol=0, atol=1e-5)
+        assert indexed_grads.keys() == short_grads.keys()
+        for name, grad in indexed_grads.items():
+            torch.testing.assert_close(
+                short_grads[name], grad, rtol=1e-5, atol=1e-5 * float(grad.abs().max()), msg=name
+            )
+
+
 def test_checkpoint_round_trip_is_exact(checkpoint: Path, tmp_path: Path) -> None:
     """HF checkpoint → tandem's sharded trainer model → write_hf_model → the same tensors, which
     transformers loads into the same model."""

@@ -16,9 +16,9 @@ columns of each row a rank held.
 The packed rows hold documents that cross the boundaries of every cp split used here, and a
 width (46) that ring and cp = 4 must pad. GLM-5's indexer keeps 4 keys per query, so its choice
 matters, and it and the sparse path run a few queries at a time (chunks that split each rank's
-columns at other places than cp does). The model kind "glm5" with attention "sparse" builds
-GLM-5 with the sdpa backend and switches its attention to the sparse path, which CPU backends
-do not choose.
+columns at other places than cp does). For GLM-5 the attention entry may also name settings
+of `latent_settings` (the model is then built with sdpa): the sparse path, which CPU backends
+do not choose, and micro-batches that skip the indexers.
 """
 
 import multiprocessing
@@ -69,6 +69,9 @@ CASES = {
     "glm5-ulysses4-full": ("glm5", "sft", {"cp": 4, "activation_checkpointing": "full"}),
     "glm5sparse": ("glm5", "sft", {}, "sparse"),
     "glm5sparse-ring4": ("glm5", "sft", {"cp": 4, "cp_style": "ring"}, "sparse"),
+    "glm5wide": ("glm5", "sft", {}, "wide"),
+    "glm5wide-ring2-short": ("glm5", "sft", {"cp": 2, "cp_style": "ring"}, "wide_short"),
+    "glm5wide-ulysses4-short": ("glm5", "sft", {"cp": 4}, "wide_short"),
     "glm5rl": ("glm5", "rl", {}),
     "glm5rl-ring2": ("glm5", "rl", {"cp": 2, "cp_style": "ring"}),
 }
@@ -143,14 +146,18 @@ def rl_step_stats(
     }
 
 
-def latent_chunks(model: torch.nn.Module, sparse: bool) -> None:
-    """GLM-5's indexer and sparse attention a few queries at a time (and the sparse path on)."""
+def latent_settings(model: torch.nn.Module, backend: str) -> None:
+    """GLM-5's indexer and sparse attention a few queries at a time; "sparse": the sparse path
+    on; "wide": the indexers keep 64 keys (more than any document has); "wide_short": and the
+    micro-batches skip them (sparse_attention = "long_documents")."""
+    model.dense_short_documents = backend == "wide_short"
     for module in model.modules():
         if isinstance(module, LatentAttention):
-            module.sparse = sparse
+            module.sparse = backend == "sparse"
             module.sparse_chunk_elements = 3 * len(DOCS) * 4 * 80  # ~3 queries of 4 keys, L + r <= 80
         if isinstance(module, Indexer):
             module.chunk_elements = 5 * len(DOCS) * module.heads * 48  # ~5 queries of <= 48 keys
+            module.topk = 64 if backend.startswith("wide") else module.topk
 
 
 def run_rank(paths: dict[str, str], out: str) -> None:
@@ -160,11 +167,11 @@ def run_rank(paths: dict[str, str], out: str) -> None:
     for name, (kind, loss, options, *attention) in CASES.items():
         parallel = ParallelConfig(**options)
         backend = (attention or ["auto"])[0]
-        model_cfg = ModelConfig(
-            name=paths[kind], device="cpu", attention="sdpa" if backend == "sparse" else backend
+        attention = "sdpa" if backend in ("sparse", "wide", "wide_short") else backend
+        model = build_trainer_model(
+            ModelConfig(name=paths[kind], device="cpu", attention=attention), world, parallel
         )
-        model = build_trainer_model(model_cfg, world, parallel)
-        latent_chunks(model, sparse=backend == "sparse")
+        latent_settings(model, backend)
         group, groups = data_shard(world, parallel.cp)
         if loss == "sft":
             value = sft_loss(model, world.size, group, groups)

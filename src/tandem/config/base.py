@@ -38,6 +38,13 @@ class ModelConfig(Section):
         "them from the forward (one of the head's four matmuls less: +5.7 % tok/s at 1.7B on an H200; costs "
         "tokens x vocabulary x 2 bytes, 5 GB for 16,384 tokens of a 152k vocabulary).",
     )
+    sparse_attention: Literal["always", "long_documents"] = Field(
+        "always",
+        description="GLM-5 (DeepSeek sparse attention), trainer: always = run the indexers and attend to their "
+        "chosen keys; long_documents = only in micro-batches with a document longer than index_topk (where "
+        "none is, the indexers would choose every visible key, so skipping them and attending through the "
+        "packed backend is exact). Not yet measured on a GPU.",
+    )
     attn_implementation: Literal["sdpa", "eager", "flex_attention"] = Field(
         "sdpa", description="Attention implementation transformers uses for this model (model.impl = hf)."
     )

@@ -167,6 +167,7 @@ def build_trainer_model(
         init_lora(model, seed, _fill_local)
     register_fsdp_forward_method(model, "sequence_logprobs")
     model.keep_head_logits = cfg.head_logits == "keep"
+    model.dense_short_documents = cfg.sparse_attention == "long_documents"
     model.hf_config = config
     model.train()
     return model

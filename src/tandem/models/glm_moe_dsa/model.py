@@ -91,6 +91,7 @@ class IndexedDecoderLayer(DecoderLayer):
 
 class IndexedCausalLM(CausalLM):
     supports_shared_prompts = False  # the indexer's documents (layers/dsa.py) know no branches
+    dense_short_documents = False  # model.sparse_attention = "long_documents" (layers/dsa.py)
 
     def documents(self, position_ids: torch.Tensor) -> TokenDocuments:
         """MLA layers find documents per token (layers/dsa.py), under context parallelism too."""
@@ -104,7 +105,10 @@ class IndexedCausalLM(CausalLM):
         docs: TokenDocuments,
         position_ids: torch.Tensor,
     ) -> torch.Tensor:
-        """MLA layers pass the indexer's choice on."""
+        """MLA layers pass the indexer's choice on; where no document is longer than its top-k
+        (and `dense_short_documents`), they attend to every visible key instead."""
+        if self.dense_short_documents and int(docs.positions().max()) < self.layers[0].attention.indexer.topk:
+            docs = docs.with_packed(self.attention_backend)
         chosen = None
         for layer in self.layers:
             x, chosen = layer(x, cos, sin, docs, chosen)

@@ -11,7 +11,10 @@ As in transformers' reference the indexer runs without gradient: it is not train
 weights stay those of the checkpoint. Scores are formed a chunk of queries at a time, so the
 indexer holds [rows, chunk, H, width] at once, never [rows, width, width] per head.
 
-Two ways to attend to the chosen keys, equal up to rounding:
+Where no document is longer than `topk`, the indexer would choose every key a query may see:
+with `sparse_attention = "long_documents"` (the model's `dense_short_documents`) such micro-batches
+skip the indexers and attend through the packed backend instead (`TokenDocuments.packed`), which is
+exact. Otherwise, two ways to attend to the chosen keys, equal up to rounding:
 
 - dense (`TokenDocuments.visible` & chosen as one boolean mask and one SDPA call over the
   expanded keys: O(width²) memory; any device, the reference path);
@@ -24,6 +27,7 @@ q_nope · (W_UK c) = (W_UKᵀ q_nope) · c and Σ p·(W_UV c) = W_UV (Σ p·c), 
 never leave the latent space (kv_lora_rank + rope channels per token, shared by all heads).
 """
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tandem.models.layers.attention import PackedDocs
 from tandem.models.layers.rotary import apply_rotary_interleaved
 
 INDEX_CHUNK_ELEMENTS = 1 << 26  # at most this many fp32 scores [rows, chunk, heads, width] at once
@@ -53,6 +58,9 @@ class TokenDocuments:
     doc_ids: torch.Tensor
     query_columns: torch.Tensor | None = None
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # set when no document is longer than the indexers' top-k (`with_packed`): attention then
+    # reads every visible key through the packed backend, and no indexer runs
+    packed: PackedDocs | None = None
 
     @classmethod
     def from_positions(
@@ -65,6 +73,18 @@ class TokenDocuments:
         starts = position_ids == 0
         starts[:, 0] = True  # a row always begins a document
         return cls(starts.cumsum(dim=1), query_columns, gather)
+
+    def positions(self) -> torch.Tensor:
+        """[rows, width]: each column's position in its document."""
+        columns = torch.arange(self.doc_ids.shape[1], device=self.doc_ids.device).expand_as(self.doc_ids)
+        starts = torch.ones_like(self.doc_ids, dtype=torch.bool)
+        starts[:, 1:] = self.doc_ids[:, 1:] != self.doc_ids[:, :-1]
+        return columns - torch.where(starts, columns, 0).cummax(dim=1).values
+
+    def with_packed(self, backend: str) -> "TokenDocuments":
+        """The same documents, attended through `backend`'s packed attention (layers/attention.py)."""
+        packed = PackedDocs.from_positions(self.positions(), backend, self.query_columns)
+        return dataclasses.replace(self, packed=packed)
 
     def whole(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's columns of x [rows, queries, ...] → the whole rows' [rows, width, ...]."""

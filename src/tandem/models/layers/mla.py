@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.models.layers.attention import PackedDocs
 from tandem.models.layers.dsa import (
     SPARSE_CHUNK_ELEMENTS,
     Indexer,
@@ -87,6 +88,9 @@ class LatentAttention(nn.Module):
         # context parallelism gathers
         keys = docs.whole(torch.cat([self.kv_norm(latent), k_rope], dim=-1))
         q_rope = apply_rotary_interleaved(q_rope, cos, sin)
+        if docs.packed is not None:  # no document is longer than the indexer's top-k (layers/dsa.py)
+            out = self._packed(q_nope, q_rope, keys, docs.packed)
+            return self.wo(out.reshape(rows, queries, self.num_heads * self.v_dim)), None
         if self.indexer is not None:
             chosen = self.indexer(x, q_resid, cos, sin, docs)
         elif chosen is None:
@@ -102,6 +106,29 @@ class LatentAttention(nn.Module):
             out = self._dense(q_nope, q_rope, keys, chosen, docs)
         return self.wo(out.reshape(rows, queries, self.num_heads * self.v_dim)), chosen
 
+    def _expand(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, keys: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-head q [rows, queries, H, n + r], k [rows, width, H, n + r], v [rows, width, H, v]."""
+        rows, width, heads = keys.shape[0], keys.shape[1], q_nope.shape[2]
+        latent, k_rope = keys.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        k_nope, v = self.wkv_b(latent).view(rows, width, heads, -1).split([self.nope_dim, self.v_dim], dim=-1)
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        k = torch.cat([k_nope, k_rope[:, :, None].expand(-1, -1, heads, -1)], dim=-1)
+        return q, k, v
+
+    def _packed(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, keys: torch.Tensor, packed: PackedDocs
+    ) -> torch.Tensor:
+        """Every visible key, through the model's packed attention backend; v is zero-padded to
+        q and k's width where it is narrower (the kernels take one head width)."""
+        q, k, v = self._expand(q_nope, q_rope, keys)
+        pad = q.shape[-1] - self.v_dim
+        if pad < 0:  # (zeros added to q and k change no score)
+            q, k = F.pad(q, (0, -pad)), F.pad(k, (0, -pad))
+        out = packed.attend(q, k, F.pad(v, (0, max(pad, 0))), self.scale)
+        return out[..., : self.v_dim]
+
     def _dense(
         self,
         q_nope: torch.Tensor,
@@ -111,12 +138,8 @@ class LatentAttention(nn.Module):
         docs: TokenDocuments,
     ) -> torch.Tensor:
         """Keys and values expanded per head, one SDPA call under visible & chosen."""
-        rows, queries, heads, _ = q_nope.shape
-        latent, k_rope = keys.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        width = keys.shape[1]
-        k_nope, v = self.wkv_b(latent).view(rows, width, heads, -1).split([self.nope_dim, self.v_dim], dim=-1)
-        q = torch.cat([q_nope, q_rope], dim=-1)
-        k = torch.cat([k_nope, k_rope[:, :, None].expand(-1, -1, heads, -1)], dim=-1)
+        queries, width = q_nope.shape[1], keys.shape[1]
+        q, k, v = self._expand(q_nope, q_rope, keys)
         mask = (docs.visible(0, queries) & chosen_mask(chosen, width))[:, None]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale=self.scale
