@@ -112,6 +112,8 @@ class KVLink:
         self._abort()
 
     def _submit(self, transfer: Transfer) -> Transfer:
+        if self.error is None and not self._closed:  # (the peer may see the warm-up end a moment earlier)
+            self.ready.wait(min(1.0, self.timeout_s))
         if not self.ready.is_set() or self.error is not None or self._closed:
             raise RuntimeError(f"kv link {self.name} is {'closed' if self._closed else self.state}")
         self._queue.put(transfer)
