@@ -193,6 +193,7 @@ def test_p2p_links_between_servers(tiny_model: Path, tmp_path: Path, launch_serv
             assert delta(decode, before_d, "tandem_prefill_remote_prompts_total") == 1  # by body
             assert delta(prefill, before_p, "tandem_kv_sends_total") == 0
             assert "p2p link: HTTP 400" in decode.log()
+            assert "cannot be mapped" not in decode.log()  # (a link's failure is not the mapping's)
 
 
 def test_short_prompts_are_computed_here(servers: Any, model: Any) -> None:

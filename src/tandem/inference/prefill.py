@@ -123,19 +123,24 @@ class PrefillServers:
         try:
             if linked:
                 return await self._receive(engine, ids, answer, staged, k)
+            return await self._map(engine, ids, staged, k)
+        finally:
+            release = {"buffer": staged["buffer"], "lease": answer["lease"]}
+            with contextlib.suppress(httpx.HTTPError):
+                await self.client.post(f"{url}/v1/kv/release", json=release)
+
+    async def _map(self, engine: Engine, ids: list[int], staged: dict, k: int) -> int:
+        """A staged export's blocks copied out of server k's mapped staging buffer and adopted."""
+        try:
             return await engine.import_prompt_staged(ids, staged)
         except RuntimeError as e:  # its buffers cannot be mapped here (another machine, an invisible GPU)
             self.staged[k] = False
             log.warning(
                 "prefill server %s: its staging buffers cannot be mapped here (%s); blocks come by HTTP now",
-                url,
+                self.urls[k],
                 e,
             )
             raise
-        finally:
-            release = {"buffer": staged["buffer"], "lease": answer["lease"]}
-            with contextlib.suppress(httpx.HTTPError):
-                await self.client.post(f"{url}/v1/kv/release", json=release)
 
     async def _receive(self, engine: Engine, ids: list[int], answer: dict, staged: dict, k: int) -> int:
         """A staged export's blocks sent over server k's link and adopted."""
