@@ -266,10 +266,8 @@ def _with_prefill(
     if k >= len(per_server):
         raise ConfigError(f"{key} = {k} of {len(per_server)} inference server(s) leaves none to decode")
     derived = [local_url(c) for c in per_server[-k:]]
-    decode = _decode_servers(
-        config, per_server[:-k], derived, key, "shared"
-    )  # (one machine: staging buffers)
-    return decode + _native(per_server[-k:])
+    # (one machine: the blocks move through staging buffers)
+    return _decode_servers(config, per_server[:-k], derived, key, "shared") + _native(per_server[-k:])
 
 
 def _decode_servers(
