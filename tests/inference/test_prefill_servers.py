@@ -239,6 +239,14 @@ def test_bad_export_requests_are_4xx(servers: Any) -> None:
         response = httpx.post(url, json=body, timeout=60)
         assert response.status_code == 400, (body, response.text)
         assert param in response.text
+    for body, param in (
+        ({"link": 5, "buffer": 0, "lease": 99, "nbytes": 10}, "lease"),  # no such lease
+        ({"link": 5, "buffer": 0, "lease": 99}, "nbytes"),
+        ({"link": 0, "buffer": 0, "lease": 1, "nbytes": 10}, "link"),
+    ):
+        response = httpx.post(prefill.url + "/v1/kv/send", json=body, timeout=60)
+        assert response.status_code == 400, (body, response.text)
+        assert param in response.text
 
 
 def test_a_prefill_server_that_is_gone_costs_nothing_but_time(
