@@ -21,13 +21,15 @@ def linked_pair(timeout_s: float = 5.0) -> tuple[KVLinks, int, KVLinks, int]:
     return prefill, opened["link"], decode, joined
 
 
-def test_sends_arrive_in_order_and_in_full() -> None:
+def test_transfers_arrive_in_order_and_in_full() -> None:
+    """Four sends queued before any receive, then four receives queued before any wait."""
     prefill, p, decode, d = linked_pair()
     try:
         payloads = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (3, 1000, 17, 65536)]
         transfers = [prefill.get(p).send(t) for t in payloads]  # all queued before any receive
-        for payload in payloads:
-            assert torch.equal(decode.get(d).receive(payload.numel()).clone(), payload)
+        receives = [decode.get(d).receive(t.numel()) for t in payloads]  # all queued before any wait
+        for payload, receive in zip(payloads, receives, strict=True):
+            assert torch.equal(decode.get(d).wait(receive), payload)
         for transfer in transfers:
             assert transfer.done.wait(5) and transfer.error is None
         with pytest.raises(ValueError, match="kv link 99 does not exist here"):
@@ -41,8 +43,8 @@ def test_a_receive_without_a_send_fails_the_link_by_its_deadline() -> None:
     prefill, p, decode, d = linked_pair(timeout_s=1.0)
     try:
         start = time.monotonic()
-        with pytest.raises(RuntimeError, match="receiving 8 bytes failed"):
-            decode.get(d).receive(8)
+        with pytest.raises(RuntimeError, match="a recv of 8 bytes failed"):
+            decode.get(d).wait(decode.get(d).receive(8))
         assert time.monotonic() - start < 10
         assert decode.get(d).state.startswith("failed")
         with pytest.raises(RuntimeError, match="is failed"):

@@ -14,8 +14,8 @@ releases them (POST /v1/kv/release). Between any two machines (`"p2p"`) they are
 those buffers over a link of the pair (engine/kv_link.py): at its first prompt for a prefill
 server the decode server asks for a link (POST /v1/kv/link) and joins it in the background,
 meanwhile and whenever the link is down the blocks come in bodies; once it is ready, each
-staged export is sent (POST /v1/kv/send) and received one at a time per link (`locks`), so
-that both sides take the link's transfers in one order. A link that fails is dropped on both
+staged export is sent (POST /v1/kv/send) and its receive queued one at a time per link
+(`locks`), so that both sides queue the link's transfers in one order. A link that fails is dropped on both
 sides (POST /v1/kv/unlink) and formed again after LINK_RETRY_S.
 
 A prompt goes to the prefill server with the fewest prompts in flight from this server, ties
@@ -164,10 +164,15 @@ class PrefillServers:
                 await self._drop_link(engine, k, error)
                 raise error
             try:
-                return await engine.import_prompt_sent(ids, staged, self.links[k])
-            except RuntimeError as e:  # the transfer failed, and the link with it
+                ticket = await engine.receive_prompt(self.links[k], nbytes)  # (queued: the next may go)
+            except RuntimeError as e:  # the link failed here
                 await self._drop_link(engine, k, e)
                 raise
+        try:
+            return await engine.adopt_received(ticket, ids, staged)
+        except RuntimeError as e:  # the transfer failed, and the link with it
+            await self._drop_link(engine, k, e)
+            raise
 
     def _linked(self, engine: Engine, k: int) -> bool:
         """Whether server k's link is ready; starts forming it when there is none."""

@@ -210,10 +210,15 @@ class Engine(Protocol):
         is done. ValueError / RuntimeError: nothing was queued."""
         ...
 
-    async def import_prompt_sent(self, token_ids: list[int], staged: dict, number: int) -> int:
-        """As a decode server: receive on link `number` the blocks the prefill engine queued there
-        for this staged export and adopt them; the prompt tokens now cached. RuntimeError: the
-        transfer failed (the link with it); ValueError as `import_prompt`."""
+    async def receive_prompt(self, number: int, nbytes: int) -> int:
+        """As a decode server: queue the receive of the `nbytes` the prefill engine queued on link
+        `number` (returns at once); a ticket for `adopt_received`."""
+        ...
+
+    async def adopt_received(self, ticket: int, token_ids: list[int], staged: dict) -> int:
+        """Wait for a queued receive (at most the link's timeout) and adopt its blocks, a staged
+        export's; the prompt tokens now cached. RuntimeError: the transfer failed (the link with
+        it); ValueError as `import_prompt`."""
         ...
 
     async def pause(self) -> None: ...

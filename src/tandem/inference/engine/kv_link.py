@@ -15,11 +15,13 @@ How a pair meets (inference/prefill.py drives it over HTTP):
 
 A transfer: after a staged export (the blocks packed into one of the prefill server's staging
 buffers, kv_staging.py) the decode server asks for them (POST /v1/kv/send): the prefill engine
-queues a send of the buffer's packed bytes and answers at once; the decode engine receives them
-into its link buffer, waiting at most `timeout_s`, and adopts them. Point-to-point operations
-between two ranks are matched in the order they are issued, so both sides must take a pair's
-transfers in one order: the decode server asks for one transfer at a time per link (prefill.py
-holds the link's lock from the send request until the receive is done).
+queues a send of the buffer's packed bytes and answers at once; the decode engine queues a
+receive into a buffer of the transfer's own, and only later (a core call of its own, so that
+engine steps run meanwhile) waits for it, at most `timeout_s`, and adopts the blocks.
+Point-to-point operations between two ranks are matched in the order they are issued, so both
+sides must queue a pair's transfers in one order: the decode server asks for one transfer at a
+time per link (prefill.py holds the link's lock from the send request until the receive is
+queued).
 
 Failure: a transfer (or the warm-up) that does not complete by its deadline fails the link on
 that side: its group is aborted (NCCL) and its thread ends. The decode server then drops the
@@ -74,7 +76,6 @@ class KVLink:
         self._queue: queue.SimpleQueue[Transfer | None] = queue.SimpleQueue()
         self._group: dist.ProcessGroup | None = None
         self._closed = False
-        self._buffer: torch.Tensor | None = None  # receives, grown as needed
         self._thread = threading.Thread(
             target=self._run, args=(connect,), name=f"kv-link-{name}", daemon=True
         )
@@ -91,19 +92,23 @@ class KVLink:
         """Queue a send of `tensor` (whose contents must stay until the transfer is done)."""
         return self._submit(Transfer("send", tensor))
 
-    def receive(self, nbytes: int) -> torch.Tensor:
-        """The peer's next send of `nbytes` bytes, in the link's buffer (valid until the next
-        receive); blocks until it is in. RuntimeError if it fails or misses its deadline."""
-        if self._buffer is None or self._buffer.numel() < nbytes:
-            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        transfer = self._submit(Transfer("recv", self._buffer[:nbytes]))
+    def receive(self, nbytes: int) -> Transfer:
+        """Queue a receive of the peer's next send, `nbytes` bytes, into a buffer of its own
+        (`wait` for it)."""
+        return self._submit(Transfer("recv", torch.empty(nbytes, dtype=torch.uint8, device=self.device)))
+
+    def wait(self, transfer: Transfer) -> torch.Tensor:
+        """The transfer's tensor once it is done; RuntimeError if it failed or missed its deadline."""
         if not transfer.done.wait(self.timeout_s + GROUP_TIMEOUT_MARGIN_S / 2):
             self._fail(
-                TimeoutError(f"the link's thread did not finish a receive within {self.timeout_s:g} s")
+                TimeoutError(f"the link's thread did not finish a transfer within {self.timeout_s:g} s")
             )
-            raise RuntimeError(f"kv link {self.name}: receiving {nbytes} bytes did not finish")
+            raise RuntimeError(f"kv link {self.name}: a {transfer.op} did not finish")
         if transfer.error is not None:
-            raise RuntimeError(f"kv link {self.name}: receiving {nbytes} bytes failed: {transfer.error}")
+            nbytes = transfer.tensor.numel()
+            raise RuntimeError(
+                f"kv link {self.name}: a {transfer.op} of {nbytes} bytes failed: {transfer.error}"
+            )
         return transfer.tensor
 
     def close(self) -> None:

@@ -8,12 +8,14 @@ core adopts them into its own prefix cache. These are the methods the fronts rea
 `weight_version` and `device`.
 """
 
+import itertools
+
 import torch
 
 from tandem.inference.config import PrefillConfig
 from tandem.inference.engine import kv_prefix
 from tandem.inference.engine.block_manager import BlockManager
-from tandem.inference.engine.kv_link import KVLinks
+from tandem.inference.engine.kv_link import KVLinks, Transfer
 from tandem.inference.engine.kv_staging import OpenedStaging, StagingBuffers
 from tandem.inference.engine.model_runner import ModelRunner
 
@@ -29,6 +31,8 @@ class PromptTransfer:
         self.staging = StagingBuffers(prefill.staging_buffers, prefill.staging_mb << 20, self.device)
         self.opened_staging = OpenedStaging()
         self.links = KVLinks(self.device, prefill.transfer_timeout_s)
+        self.receiving: dict[int, tuple[int, Transfer]] = {}  # ticket → (link, its queued receive)
+        self._tickets = itertools.count(1)
 
     def cached_prompt_tokens(self, token_ids: list[int]) -> int:
         """Tokens at the start of a prompt that the prefix cache holds and would reuse."""
@@ -70,18 +74,28 @@ class PromptTransfer:
 
     def close_link(self, number: int) -> None:
         self.links.close(number)
+        for ticket in [t for t, (n, _) in self.receiving.items() if n == number]:
+            del self.receiving[ticket]
 
     def send_staged(self, number: int, buffer: int, nbytes: int) -> None:
         """As a prefill server: queue the first `nbytes` of staging buffer `buffer` (a staged
         export's packed blocks) on link `number`."""
         self.staging.send(self.links.get(number), buffer, nbytes)
 
-    def import_prompt_sent(self, token_ids: list[int], staged: dict, number: int) -> int:
-        """As a decode server: receive on link `number` the staged export the prefill engine
-        queued there (`send_staged`) and adopt it; returns the prompt tokens now cached."""
-        received = self.links.get(number).receive(kv_prefix.packed_bytes(staged))
+    def receive_prompt(self, number: int, nbytes: int) -> int:
+        """As a decode server: queue the receive of the `nbytes` the prefill engine queued on link
+        `number` (`send_staged`); a ticket for `adopt_received`."""
+        ticket = next(self._tickets)
+        self.receiving[ticket] = (number, self.links.get(number).receive(nbytes))
+        return ticket
+
+    def adopt_received(self, ticket: int, token_ids: list[int], staged: dict) -> int:
+        """Wait for a queued receive and adopt its blocks (a staged export's: `staged` says where
+        they lie); returns the prompt tokens now cached."""
+        number, transfer = self.receiving.pop(ticket)
+        received = self.links.get(number).wait(transfer)
         cached = self._adopt(token_ids, kv_prefix.unpack(staged, received))
-        if self.device.type == "cuda":  # (the next receive overwrites the link's buffer)
+        if self.device.type == "cuda":  # (the received buffer is freed on return)
             torch.cuda.current_stream(self.device).synchronize()
         return cached
 

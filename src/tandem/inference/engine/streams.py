@@ -203,9 +203,13 @@ class EngineFront(ABC):
         """Queue a staged export's packed blocks (staging buffer `buffer`) on link `number`."""
         await self._core_call("send_staged", number, buffer, nbytes)
 
-    async def import_prompt_sent(self, token_ids: list[int], staged: dict, number: int) -> int:
-        """Receive on link `number` the blocks of a staged export and adopt them."""
-        return await self._core_call("import_prompt_sent", token_ids, staged, number)
+    async def receive_prompt(self, number: int, nbytes: int) -> int:
+        """Queue the receive of a staged export's blocks on link `number`; a ticket."""
+        return await self._core_call("receive_prompt", number, nbytes)
+
+    async def adopt_received(self, ticket: int, token_ids: list[int], staged: dict) -> int:
+        """Wait for a queued receive and adopt its blocks."""
+        return await self._core_call("adopt_received", ticket, token_ids, staged)
 
     @abstractmethod
     async def _core_call(self, method: str, *args: object) -> Any:
