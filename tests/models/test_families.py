@@ -215,13 +215,21 @@ def test_glm5_sparse_attention_equals_the_dense_mask(checkpoint: Path) -> None:
         assert model.layers[0].attention.sparse == (backend == "varlen")
         logits = model(ids, positions)
         (logits * weights).sum().backward()
-        results.append((logits, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
-    (dense, dense_grads), (sparse, sparse_grads) = results
-    torch.testing.assert_close(sparse, dense, rtol=0, atol=1e-5)
-    assert dense_grads.keys() == sparse_grads.keys()
-    for name, grad in dense_grads.items():
+        results.append(logits_and_grads(model, logits))
+    assert_same_step(*results)
+
+
+def logits_and_grads(model: torch.nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    return logits, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_step(reference: tuple[torch.Tensor, dict], got: tuple[torch.Tensor, dict]) -> None:
+    """Logits within 1e-5, every gradient within 1e-5 of its tensor's scale."""
+    torch.testing.assert_close(got[0], reference[0], rtol=0, atol=1e-5)
+    assert reference[1].keys() == got[1].keys()
+    for name, grad in reference[1].items():
         torch.testing.assert_close(
-            sparse_grads[name], grad, rtol=1e-5, atol=1e-5 * float(grad.abs().max()), msg=name
+            got[1][name], grad, rtol=1e-5, atol=1e-5 * float(grad.abs().max()), msg=name
         )
 
 
@@ -248,14 +256,8 @@ def test_glm5_short_documents_skip_the_indexer_exactly(checkpoint: Path, backend
             logits = model(ids, positions)
             (logits * weights).sum().backward()
             assert (not calls) == (short and skipped)
-            results.append((logits, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
-        (indexed, indexed_grads), (short, short_grads) = results
-        torch.testing.assert_close(short, indexed, rtol=0, atol=1e-5)
-        assert indexed_grads.keys() == short_grads.keys()
-        for name, grad in indexed_grads.items():
-            torch.testing.assert_close(
-                short_grads[name], grad, rtol=1e-5, atol=1e-5 * float(grad.abs().max()), msg=name
-            )
+            results.append(logits_and_grads(model, logits))
+        assert_same_step(*results)
 
 
 def test_checkpoint_round_trip_is_exact(checkpoint: Path, tmp_path: Path) -> None:
