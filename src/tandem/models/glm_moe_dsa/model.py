@@ -107,7 +107,10 @@ class IndexedCausalLM(CausalLM):
     ) -> torch.Tensor:
         """MLA layers pass the indexer's choice on; where no document is longer than its top-k
         (and `dense_short_documents`), they attend to every visible key instead."""
-        if self.dense_short_documents and int(docs.positions().max()) < self.layers[0].attention.indexer.topk:
+        if (
+            self.dense_short_documents
+            and int(docs.position_ids.max()) < self.layers[0].attention.indexer.topk
+        ):
             docs = docs.with_packed(self.attention_backend)
         chosen = None
         for layer in self.layers:

@@ -56,6 +56,7 @@ class TokenDocuments:
     """
 
     doc_ids: torch.Tensor
+    position_ids: torch.Tensor  # [rows, width]: each column's position in its document
     query_columns: torch.Tensor | None = None
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None
     # set when no document is longer than the indexers' top-k (`with_packed`): attention then
@@ -72,18 +73,11 @@ class TokenDocuments:
         """From the whole rows' position ids (a document starts where they restart at 0)."""
         starts = position_ids == 0
         starts[:, 0] = True  # a row always begins a document
-        return cls(starts.cumsum(dim=1), query_columns, gather)
-
-    def positions(self) -> torch.Tensor:
-        """[rows, width]: each column's position in its document."""
-        columns = torch.arange(self.doc_ids.shape[1], device=self.doc_ids.device).expand_as(self.doc_ids)
-        starts = torch.ones_like(self.doc_ids, dtype=torch.bool)
-        starts[:, 1:] = self.doc_ids[:, 1:] != self.doc_ids[:, :-1]
-        return columns - torch.where(starts, columns, 0).cummax(dim=1).values
+        return cls(starts.cumsum(dim=1), position_ids, query_columns, gather)
 
     def with_packed(self, backend: str) -> "TokenDocuments":
         """The same documents, attended through `backend`'s packed attention (layers/attention.py)."""
-        packed = PackedDocs.from_positions(self.positions(), backend, self.query_columns)
+        packed = PackedDocs.from_positions(self.position_ids, backend, self.query_columns)
         return dataclasses.replace(self, packed=packed)
 
     def whole(self, x: torch.Tensor) -> torch.Tensor:
