@@ -1,9 +1,8 @@
 """From one RLConfig to the per-process configs and commands of a run, or of one node's share.
 
 The launcher owns the fields that connect the processes: each server's port, the orchestrator's
-server URLs and rank count, run_dir and resume. Top-level shared fields fill every section that
-left them unset; fields that must agree between processes are checked here, so a mismatch is one
-clear line at start rather than a hang later. On several nodes (tandem.launch.cluster) every
+server URLs and rank count, run_dir and resume (tandem.launch.sections fills and checks each
+process's section). On several nodes (tandem.launch.cluster) every
 node resolves the whole run the same way and starts only its own processes.
 """
 
@@ -13,40 +12,23 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from pydantic import BaseModel, ValidationError
-
-from tandem.config.loader import ConfigError, deep_merge, format_validation_error, to_toml
+from tandem.config.loader import ConfigError, to_toml
 from tandem.inference.config import InferenceConfig
 from tandem.launch.cluster import Cluster, Unit, check_node_shapes, servers_per_node, trainer_ranks_per_node
 from tandem.launch.config import RLConfig
 from tandem.launch.devices import DeviceAssignment, assign_devices, assign_node_devices
+from tandem.launch.sections import inference_section, process_sections, updated, with_weights
 from tandem.launch.supervisor import Console, ProcessSpec, Supervisor
 from tandem.monitor.wandb_run import RUN_CONFIG_ENV
 from tandem.orchestrator.config import OrchestratorConfig
 from tandem.trainer.rl.config import RLTrainerConfig
 from tandem.transport.config import WeightsConfig
 
-M = TypeVar("M", bound=BaseModel)
-
 INFERENCE_MODULE = "tandem.inference.cli"
 ORCHESTRATOR_MODULE = "tandem.orchestrator.cli"
 TRAINER_MODULE = "tandem.trainer.rl.cli"
-
-DERIVED_FROM = {
-    "run_dir": "the top-level run_dir",
-    "resume": "the top-level resume (--resume)",
-    "servers": "inference.port / deployment.inference_ports",
-    "prefill_servers": "deployment.prefill_servers",
-    "num_ranks": "deployment.trainer_nproc",
-    "cp": "trainer.parallel.cp",
-    "cp_style": "trainer.parallel.cp_style",
-    "weights.transport": "the top-level weights.transport",
-    "weights.host": "the top-level weights.host (several nodes: the first trainer node)",
-    "weights.port": "the top-level weights.port (a free port when 0; several nodes: cluster.weights_group_port)",
-}
-"""Where the launcher takes each field it owns from (named in errors)."""
 
 
 @dataclass
@@ -239,10 +221,10 @@ def plan_run(config: RLConfig, visible_gpus: list[str], cores: int | None = None
         )
     check_transport(config.weights, devices)
     config, link = _weight_link(config, weight_group_address(config))
-    inference = _inference_section(config, devices.colocated)
+    inference = inference_section(config, devices.colocated)
     per_server = [
-        _with_weights(
-            "inference", _update("inference", inference, {"port": p}), config, link | {"server_index": i}
+        with_weights(
+            "inference", updated("inference", inference, {"port": p}), config, link | {"server_index": i}
         )
         for i, p in enumerate(ports)
     ]
@@ -250,7 +232,9 @@ def plan_run(config: RLConfig, visible_gpus: list[str], cores: int | None = None
     k = dep.prefill_servers
     per_server = _with_prefill(config, per_server, k, "deployment.prefill_servers")
     servers, prefill = (servers[:-k], servers[-k:]) if k else (servers, [])
-    resolved, orchestrator, trainer = _jobs(config, per_server, servers, devices.trainer_nproc, link, prefill)
+    resolved, orchestrator, trainer = process_sections(
+        config, per_server, servers, devices.trainer_nproc, link, prefill
+    )
     threads = cpu_threads(config, devices, cores or usable_cores())
     return RunPlan(resolved, devices, per_server, orchestrator, trainer, threads)
 
@@ -290,11 +274,11 @@ def _decode_servers(
     section: dict[str, Any] = {"servers": prefill_urls}
     if "transport" not in config.inference.prefill.model_fields_set:
         section["transport"] = transport
-    return [_update("inference", c, {"prefill": section}) for c in _native(per_server)]
+    return [updated("inference", c, {"prefill": section}) for c in _native(per_server)]
 
 
 def _native(per_server: list[InferenceConfig]) -> list[InferenceConfig]:
-    return [_update("inference", c, {"backend": "native"}) for c in per_server]  # (auto could pick vLLM)
+    return [updated("inference", c, {"backend": "native"}) for c in per_server]  # (auto could pick vLLM)
 
 
 def plan_node(
@@ -308,9 +292,9 @@ def plan_node(
     devices = assign_node_devices(
         visible_gpus, config.cluster.gpus_per_node, unit.role, servers, ranks, where
     )
-    inference = _inference_section(config, colocated=False)
+    inference = inference_section(config, colocated=False)
     if "host" not in config.inference.model_fields_set:  # other nodes must reach the servers
-        inference = _update("inference", inference, {"host": "0.0.0.0"})
+        inference = updated("inference", inference, {"host": "0.0.0.0"})
     host, port = cluster.weights_group_address.rsplit(":", 1)
     config, link = _weight_link(config, (host, int(port)))
     here = cluster.server_ports(servers) if unit.role == "inference" else []
@@ -318,9 +302,9 @@ def plan_node(
         unit.index * servers if unit.role == "inference" else 0
     )  # global index of this node's first server
     per_server = [
-        _with_weights(
+        with_weights(
             "inference",
-            _update("inference", inference, {"port": p}),
+            updated("inference", inference, {"port": p}),
             config,
             link | {"server_index": first + i},
         )
@@ -340,7 +324,7 @@ def plan_node(
             per_server = _decode_servers(config, per_server, prefill, "cluster.prefill_nodes", "p2p")
         else:
             per_server = _native(per_server)
-    resolved, orchestrator, trainer = _jobs(
+    resolved, orchestrator, trainer = process_sections(
         config, per_server or [inference], decode, num_ranks, link, prefill
     )
     threads = cpu_threads(config, devices, cores or usable_cores())
@@ -363,7 +347,7 @@ def _weight_link(config: RLConfig, address: tuple[str, int]) -> tuple[RLConfig, 
     """The config with the weight group's address filled in (in-memory transports), and the
     weights fields every process must agree on."""
     if config.weights.in_memory:
-        config = _update("", config, {"weights": {"host": address[0], "port": address[1]}})
+        config = updated("", config, {"weights": {"host": address[0], "port": address[1]}})
     return config, {k: getattr(config.weights, k) for k in ("transport", "host", "port")}
 
 
@@ -392,154 +376,3 @@ def check_transport(weights: WeightsConfig, devices: DeviceAssignment) -> None:
                 f"weights.transport = colocated: inference server {i} (GPU {', '.join(gpus)}) shares no GPU "
                 f"with the trainer ({', '.join(devices.trainer)}); use broadcast or auto"
             )
-
-
-def _with_weights(name: str, section: M, config: RLConfig, owned: dict[str, Any]) -> M:
-    """The section's weights: the top-level [weights] with the section's own keys over it, and the
-    fields the launcher owns. A section that sets the transport or the address differently is an
-    error; num_servers and server_index are always the launcher's."""
-    own = section.weights.model_dump(exclude_unset=True)  # type: ignore[attr-defined]
-    for key, value in owned.items():
-        if f"weights.{key}" in DERIVED_FROM and key in own and own[key] != value:
-            raise ConfigError(
-                f"{name}.weights.{key} = {own[key]!r} conflicts with {value!r}, which the launcher derives "
-                f"from {DERIVED_FROM['weights.' + key]}; set that instead"
-            )
-    merged = deep_merge(config.weights.model_dump(), own) | owned
-    return _update(name, section, {"weights": merged})
-
-
-def _inference_section(config: RLConfig, colocated: bool) -> InferenceConfig:
-    inference = _fill(config.inference, "inference", _shared(config), {"run_dir": config.run_dir})
-    return _update("inference", inference, _inference_defaults(config, colocated))
-
-
-def _jobs(
-    config: RLConfig,
-    per_server: list[InferenceConfig],
-    servers: list[str],
-    num_ranks: int,
-    link: dict[str, Any],
-    prefill: list[str] | None = None,
-) -> tuple[RLConfig, OrchestratorConfig, RLTrainerConfig]:
-    """The orchestrator's and trainer's sections, checked against the servers', and the resolved
-    whole (what run_dir/configs/rl.toml holds). `servers` take rollouts; `prefill` servers only
-    weights."""
-    prefill = prefill or []
-    inference = per_server[0]
-    shared, owned = _shared(config), {"run_dir": config.run_dir, "resume": config.resume}
-    parallel = config.trainer.parallel
-    trainer_shape = {"num_ranks": num_ranks, "cp": parallel.cp, "cp_style": parallel.cp_style}
-    orchestrator = _fill(
-        config.orchestrator,
-        "orchestrator",
-        shared,
-        owned | {"servers": servers, "prefill_servers": prefill} | trainer_shape,
-    )
-    if inference.api_key and orchestrator.client.api_key is None:
-        orchestrator = _update("orchestrator", orchestrator, {"client": {"api_key": inference.api_key}})
-    orchestrator = _with_weights("orchestrator", orchestrator, config, link)
-    trainer = _fill(config.trainer, "trainer", shared, owned)
-    trainer = _with_weights("trainer", trainer, config, link | {"num_servers": len(servers) + len(prefill)})
-    _check_agreement(inference, orchestrator, trainer)
-    resolved = _update("", config, {"inference": inference, "orchestrator": orchestrator, "trainer": trainer})
-    return resolved, orchestrator, trainer
-
-
-def _shared(config: RLConfig) -> dict[str, Any]:
-    return {
-        "model": config.model,
-        "seq_len": config.seq_len,
-        "max_steps": config.max_steps,
-        "seed": config.seed,
-        "monitor": config.monitor,
-    }
-
-
-def _fill(section: M, name: str, shared: dict[str, Any], owned: dict[str, Any]) -> M:
-    """Shared values where the section left them unset; launcher-owned values always.
-
-    A launcher-owned field the user set to something else is an error, not silently replaced.
-    """
-    updates = {
-        k: v
-        for k, v in shared.items()
-        if k in type(section).model_fields and k not in section.model_fields_set
-    }
-    for key, value in owned.items():
-        given = _plain(getattr(section, key))
-        if key in section.model_fields_set and given != _plain(value):
-            raise ConfigError(
-                f"{name}.{key} = {given!r} conflicts with {_plain(value)!r}, which the launcher derives "
-                f"from {DERIVED_FROM[key]}; set that instead"
-            )
-        updates[key] = value
-    return _update(name, section, updates)
-
-
-def _inference_defaults(config: RLConfig, colocated: bool) -> dict[str, Any]:
-    """The server's context length is seq_len; a server sharing a GPU gets a smaller memory share;
-    with trainer.lora, vLLM serves adapters of its rank; seeded sampling turns the native engine's
-    prefix cache off (a cached prefix changes the last bits of the logits, so a repeated run would
-    drift: docs/async.md)."""
-    inf = config.inference
-    engine: dict[str, Any] = {}
-    vllm: dict[str, Any] = {}
-    if inf.engine.max_model_len is None:
-        engine["max_model_len"] = config.seq_len
-    if config.orchestrator.seeded_sampling and "prefix_caching" not in inf.engine.model_fields_set:
-        engine["prefix_caching"] = False
-    if inf.vllm.max_model_len is None:
-        vllm["max_model_len"] = config.seq_len
-    lora = config.trainer.lora
-    if lora is not None and lora.enabled and inf.vllm.max_lora_rank is None:
-        vllm["max_lora_rank"] = lora.rank
-    if colocated:
-        share = config.deployment.colocated_gpu_memory_utilization
-        if "gpu_memory_utilization" not in inf.engine.model_fields_set:
-            engine["gpu_memory_utilization"] = share
-        if "gpu_memory_utilization" not in inf.vllm.model_fields_set:
-            vllm["gpu_memory_utilization"] = share
-    return {"engine": engine, "vllm": vllm}
-
-
-def _check_agreement(
-    inference: InferenceConfig, orchestrator: OrchestratorConfig, trainer: RLTrainerConfig
-) -> None:
-    if not orchestrator.model.name:
-        raise ConfigError("model.name is empty: set the policy's checkpoint under [model]")
-    names = {
-        "inference": inference.model.name,
-        "orchestrator": orchestrator.model.name,
-        "trainer": trainer.model.name,
-    }
-    if len(set(names.values())) > 1:
-        shown = ", ".join(f"{k}.model.name={v!r}" for k, v in names.items())
-        raise ConfigError(f"every process must start from the same checkpoint, got {shown}")
-    if orchestrator.max_steps != trainer.max_steps:
-        raise ConfigError(
-            f"orchestrator.max_steps ({orchestrator.max_steps}) and trainer.max_steps ({trainer.max_steps}) "
-            "differ; set max_steps once at the top level"
-        )
-    keep, lag = trainer.weights.keep, orchestrator.max_async_level
-    if not trainer.weights.in_memory and keep and keep <= lag:
-        raise ConfigError(
-            f"trainer.weights.keep ({keep}) must exceed orchestrator.max_async_level ({lag}), or be 0 (keep all)"
-        )
-
-
-def _update(name: str, model: M, updates: dict[str, Any]) -> M:
-    """A validated copy of `model` with `updates` merged in (nested dicts merge into sub-sections)."""
-    data = model.model_dump(exclude_unset=True)
-    data = deep_merge(data, updates)
-    try:
-        return type(model).model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(f"{format_validation_error(e)} (in the resolved {name or 'rl'} config)") from None
-
-
-def _plain(value: Any) -> Any:
-    """A value as the user wrote it, for comparisons and messages."""
-    if isinstance(value, BaseModel):
-        return value.model_dump(mode="json")
-    return str(value) if isinstance(value, Path) else value
