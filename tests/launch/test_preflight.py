@@ -1,6 +1,8 @@
 """Every bad input is one short error before anything starts, under --dry-run too, and the
 command line answers without importing torch."""
 
+import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -33,6 +35,10 @@ def bad_inputs(tmp_path: Path, model: Path) -> dict[str, tuple[list[str], str]]:
     not_utf8.write_bytes('[model]\nname = "modèle"\n'.encode("latin-1"))
     a_file = tmp_path / "file"
     a_file.write_text("")
+    moe = tmp_path / "moe"  # what preflight reads of a mixture-of-experts checkpoint: its config.json
+    shutil.copytree(model, moe)
+    config = json.loads((moe / "config.json").read_text())
+    (moe / "config.json").write_text(json.dumps(config | {"model_type": "qwen3_moe", "num_experts": 4}))
     return {
         "config file not UTF-8": (["@", str(not_utf8)], f"{not_utf8} is not UTF-8 text"),
         "run_dir cannot be created": (
@@ -58,6 +64,18 @@ def bad_inputs(tmp_path: Path, model: Path) -> dict[str, tuple[list[str], str]]:
         "non-finite number": (
             ["--trainer.optim.lr", "inf"],
             "'trainer.optim.lr': Input should be a finite number",
+        ),
+        "ep that does not divide the trainer's ranks": (
+            ["--trainer.parallel.ep", "2"],
+            "trainer.parallel.ep = 2 does not divide the trainer's 1 ranks (deployment.trainer_nproc)",
+        ),
+        "ep on a dense checkpoint": (
+            ["--deployment.trainer_nproc", "2", "--trainer.parallel.ep", "2"],
+            f"trainer.parallel.ep = 2, but {model / 'config.json'} (qwen3) has no experts to split",
+        ),
+        "ep that does not divide the experts": (
+            ["--model.name", str(moe), "--deployment.trainer_nproc", "3", "--trainer.parallel.ep", "3"],
+            f"trainer.parallel.ep = 3 does not divide the model's 4 experts ({moe / 'config.json'})",
         ),
     }
 

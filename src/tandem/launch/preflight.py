@@ -3,10 +3,10 @@
 Each failure is one line naming the key or file (UserError / ConfigError): the model source, the
 run directory (creatable, writable, and not a finished or running run unless --resume), every
 environment (its name, its args, and for the code environment the sandbox's isolation, which is
-logged), the longest prompt plus max_tokens against seq_len, a custom loss's import path and the
-servers' ports; with [monitor.wandb], that the wandb package is installed, and with
-model.attention = "cudnn", the cuDNN frontend package. Nothing here imports
-torch unless the configured custom loss does.
+logged), the longest prompt plus max_tokens against seq_len, a custom loss's import path, the
+servers' ports and trainer.parallel.ep against the checkpoint's experts; with [monitor.wandb],
+that the wandb package is installed, and with model.attention = "cudnn", the cuDNN frontend
+package. Nothing here imports torch unless the configured custom loss does.
 """
 
 import importlib.util
@@ -17,7 +17,7 @@ from pathlib import Path
 from tandem.cli import UserError
 from tandem.envs.mixture import load_mixture
 from tandem.launch.plan import RunPlan
-from tandem.models.source import check_model_source
+from tandem.models.source import check_expert_parallel, check_model_source
 from tandem.monitor.wandb_run import require_wandb
 from tandem.orchestrator.prompt_check import check_prompt_lengths, local_token_counters
 from tandem.trainer.rl.config import CustomLoss
@@ -32,6 +32,7 @@ def preflight(plan: RunPlan, create: bool) -> None:
         require_wandb()
     if plan.runs_trainer:
         check_attention_package(plan.trainer.model.attention)
+        check_expert_parallel(plan.trainer.model.name, plan.trainer.parallel.ep)
     check_run_dir(config.run_dir, create)
     if not config.resume:
         check_fresh_start(config.run_dir)

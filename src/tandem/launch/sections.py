@@ -159,6 +159,11 @@ def _check_agreement(
             f"orchestrator.max_steps ({orchestrator.max_steps}) and trainer.max_steps ({trainer.max_steps}) "
             "differ; set max_steps once at the top level"
         )
+    ep, ranks = trainer.parallel.ep, orchestrator.num_ranks
+    if ranks % ep:
+        raise ConfigError(
+            f"trainer.parallel.ep = {ep} does not divide the trainer's {ranks} ranks (deployment.trainer_nproc)"
+        )
     keep, lag = trainer.weights.keep, orchestrator.max_async_level
     if not trainer.weights.in_memory and keep and keep <= lag:
         raise ConfigError(
