@@ -388,6 +388,11 @@ BAD_CHATS = [
     {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": MAX_MODEL_LEN},
     {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
     {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": "bad"}},
+    {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+    {
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": [{"type": "function", "function": {"name": ""}}],
+    },
 ]
 
 

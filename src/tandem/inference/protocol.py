@@ -178,6 +178,18 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
+    @field_validator("tools")
+    @classmethod
+    def _function_tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        """OpenAI's shape, which chat templates read: {"type": "function", "function": {"name": ...}}."""
+        for i, tool in enumerate(tools or []):
+            function = tool.get("function")
+            if tool.get("type") != "function" or not isinstance(function, dict):
+                raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}")
+            if not isinstance(function.get("name"), str) or not function["name"]:
+                raise ValueError(f"tools[{i}].function.name must be a non-empty string")
+        return tools
+
     @model_validator(mode="after")
     def _check_chat_fields(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
