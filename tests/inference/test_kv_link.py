@@ -26,14 +26,16 @@ def test_transfers_arrive_in_order_and_in_full() -> None:
     prefill, p, decode, d = linked_pair()
     try:
         payloads = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (3, 1000, 17, 65536)]
-        transfers = [prefill.get(p).send(t) for t in payloads]  # all queued before any receive
-        receives = [decode.get(d).receive(t.numel()) for t in payloads]  # all queued before any wait
+        transfers = [prefill.get(p).send(t, tag) for tag, t in enumerate(payloads, 7)]  # before any receive
+        receives = [
+            decode.get(d).receive(t.numel(), tag) for tag, t in enumerate(payloads, 7)
+        ]  # before any wait
         for payload, receive in zip(payloads, receives, strict=True):
             assert torch.equal(decode.get(d).wait(receive), payload)
         for transfer in transfers:
             assert transfer.done.wait(5) and transfer.error is None
         with pytest.raises(ValueError, match="kv link 99 does not exist here"):
-            decode.get(99)
+            decode.get(99)  # (numbers are random up to 2**52: a small one is never taken)
     finally:
         prefill.close_all()
         decode.close_all()
@@ -44,11 +46,32 @@ def test_a_receive_without_a_send_fails_the_link_by_its_deadline() -> None:
     try:
         start = time.monotonic()
         with pytest.raises(RuntimeError, match="a recv of 8 bytes failed"):
-            decode.get(d).wait(decode.get(d).receive(8))
+            decode.get(d).wait(decode.get(d).receive(8, 1))
         assert time.monotonic() - start < 10
         assert decode.get(d).state.startswith("failed")
         with pytest.raises(RuntimeError, match="is failed"):
-            decode.get(d).receive(8)
+            decode.get(d).receive(8, 2)
+    finally:
+        prefill.close_all()
+        decode.close_all()
+
+
+@pytest.mark.parametrize("wrong", ["tag", "size"])
+def test_a_pair_out_of_step_fails_the_link_instead_of_adopting_the_bytes(wrong: str) -> None:
+    """The receiver expects export 5's 100 bytes; the peer sends another export's, or more of
+    them (gloo would complete a receive from a shorter or longer send without complaint)."""
+    prefill, p, decode, d = linked_pair()
+    try:
+        sent = prefill.get(p).send(
+            torch.ones(120 if wrong == "size" else 100, dtype=torch.uint8), 6 - (wrong == "size")
+        )
+        with pytest.raises(RuntimeError, match="out of step with the peer: expected 100 bytes of export 5"):
+            decode.get(d).wait(decode.get(d).receive(100, 5))
+        assert decode.get(d).state.startswith("failed: out of step")
+        assert sent.done.wait(10) and sent.error is not None  # (its payload was never received: its deadline)
+        reopened = prefill.open()  # opening a link reaps the failed ones
+        assert p not in prefill.links or prefill.get(p).error is None
+        assert reopened["link"] != p
     finally:
         prefill.close_all()
         decode.close_all()

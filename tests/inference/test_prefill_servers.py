@@ -6,6 +6,7 @@ the answers right, computed locally and counted."""
 
 import asyncio
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -184,7 +185,10 @@ def test_p2p_links_between_servers(tiny_model: Path, tmp_path: Path, launch_serv
             assert delta(decode, before_d, "tandem_prefill_remote_prompts_total") == 8
             assert delta(decode, before_d, "tandem_prefill_remote_failures_total") == 0
 
-            assert httpx.post(prefill.url + "/v1/kv/unlink", json={"link": 1}, timeout=10).status_code == 200
+            link = int(re.search(r"blocks come over a p2p link \(its link (\d+)\)", decode.log())[1])
+            assert (
+                httpx.post(prefill.url + "/v1/kv/unlink", json={"link": link}, timeout=10).status_code == 200
+            )
             before_p, before_d = metrics(prefill), metrics(decode)
             for k in range(2):
                 ids = prompt(200 + k, 60)

@@ -50,6 +50,8 @@ log = logging.getLogger("tandem.inference")
 
 LINK_RETRY_S = 60.0
 """How long after a p2p link failed a decode server asks that prefill server for a new one."""
+RECEIVE_POLL_S = 0.002
+"""How often a decode server asks its core whether a p2p receive is over."""
 
 
 class PrefillServers:
@@ -143,15 +145,19 @@ class PrefillServers:
             raise
 
     async def _receive(self, engine: Engine, ids: list[int], answer: dict, staged: dict, k: int) -> int:
-        """A staged export's blocks sent over server k's link and adopted."""
+        """A staged export's blocks sent over server k's link and adopted. Only the link's own
+        failures drop it: an export that is no longer held, or holds nothing, does not."""
         nbytes = packed_bytes(staged)  # (a malformed answer: nothing is sent, the link stays)
+        if nbytes == 0:  # the prefill server holds no block beyond this server's
+            return await engine.cached_prompt_tokens(ids)
+        lease = answer["lease"]
         async with self.locks[k]:
             if self.link_states[k] != "ready":
                 raise RuntimeError("the p2p link was dropped meanwhile")
             send = {
                 "link": self.remote_links[k],
                 "buffer": staged["buffer"],
-                "lease": answer["lease"],
+                "lease": lease,
                 "nbytes": nbytes,
             }
             try:
@@ -159,20 +165,34 @@ class PrefillServers:
             except httpx.HTTPError as e:  # (whether the send was queued there is unknown)
                 await self._drop_link(engine, k, e)
                 raise
-            if response.status_code != 200:  # nothing was queued; the link may be gone there
+            if response.status_code != 200:  # nothing was queued
                 error = RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
-                await self._drop_link(engine, k, error)
+                if _error_param(response) != "lease":  # the link may be gone there
+                    await self._drop_link(engine, k, error)
                 raise error
             try:
-                ticket = await engine.receive_prompt(self.links[k], nbytes)  # (queued: the next may go)
+                ticket = await engine.receive_prompt(
+                    self.links[k], nbytes, lease
+                )  # (queued: the next may go)
             except RuntimeError as e:  # the link failed here
                 await self._drop_link(engine, k, e)
                 raise
         try:
+            await self._received(engine, ticket)
             return await engine.adopt_received(ticket, ids, staged)
         except RuntimeError as e:  # the transfer failed, and the link with it
             await self._drop_link(engine, k, e)
             raise
+
+    async def _received(self, engine: Engine, ticket: int) -> None:
+        """Until a queued receive is over, so that the core (which steps meanwhile) never waits
+        for a slow peer; RuntimeError after twice the transfer timeout (it may have queued behind
+        another transfer, each with that deadline of its own)."""
+        deadline = time.monotonic() + 2 * self.transfer_timeout_s
+        while not await engine.prompt_received(ticket):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"a receive did not finish within {2 * self.transfer_timeout_s:g} s")
+            await asyncio.sleep(RECEIVE_POLL_S)
 
     def _linked(self, engine: Engine, k: int) -> bool:
         """Whether server k's link is ready; starts forming it when there is none."""
@@ -206,7 +226,9 @@ class PrefillServers:
             await self._drop_link(engine, k, e)
         else:
             self.link_states[k] = "ready"
-            log.info("prefill server %s: blocks come over a p2p link", url)
+            log.info(
+                "prefill server %s: blocks come over a p2p link (its link %d)", url, self.remote_links[k]
+            )
 
     async def _drop_link(self, engine: Engine, k: int, error: Exception) -> None:
         """End server k's link on both sides; bodies carry its blocks until LINK_RETRY_S pass."""
@@ -255,6 +277,14 @@ class PrefillServers:
                 with contextlib.suppress(httpx.HTTPError):
                     await self.client.post(f"{self.urls[k]}/v1/kv/unlink", json={"link": remote}, timeout=2)
         await self.client.aclose()
+
+
+def _error_param(response: httpx.Response) -> str | None:
+    """The request field an error answer names (OpenAI's error shape), if any."""
+    try:
+        return response.json()["error"]["param"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _staged(response: httpx.Response) -> tuple[dict, dict]:

@@ -452,7 +452,7 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
         if not server.staging.holds(req.buffer, req.lease):
             raise APIError(400, f"lease {req.lease} does not hold staging buffer {req.buffer}", "lease")
         try:
-            await engine.send_staged(req.link, req.buffer, req.nbytes)
+            await engine.send_staged(req.link, req.buffer, req.nbytes, req.lease)
         except (ValueError, RuntimeError) as e:
             raise APIError(400, f"cannot send: {e}", "link") from None
         server.counters.kv_sends_total += 1

@@ -204,15 +204,19 @@ class Engine(Protocol):
         """End this side of a link (nothing if there is none)."""
         ...
 
-    async def send_staged(self, number: int, buffer: int, nbytes: int) -> None:
-        """As a prefill server: queue the first `nbytes` of staging buffer `buffer` (a staged
-        export's packed blocks) on link `number`; the buffer is not packed again before the send
-        is done. ValueError / RuntimeError: nothing was queued."""
+    async def send_staged(self, number: int, buffer: int, nbytes: int, lease: int) -> None:
+        """As a prefill server: queue the first `nbytes` of staging buffer `buffer` (the packed
+        blocks of the export that `lease` holds) on link `number`; the buffer is not packed again
+        before the send is done. ValueError / RuntimeError: nothing was queued."""
         ...
 
-    async def receive_prompt(self, number: int, nbytes: int) -> int:
+    async def receive_prompt(self, number: int, nbytes: int, lease: int) -> int:
         """As a decode server: queue the receive of the `nbytes` the prefill engine queued on link
-        `number` (returns at once); a ticket for `adopt_received`."""
+        `number` for export `lease` (returns at once); a ticket for `adopt_received`."""
+        ...
+
+    async def prompt_received(self, ticket: int) -> bool:
+        """Whether a queued receive is over, so that `adopt_received` blocks the core no longer."""
         ...
 
     async def adopt_received(self, ticket: int, token_ids: list[int], staged: dict) -> int:

@@ -21,7 +21,10 @@ engine steps run meanwhile) waits for it, at most `timeout_s`, and adopts the bl
 Point-to-point operations between two ranks are matched in the order they are issued, so both
 sides must queue a pair's transfers in one order: the decode server asks for one transfer at a
 time per link (prefill.py holds the link's lock from the send request until the receive is
-queued).
+queued). Each transfer's payload follows a header of its tag (the export's lease) and size, which
+the receiving side checks before it takes the payload: a pair out of step fails its link rather
+than adopting another export's bytes (gloo completes a receive from a shorter send). Links are
+numbered at random, so a number from before a restart names no link of the new process.
 
 Failure: a transfer (or the warm-up) that does not complete by its deadline fails the link on
 that side: its group is aborted (NCCL) and its thread ends. The decode server then drops the
@@ -29,9 +32,9 @@ link on both sides and that prefill server's prompts travel by HTTP from then on
 buffer whose send has not completed is not packed again (kv_staging.py `StagingBuffers.sending`).
 """
 
-import itertools
 import logging
 import queue
+import secrets
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,6 +58,7 @@ class Transfer:
 
     op: str  # "send" | "recv"
     tensor: torch.Tensor
+    tag: int  # checked by the receiver: the export's lease (0 for the warm-up)
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
@@ -76,6 +80,7 @@ class KVLink:
         self._queue: queue.SimpleQueue[Transfer | None] = queue.SimpleQueue()
         self._group: dist.ProcessGroup | None = None
         self._closed = False
+        self._lock = threading.Lock()  # a transfer is queued only while the link has not ended
         self._thread = threading.Thread(
             target=self._run, args=(connect,), name=f"kv-link-{name}", daemon=True
         )
@@ -88,14 +93,15 @@ class KVLink:
             return f"failed: {self.error}"
         return "ready" if self.ready.is_set() else "connecting"
 
-    def send(self, tensor: torch.Tensor) -> Transfer:
+    def send(self, tensor: torch.Tensor, tag: int) -> Transfer:
         """Queue a send of `tensor` (whose contents must stay until the transfer is done)."""
-        return self._submit(Transfer("send", tensor))
+        return self._submit(Transfer("send", tensor, tag))
 
-    def receive(self, nbytes: int) -> Transfer:
-        """Queue a receive of the peer's next send, `nbytes` bytes, into a buffer of its own
-        (`wait` for it)."""
-        return self._submit(Transfer("recv", torch.empty(nbytes, dtype=torch.uint8, device=self.device)))
+    def receive(self, nbytes: int, tag: int) -> Transfer:
+        """Queue a receive of the peer's next send, which must be `tag`'s `nbytes` bytes, into a
+        buffer of its own (`wait` for it)."""
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._submit(Transfer("recv", buffer, tag))
 
     def wait(self, transfer: Transfer) -> torch.Tensor:
         """The transfer's tensor once it is done; RuntimeError if it failed or missed its deadline."""
@@ -119,9 +125,10 @@ class KVLink:
     def _submit(self, transfer: Transfer) -> Transfer:
         if self.error is None and not self._closed:  # (the peer may see the warm-up end a moment earlier)
             self.ready.wait(min(1.0, self.timeout_s))
-        if not self.ready.is_set() or self.error is not None or self._closed:
-            raise RuntimeError(f"kv link {self.name} is {'closed' if self._closed else self.state}")
-        self._queue.put(transfer)
+        with self._lock:
+            if not self.ready.is_set() or self.error is not None or self._closed:
+                raise RuntimeError(f"kv link {self.name} is {'closed' if self._closed else self.state}")
+            self._queue.put(transfer)
         return transfer
 
     def _run(self, connect: Callable[[], dist.Store]) -> None:
@@ -131,14 +138,16 @@ class KVLink:
             store = dist.PrefixStore(f"kv/{self.name}", connect())
             timeout = timedelta(seconds=self.timeout_s + GROUP_TIMEOUT_MARGIN_S)
             self._group = process_group(store, self.rank, 2, self.device, timeout)
-            warm_up = torch.zeros(1, device=self.device)
-            self._transfer(Transfer("send" if self.rank == 0 else "recv", warm_up))
+            warm_up = torch.zeros(1, dtype=torch.uint8, device=self.device)
+            self._transfer(Transfer("send" if self.rank == 0 else "recv", warm_up, 0))
             self.ready.set()
             while (transfer := self._queue.get()) is not None:
                 try:
                     self._transfer(transfer)
                 except BaseException as e:  # noqa: BLE001 — the transfer's caller hears of it
                     transfer.error = e
+                    if not self._closed:  # (before `done`: a caller that hears of it finds the link failed)
+                        self._fail(e)
                     raise
                 finally:
                     transfer.done.set()
@@ -148,13 +157,26 @@ class KVLink:
         self._fail_pending()
 
     def _transfer(self, transfer: Transfer) -> None:
+        """The header (tag, size), checked on the receiving side, then the payload."""
+        nbytes = transfer.tensor.numel()
+        if transfer.op == "send":
+            self._one("send", torch.tensor([transfer.tag, nbytes], dtype=torch.int64, device=self.device))
+            self._one("send", transfer.tensor)
+            return
+        header = torch.empty(2, dtype=torch.int64, device=self.device)
+        self._one("recv", header)
+        tag, size = header.tolist()
+        if (tag, size) != (transfer.tag, nbytes):
+            raise RuntimeError(
+                f"out of step with the peer: expected {nbytes} bytes of export {transfer.tag}, "
+                f"the peer sent {size} bytes of export {tag}"
+            )
+        self._one("recv", transfer.tensor)
+
+    def _one(self, op: str, tensor: torch.Tensor) -> None:
         assert self._group is not None
-        tensors, peer = [transfer.tensor], 1 - self.rank
-        work = (
-            self._group.send(tensors, peer, 0)
-            if transfer.op == "send"
-            else self._group.recv(tensors, peer, 0)
-        )
+        tensors, peer = [tensor], 1 - self.rank
+        work = self._group.send(tensors, peer, 0) if op == "send" else self._group.recv(tensors, peer, 0)
         # (NCCL: with a timeout the host waits for completion, or raises when it passes)
         work.wait(timedelta(seconds=self.timeout_s))
         if self.device.type == "cuda":
@@ -172,44 +194,54 @@ class KVLink:
             group.abort()  # (ends a transfer that waits for a peer; gloo's end at their timeout)
 
     def _fail_pending(self) -> None:
-        while True:
-            try:
-                transfer = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if transfer is not None:
-                transfer.error = RuntimeError(f"kv link {self.name} ended")
-                transfer.done.set()
+        with self._lock:  # (error or _closed is set: nothing is queued after this)
+            while True:
+                try:
+                    transfer = self._queue.get_nowait()
+                except queue.Empty:
+                    return
+                if transfer is not None:
+                    transfer.error = RuntimeError(f"kv link {self.name} ended")
+                    transfer.done.set()
 
 
 class KVLinks:
-    """An engine's links, by number: those it opened as a prefill server (peers meet at its
-    store) and those it joined as a decode server."""
+    """An engine's links, by number (random: see the module's docstring): those it opened as a
+    prefill server (peers meet at its store) and those it joined as a decode server. A failed
+    link stays, so that its state can be read, until it is closed or the next link is opened.
+    A decode server that ends without closing its link leaves the prefill side idle until the
+    prefill server stops (its peer's death is noticed only by a transfer)."""
 
     def __init__(self, device: torch.device, timeout_s: float) -> None:
         self.device, self.timeout_s = device, timeout_s
         self.links: dict[int, KVLink] = {}
         self._store: dist.TCPStore | None = None
-        self._numbers = itertools.count(1)
 
     def open(self) -> dict:
         """A new link's prefill side, waiting for its peer: {"link": its number, "port": the store's}."""
+        for number in [n for n, link in self.links.items() if link.error is not None]:
+            self.close(number)
         if self._store is None:
             self._store = dist.TCPStore(
                 "127.0.0.1", 0, None, True, timedelta(seconds=self.timeout_s), wait_for_workers=False
             )  # (a master store listens on every interface)
-        number, store = next(self._numbers), self._store
+        number, store = self._new_number(), self._store
         self.links[number] = KVLink(f"p{number}", lambda: store, 0, self.device, self.timeout_s)
         return {"link": number, "port": store.port}
 
     def join(self, host: str, port: int, link: int) -> int:
         """Join link `link` of the prefill engine whose store is at host:port; this side's number."""
-        number = next(self._numbers)
+        number = self._new_number()
 
         def connect() -> dist.Store:
             return dist.TCPStore(host, port, None, False, timedelta(seconds=self.timeout_s))
 
         self.links[number] = KVLink(f"p{link}", connect, 1, self.device, self.timeout_s)
+        return number
+
+    def _new_number(self) -> int:
+        while (number := 1 + secrets.randbelow(2**52)) in self.links:  # (exact in JSON numbers)
+            pass
         return number
 
     def get(self, number: int) -> KVLink:

@@ -53,11 +53,12 @@ class StagingBuffers:
             torch.cuda.current_stream(self.device).synchronize()
         return {**packed, "handle": self.buffers.handle, "buffer": index}
 
-    def send(self, link: KVLink, index: int, nbytes: int) -> None:
-        """Queue the first `nbytes` of buffer `index` on `link` (which must be staged: a lease)."""
+    def send(self, link: KVLink, index: int, nbytes: int, lease: int) -> None:
+        """Queue the first `nbytes` of buffer `index` on `link` (which must be staged: `lease`
+        holds it, and tags the transfer)."""
         if self.buffers is None or not 0 <= index < self.count or not 0 < nbytes <= self.nbytes:
             raise ValueError(f"staging buffer {index} holds no {nbytes} bytes to send")
-        self.sending[index] = link.send(self.buffers.tensors[index][:nbytes])
+        self.sending[index] = link.send(self.buffers.tensors[index][:nbytes], lease)
 
     def close(self) -> None:
         if self.buffers is not None:

@@ -72,7 +72,8 @@ log = logging.getLogger("tandem.inference")
 CORE_CALLS = frozenset(
     {
         "cached_prompt_tokens", "export_prompt", "export_prompt_staged", "import_prompt", "import_prompt_staged",
-        "open_link", "join_link", "link_state", "close_link", "send_staged", "receive_prompt", "adopt_received",
+        "open_link", "join_link", "link_state", "close_link", "send_staged", "receive_prompt", "prompt_received",
+        "adopt_received",
     }
 )  # fmt: skip
 """The EngineCore methods a "core" message may run (EngineFront._core_call)."""

@@ -77,21 +77,25 @@ class PromptTransfer:
         for ticket in [t for t, (n, _) in self.receiving.items() if n == number]:
             del self.receiving[ticket]
 
-    def send_staged(self, number: int, buffer: int, nbytes: int) -> None:
-        """As a prefill server: queue the first `nbytes` of staging buffer `buffer` (a staged
-        export's packed blocks) on link `number`."""
-        self.staging.send(self.links.get(number), buffer, nbytes)
+    def send_staged(self, number: int, buffer: int, nbytes: int, lease: int) -> None:
+        """As a prefill server: queue the first `nbytes` of staging buffer `buffer` (the packed
+        blocks of the export that `lease` holds) on link `number`."""
+        self.staging.send(self.links.get(number), buffer, nbytes, lease)
 
-    def receive_prompt(self, number: int, nbytes: int) -> int:
+    def receive_prompt(self, number: int, nbytes: int, lease: int) -> int:
         """As a decode server: queue the receive of the `nbytes` the prefill engine queued on link
-        `number` (`send_staged`); a ticket for `adopt_received`."""
+        `number` for export `lease` (`send_staged`); a ticket for `adopt_received`."""
         ticket = next(self._tickets)
-        self.receiving[ticket] = (number, self.links.get(number).receive(nbytes))
+        self.receiving[ticket] = (number, self.links.get(number).receive(nbytes, lease))
         return ticket
 
+    def prompt_received(self, ticket: int) -> bool:
+        """Whether a queued receive is over (done or failed): `adopt_received` then waits for nothing."""
+        return self.receiving[ticket][1].done.is_set()
+
     def adopt_received(self, ticket: int, token_ids: list[int], staged: dict) -> int:
-        """Wait for a queued receive and adopt its blocks (a staged export's: `staged` says where
-        they lie); returns the prompt tokens now cached."""
+        """Wait for a queued receive (the core waits: ask `prompt_received` first) and adopt its
+        blocks (a staged export's: `staged` says where they lie); the prompt tokens now cached."""
         number, transfer = self.receiving.pop(ticket)
         received = self.links.get(number).wait(transfer)
         cached = self._adopt(token_ids, kv_prefix.unpack(staged, received))

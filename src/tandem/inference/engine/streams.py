@@ -199,13 +199,17 @@ class EngineFront(ABC):
     async def close_link(self, number: int) -> None:
         await self._core_call("close_link", number)
 
-    async def send_staged(self, number: int, buffer: int, nbytes: int) -> None:
+    async def send_staged(self, number: int, buffer: int, nbytes: int, lease: int) -> None:
         """Queue a staged export's packed blocks (staging buffer `buffer`) on link `number`."""
-        await self._core_call("send_staged", number, buffer, nbytes)
+        await self._core_call("send_staged", number, buffer, nbytes, lease)
 
-    async def receive_prompt(self, number: int, nbytes: int) -> int:
+    async def receive_prompt(self, number: int, nbytes: int, lease: int) -> int:
         """Queue the receive of a staged export's blocks on link `number`; a ticket."""
-        return await self._core_call("receive_prompt", number, nbytes)
+        return await self._core_call("receive_prompt", number, nbytes, lease)
+
+    async def prompt_received(self, ticket: int) -> bool:
+        """Whether a queued receive is over."""
+        return await self._core_call("prompt_received", ticket)
 
     async def adopt_received(self, ticket: int, token_ids: list[int], staged: dict) -> int:
         """Wait for a queued receive and adopt its blocks."""
