@@ -11,7 +11,7 @@ times whole responses as the first timed phase after its warm-up, as the first s
 whole phase was: the two are compared at the same point of a server's life.
 `--compare-prompt-attention auto,varlen` adds a server for each of those `engine.prompt_attention`
 values (whole and streamed responses; auto is PyTorch's own choice, cuDNN first on Hopper), and
-`--compare-prompt-graphs` one with `engine.prompt_graphs` on, and
+`--compare-prompt-graphs` one with `engine.prompt_graphs` off (on by default on CUDA), and
 `--compare-core-process` one with `engine.core_process` the other way round from its default (the
 engine core on a thread of the server's process on CUDA, in a process of its own on CPU). Every phase sends new prompts, so no prefix is ever shared. Each phase reports the engine
 steps it took and the server's CPU time per output token (all threads, its engine process
@@ -424,7 +424,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--compare-prompt-graphs",
         action="store_true",
-        help="also time whole and streamed responses on a server with engine.prompt_graphs on",
+        help="also time whole and streamed responses on a server with engine.prompt_graphs off",
     )
     parser.add_argument("--startup-timeout", type=float, default=900)
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -483,7 +483,7 @@ def main() -> None:
         label = "engine thread" if cuda else "core process"
         servers.append((label, ["--engine.core-process", str(not cuda).lower()], ("whole", "streaming")))
     if args.compare_prompt_graphs:
-        servers.append(("prompt graphs", ["--engine.prompt-graphs", "true"], ("whole", "streaming")))
+        servers.append(("plain prompt steps", ["--engine.prompt-graphs", "false"], ("whole", "streaming")))
     if args.compare_prefix_cache:  # (last: already measured within its target)
         servers.append(("prefix cache off", ["--engine.prefix-caching", "false"], ("whole",)))
     with client_pool(args) as pool:

@@ -23,6 +23,13 @@ def family_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     return build_tiny_model(out=tmp_path_factory.mktemp("family") / "model", **SPLITTING[request.param])
 
 
+def test_pieces_are_off_by_default_on_cpu(family_model: Path) -> None:
+    """On by default only on CUDA (where the graphs pay); asked for, they run on CPU too."""
+    assert EngineCore(engine_config(family_model, max_num_batched_tokens=64)).runner.piecewise is None
+    asked = EngineCore(engine_config(family_model, max_num_batched_tokens=64, prompt_graphs=True))
+    assert asked.runner.piecewise is not None
+
+
 def test_token_buckets_cover_the_step_budget() -> None:
     assert token_buckets(8192) == [16, 32, 64, 128, 256, 512, *range(1024, 8192, 512), 8192]
     assert token_buckets(100) == [16, 32, 64, 100]
@@ -75,6 +82,10 @@ def test_models_that_do_not_split_run_without_pieces(
         core = EngineCore(engine_config(model, max_num_batched_tokens=64, prompt_graphs=True))
     assert core.runner.piecewise is None
     assert "do not split at attention" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tandem.inference"):  # by default: no pieces on CPU, no warning
+        assert EngineCore(engine_config(model, max_num_batched_tokens=64)).runner.piecewise is None
+    assert "prompt_graphs" not in caplog.text
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     result = run_sync(core, {"r": ([5, 6, 7], params, 1)})["tokens"]
     assert len(result["r"][0].token_ids) == 3

@@ -47,13 +47,14 @@ class EngineConfig(Section):
         "(measured faster there), off on CPU (where the process's start costs more than it saves).",
     )
     cuda_graphs: bool = Field(True, description="Capture decode steps in CUDA graphs (CUDA only).")
-    prompt_graphs: bool = Field(
-        False,
+    prompt_graphs: bool | None = Field(
+        None,
         description="Run steps with prompts (prefill, prompt chunks, steps that mix them with decodes) as "
         "CUDA graphs of each layer's work outside attention, captured per token-count bucket, with "
-        "attention run eagerly between them (docs/inference-engine.md, 'Prompt-step graphs'). CUDA "
-        "with cuda_graphs, families over the shared attention; on CPU the pieces run eagerly (a check "
-        "of the layout, no speed-up). Off until measured on a GPU.",
+        "attention run eagerly between them (docs/inference-engine.md, 'Prompt-step graphs'). None "
+        "(default): on CUDA with cuda_graphs for families over the shared attention, else off; true: "
+        "also on CPU, where the pieces run eagerly (a check of the layout, no speed-up), with a "
+        "warning where the model or the settings do not allow it; false: off.",
     )
     triton_kernels: bool = Field(True, description="Fused Triton kernels for the forward pass (CUDA only).")
     prompt_attention: Literal["auto", "flash", "varlen"] = Field(

@@ -13,8 +13,8 @@ head run at least MIN_CPU_ROWS rows (padded the same way): CPU matrix products o
 round differently from larger ones (measured with MKL), which would make a sequence's logits
 depend on how many others share its step.
 
-Steps with prompts run the model's forward as it is, or (`engine.prompt_graphs`) as CUDA graphs of
-the work between attention calls at a padded token count (piecewise.py).
+Steps with prompts run (`engine.prompt_graphs`, by default on CUDA) as CUDA graphs of the work
+between attention calls at a padded token count (piecewise.py), or the model's forward as it is.
 
 Prompt steps can run their SDPA calls under a chosen set of kernels (`prompt_attention`):
 PyTorch's cuDNN attention keeps the execution graph it builds for each input shape in a
@@ -157,7 +157,7 @@ class ModelRunner:
         max_num_seqs: int,
         max_rows: int,
         prompt_attention: str,
-        prompt_graphs: bool,
+        prompt_graphs: bool | None,
         max_tokens: int,
     ) -> None:
         self.model = model
@@ -192,13 +192,14 @@ class ModelRunner:
         self.piecewise = self._piecewise(prompt_graphs, cuda_graphs, dtype, max_tokens)
 
     def _piecewise(
-        self, wanted: bool, cuda_graphs: bool, dtype: torch.dtype, max_tokens: int
+        self, wanted: bool | None, cuda_graphs: bool, dtype: torch.dtype, max_tokens: int
     ) -> PiecewiseForward | None:
         """Steps with prompts as pieces between attention calls (`engine.prompt_graphs`): graphed on
-        CUDA, eager on CPU (piecewise.py); None where the model or the settings do not allow it."""
-        if not wanted:
-            return None
+        CUDA, eager on CPU (piecewise.py); None where the model or the settings do not allow it
+        (with a warning when they were asked for), or by default on CPU."""
         cuda = self.device.type == "cuda"
+        if wanted is False or (wanted is None and not cuda):
+            return None
         why_not = (
             "the model's layers do not split at attention" if not self.model.splits_at_attention()
             else "engine.cuda_graphs is off" if cuda and not cuda_graphs
@@ -206,7 +207,9 @@ class ModelRunner:
             else None
         )  # fmt: skip
         if why_not is not None:
-            log.warning("engine.prompt_graphs: steps with prompts run without graphs (%s)", why_not)
+            (log.warning if wanted else log.info)(
+                "engine.prompt_graphs: steps with prompts run without graphs (%s)", why_not
+            )
             return None
         return PiecewiseForward(self.model, self.kv_caches, self.sampled, max_tokens, use_graphs=cuda)
 
