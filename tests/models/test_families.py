@@ -26,6 +26,7 @@ from transformers import (
 from tandem.cli import UserError
 from tandem.config.base import ModelConfig
 from tandem.models.hf_checkpoint import split_full
+from tandem.models.lora import inject_lora, linear_parts
 from tandem.models.registry import family
 from tandem.trainer.config import ParallelConfig
 from tandem.trainer.hf_export import write_hf_model
@@ -197,17 +198,28 @@ def test_packed_logits_and_gradients_equal_transformers(checkpoint: Path, backen
     assert compared >= len(dict(reference.named_parameters()))
 
 
-def test_glm5_sparse_attention_equals_the_dense_mask(checkpoint: Path) -> None:
+@pytest.mark.parametrize("lora", [False, True])
+def test_glm5_sparse_attention_equals_the_dense_mask(checkpoint: Path, lora: bool) -> None:
     """GLM-5's sparse path (chosen keys gathered in the latent space, chunk by chunk, recomputed
     in backward) gives the dense mask's logits and gradients; chunks of 3 queries (indexer) and
-    2 (attention) so that every chunk boundary is crossed."""
+    2 (attention) so that every chunk boundary is crossed. With LoRA on kv_b_proj (which the
+    sparse path absorbs into its queries and outputs) the adapters' gradients agree too."""
     if model_type(checkpoint) != "glm_moe_dsa":
         pytest.skip("GLM-5 only")
     ids, positions = packed_batch()
     weights = torch.randn(2, 19, 97, generator=torch.Generator().manual_seed(7))
     results = []
     for backend in ("sdpa", "varlen"):  # dense, sparse (the backend is not used otherwise)
-        model, _ = tandem_model(checkpoint, backend)
+        model, reference = tandem_model(checkpoint, backend)
+        if lora:
+            parts = linear_parts(family("glm_moe_dsa").hf_layout(reference.config), model)
+            inject_lora(
+                model, parts, ["kv_b_proj", "q_b_proj"], rank=2, alpha=4.0, dropout=0.0, head="lm_head"
+            )
+            torch.manual_seed(3)
+            for name, param in model.named_parameters():
+                if "lora_" in name:
+                    param.data.normal_(0, 0.5)  # (B starts at zero: a nonzero adapter changes the logits)
         for layer in model.layers:
             layer.attention.sparse_chunk_elements = 2 * 2 * 4 * (12 + 4)  # rows · 2 · k · (L + r)
             if layer.attention.indexer is not None:

@@ -89,6 +89,17 @@ class LoRALinear(nn.Linear):
             offset += part.rows
         return merged.to(weight.dtype)
 
+    def effective_weight(self) -> torch.Tensor:
+        """W + (alpha / r)·B·A, differentiable in the adapters: for code that applies the weight
+        itself instead of calling the layer (GLM-5's sparse attention absorbs kv_b_proj into its
+        queries). Dropout on the adapters' input has no place there: refused while training."""
+        if self.training and not isinstance(self.dropout, nn.Identity):
+            raise ValueError(
+                "lora.dropout > 0 cannot apply to a layer whose weight is absorbed into other products "
+                "(GLM-5's kv_b_proj under sparse attention): set lora.dropout = 0 or leave kv_b_proj out"
+            )
+        return self.merged_weight(self.weight, self.delta_weight(self.lora_a, self.lora_b))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
         h = F.linear(self.dropout(x), self.lora_a.to(x.dtype))

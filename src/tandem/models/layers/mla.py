@@ -34,6 +34,7 @@ from tandem.models.layers.dsa import (
 )
 from tandem.models.layers.norm import RMSNorm
 from tandem.models.layers.rotary import apply_rotary_interleaved
+from tandem.models.lora import LoRALinear
 
 LORA_NORM_EPS = 1e-6  # the q and kv latent norms' epsilon in the reference (not the config's)
 
@@ -96,7 +97,10 @@ class LatentAttention(nn.Module):
         elif chosen is None:
             raise ValueError("a layer sharing the indexer's choice needs an earlier layer with an indexer")
         if self.sparse:
-            w_uk, w_uv = self.wkv_b.weight.view(self.num_heads, -1, self.kv_lora_rank).split(
+            weight = (
+                self.wkv_b.effective_weight() if isinstance(self.wkv_b, LoRALinear) else self.wkv_b.weight
+            )
+            w_uk, w_uv = weight.view(self.num_heads, -1, self.kv_lora_rank).split(
                 [self.nope_dim, self.v_dim], dim=1
             )
             out = sparse_latent_attention(
