@@ -16,8 +16,8 @@ How a pair meets (inference/prefill.py drives it over HTTP):
 A transfer: after a staged export (the blocks packed into one of the prefill server's staging
 buffers, kv_staging.py) the decode server asks for them (POST /v1/kv/send): the prefill engine
 queues a send of the buffer's packed bytes and answers at once; the decode engine queues a
-receive into a buffer of the transfer's own, and only later (a core call of its own, so that
-engine steps run meanwhile) waits for it, at most `timeout_s`, and adopts the blocks.
+receive into a buffer of the transfer's own; the decode server polls whether it is over (engine
+steps run meanwhile) and only then adopts the blocks, in a core call of its own.
 Point-to-point operations between two ranks are matched in the order they are issued, so both
 sides must queue a pair's transfers in one order: the decode server asks for one transfer at a
 time per link (prefill.py holds the link's lock from the send request until the receive is
