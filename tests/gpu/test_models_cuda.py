@@ -380,3 +380,25 @@ def test_glm5_sparse_attention_memory_grows_linearly() -> None:
         peaks.append(torch.cuda.max_memory_allocated() - base)
         del x, out
     assert peaks[1] < 2.6 * peaks[0], [p / 2**30 for p in peaks]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_glm5_sparse_scores_stay_fp32_on_cuda(compiled: bool) -> None:
+    """GLM-5's sparse scores on CUDA (`bmm` with an fp32 output from bf16 inputs, its backward
+    written by hand): the products equal float64's within fp32 rounding and the gradients the
+    float64 ones of the bf16-rounded incoming gradient, eager and under torch.compile."""
+    from tandem.models.layers.dsa import fp32_scores
+
+    generator = torch.Generator(CUDA).manual_seed(3)
+    q = (torch.randn(32, 64, 576, device=CUDA, generator=generator) * 2).bfloat16().requires_grad_()
+    k = (torch.randn(32, 256, 576, device=CUDA, generator=generator) * 2).bfloat16().requires_grad_()
+    scores = (torch.compile(fp32_scores) if compiled else fp32_scores)(q, k)
+    exact = torch.bmm(q.double(), k.double().transpose(1, 2))
+    assert scores.dtype == torch.float32
+    assert (scores.double() - exact).abs().max() < 1e-5 * exact.abs().max()
+    grad = torch.randn(scores.shape, device=CUDA, generator=generator)
+    scores.backward(grad)
+    g = grad.bfloat16().double()
+    for got, want in ((q.grad, torch.bmm(g, k.double())), (k.grad, torch.bmm(g.transpose(1, 2), q.double()))):
+        assert got.dtype == torch.bfloat16
+        assert (got.double() - want).abs().max() < 1e-2 * want.abs().max()

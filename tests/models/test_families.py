@@ -444,3 +444,26 @@ def test_impl_tandem_needs_a_family_and_auto_falls_back(tmp_path: Path) -> None:
             build_trainer_model(
                 ModelConfig(name=str(tmp_path / "llama"), device="cpu"), world, ParallelConfig(**{key: value})
             )
+
+
+def test_glm5_sparse_scores_are_not_rounded_to_bf16() -> None:
+    """The sparse path's attention scores from bf16 queries and keys are the fp32 products of
+    those bf16 values (float64 within fp32 rounding), where a bf16 matmul rounds them to 8 bits
+    before the softmax; their gradients come back in bf16 and equal the float64 ones."""
+    from tandem.models.layers.dsa import fp32_scores
+
+    generator = torch.Generator().manual_seed(7)
+    q = (torch.randn(6, 4, 72, generator=generator) * 2).bfloat16().requires_grad_()
+    k = (torch.randn(6, 40, 72, generator=generator) * 2).bfloat16().requires_grad_()
+    scores = fp32_scores(q, k)
+    exact = torch.bmm(q.double(), k.double().transpose(1, 2))
+    assert scores.dtype == torch.float32
+    assert (scores.double() - exact).abs().max() < 1e-6 * exact.abs().max()
+    rounded = torch.bmm(q, k.transpose(1, 2)).double()
+    assert (rounded - exact).abs().max() > 100 * (scores.double() - exact).abs().max()
+    grad = torch.randn(scores.shape, generator=generator)
+    scores.backward(grad)
+    assert q.grad.dtype == k.grad.dtype == torch.bfloat16
+    g = grad.double()
+    for got, want in ((q.grad, torch.bmm(g, k.double())), (k.grad, torch.bmm(g.transpose(1, 2), q.double()))):
+        assert (got.double() - want).abs().max() < 1e-2 * want.abs().max()

@@ -220,7 +220,37 @@ def _chunk_attention(
     rows, count, k = chosen.shape
     picked = keys.gather(1, chosen.reshape(rows, count * k, 1).expand(-1, -1, keys.shape[-1]))
     picked = picked.view(rows, count, k, keys.shape[-1])
-    scores = torch.einsum("bchd,bckd->bchk", queries, picked) * scale
+    heads, dim = queries.shape[-2:]
+    scores = fp32_scores(queries.reshape(rows * count, heads, dim), picked.view(rows * count, k, dim))
+    scores = scores.view(rows, count, heads, k) * scale
     scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
-    probs = scores.float().softmax(-1).to(queries.dtype)
+    probs = scores.softmax(-1).to(queries.dtype)
     return torch.einsum("bchk,bckl->bchl", probs, picked[..., :rank])
+
+
+def fp32_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """queries [B, H, D] · keys [B, k, D]ᵀ → float32 [B, H, k], not rounded to the inputs' dtype
+    before the softmax (as the fused attention kernels keep their scores): on CUDA bf16/fp16
+    inputs stay on the tensor cores with an fp32 output (`_Fp32Scores`); elsewhere the inputs are
+    widened, which is exact."""
+    if queries.dtype == torch.float32:
+        return torch.bmm(queries, keys.transpose(1, 2))
+    if queries.is_cuda:
+        return _Fp32Scores.apply(queries, keys)
+    return torch.bmm(queries.float(), keys.float().transpose(1, 2))
+
+
+class _Fp32Scores(torch.autograd.Function):
+    """`torch.bmm(..., out_dtype=torch.float32)` (CUDA only, no derivative in torch) with its
+    backward: the scores' gradient is rounded to the inputs' dtype, as a bf16 matmul's is."""
+
+    @staticmethod
+    def forward(ctx, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(queries, keys)
+        return torch.bmm(queries, keys.transpose(1, 2), out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        queries, keys = ctx.saved_tensors
+        grad = grad.to(queries.dtype)
+        return torch.bmm(grad, keys), torch.bmm(grad.transpose(1, 2), queries)
