@@ -153,6 +153,7 @@ def run(variant: str, model: Path, work: Path, args: argparse.Namespace) -> dict
 VARIANTS = {
     "lora": [],
     "full": ["--trainer.lora.enabled", "false"],
+    "lora_prompt_graphs": ["--inference.engine.prompt_graphs", "true"],  # the engine's CUDA default
 }
 COLUMNS = ["variant", "exit", "s/step", "trainer compute", "publish", "rollouts", "trainer peak GiB", "server peak GiB", "device peak GiB", "wall s"]  # fmt: skip
 
