@@ -75,3 +75,32 @@ def test_a_pair_out_of_step_fails_the_link_instead_of_adopting_the_bytes(wrong: 
     finally:
         prefill.close_all()
         decode.close_all()
+
+
+def test_an_idle_prefill_side_is_closed_when_the_next_link_opens() -> None:
+    """A decode side that vanishes without closing (a killed decode server) leaves its prefill
+    side idle: the next link to open closes it once it has been idle for `idle_s`, and keeps a
+    side used more recently than that; the decode server's new link then forms at once, though
+    another side still waits for a peer that never joined (each side has its own store client)."""
+    prefill, p, decode, d = linked_pair()
+    try:
+        first_decode = decode.links.pop(d)  # this decode "process" is gone: nothing closes its side
+        never_joined = prefill.open()["link"]  # its side waits for a peer (until its group's timeout)
+        assert p in prefill.links  # idle for less than idle_s (600 s)
+        time.sleep(0.05)
+        prefill.idle_s = 0.01
+        opened = prefill.open()
+        assert p not in prefill.links and never_joined not in prefill.links
+        assert set(prefill.links) == {opened["link"]}
+        joined = decode.join("127.0.0.1", opened["port"], opened["link"])
+        deadline = time.monotonic() + 10
+        while "connecting" in (prefill.get(opened["link"]).state, decode.get(joined).state):
+            assert time.monotonic() < deadline, "the new link did not form"
+            time.sleep(0.01)
+        payload = torch.arange(10, dtype=torch.uint8)
+        prefill.get(opened["link"]).send(payload, 3)
+        assert torch.equal(decode.get(joined).wait(decode.get(joined).receive(10, 3)), payload)
+        first_decode.close()
+    finally:
+        prefill.close_all()
+        decode.close_all()

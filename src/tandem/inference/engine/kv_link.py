@@ -28,14 +28,17 @@ numbered at random, so a number from before a restart names no link of the new p
 
 Failure: a transfer (or the warm-up) that does not complete by its deadline fails the link on
 that side: its group is aborted (NCCL) and its thread ends. The decode server then drops the
-link on both sides and that prefill server's prompts travel by HTTP from then on. A staging
-buffer whose send has not completed is not packed again (kv_staging.py `StagingBuffers.sending`).
+link on both sides and that prefill server's prompts travel by HTTP until it forms a new link
+(LINK_RETRY_S later, inference/prefill.py). A staging buffer whose send has not completed is not
+packed again (kv_staging.py `StagingBuffers.sending`). A prefill side left idle by a decode server
+that was killed is closed when a later link opens (`KVLinks.open`, IDLE_LINK_S).
 """
 
 import logging
 import queue
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -46,6 +49,11 @@ import torch.distributed as dist
 from tandem.transport.weight_link import process_group
 
 log = logging.getLogger("tandem.inference")
+
+IDLE_LINK_S = 600.0
+"""A prefill-side link without a transfer for this long is closed when the next link opens: its
+decode server most likely ended without closing it (killed). A live one that was only idle loses
+one transfer to it (that prompt is computed there) and forms a new link after LINK_RETRY_S."""
 
 GROUP_TIMEOUT_MARGIN_S = 60.0
 """The groups' own timeout exceeds every deadline here by this much, so that NCCL's watchdog
@@ -81,6 +89,7 @@ class KVLink:
         self._group: dist.ProcessGroup | None = None
         self._closed = False
         self._lock = threading.Lock()  # a transfer is queued only while the link has not ended
+        self.last_used = time.monotonic()  # when it was opened or its last transfer was queued
         self._thread = threading.Thread(
             target=self._run, args=(connect,), name=f"kv-link-{name}", daemon=True
         )
@@ -129,6 +138,7 @@ class KVLink:
             if not self.ready.is_set() or self.error is not None or self._closed:
                 raise RuntimeError(f"kv link {self.name} is {'closed' if self._closed else self.state}")
             self._queue.put(transfer)
+            self.last_used = time.monotonic()
         return transfer
 
     def _run(self, connect: Callable[[], dist.Store]) -> None:
@@ -209,35 +219,54 @@ class KVLinks:
     """An engine's links, by number (random: see the module's docstring): those it opened as a
     prefill server (peers meet at its store) and those it joined as a decode server. A failed
     link stays, so that its state can be read, until it is closed or the next link is opened.
-    A decode server that ends without closing its link leaves the prefill side idle until the
-    prefill server stops (its peer's death is noticed only by a transfer)."""
+    A decode server that ends without closing its link (killed) leaves the prefill side idle,
+    for its peer's death is noticed only by a transfer: such a side is closed when the next link
+    opens once it has been idle for `idle_s` (IDLE_LINK_S), so a decode server that restarts
+    does not pile up NCCL communicators on its prefill server."""
 
     def __init__(self, device: torch.device, timeout_s: float) -> None:
         self.device, self.timeout_s = device, timeout_s
         self.links: dict[int, KVLink] = {}
         self._store: dist.TCPStore | None = None
+        self.idle_s = IDLE_LINK_S
 
     def open(self) -> dict:
         """A new link's prefill side, waiting for its peer: {"link": its number, "port": the store's}."""
-        for number in [n for n, link in self.links.items() if link.error is not None]:
-            self.close(number)
+        now = time.monotonic()
+        for number, link in list(self.links.items()):
+            idle = link.rank == 0 and now - link.last_used > self.idle_s
+            if idle:
+                log.info(
+                    "kv link %s: no transfer for %.0f s, closed (its peer is likely gone)",
+                    link.name,
+                    now - link.last_used,
+                )
+            if idle or link.error is not None:
+                self.close(number)
         if self._store is None:
             self._store = dist.TCPStore(
                 "127.0.0.1", 0, None, True, timedelta(seconds=self.timeout_s), wait_for_workers=False
             )  # (a master store listens on every interface)
-        number, store = self._new_number(), self._store
-        self.links[number] = KVLink(f"p{number}", lambda: store, 0, self.device, self.timeout_s)
-        return {"link": number, "port": store.port}
+        number, port = self._new_number(), self._store.port
+        self.links[number] = KVLink(
+            f"p{number}", lambda: self._client("127.0.0.1", port), 0, self.device, self.timeout_s
+        )
+        return {"link": number, "port": port}
 
     def join(self, host: str, port: int, link: int) -> int:
         """Join link `link` of the prefill engine whose store is at host:port; this side's number."""
         number = self._new_number()
 
-        def connect() -> dist.Store:
-            return dist.TCPStore(host, port, None, False, timedelta(seconds=self.timeout_s))
-
-        self.links[number] = KVLink(f"p{link}", connect, 1, self.device, self.timeout_s)
+        self.links[number] = KVLink(
+            f"p{link}", lambda: self._client(host, port), 1, self.device, self.timeout_s
+        )
         return number
+
+    def _client(self, host: str, port: int) -> dist.Store:
+        """A connection of the link's own to the store: a store client serves one call at a time,
+        so links sharing one would wait for each other (a side whose peer never joins would hold
+        every later link back until its group's timeout)."""
+        return dist.TCPStore(host, port, None, False, timedelta(seconds=self.timeout_s))
 
     def _new_number(self) -> int:
         while (number := 1 + secrets.randbelow(2**52)) in self.links:  # (exact in JSON numbers)
