@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# What is still open of issues 11 and 19 on one H200, in one call of under 9 minutes: HTTP whole
+# responses and streaming with the defaults (prompt-step graphs on) against plain prompt steps
+# (inference_throughput.py), the 1.7B trainer at its fastest settings (trainer_mfu.py, cuDNN
+# attention), FP8 against bf16 decode at 64 and 256 concurrent requests at a Qwen3-8B shape
+# (fp8_decode.py), and, with what time is left, examples/gpu_24gb/rl.toml with prompt-step graphs
+# on under its 15 + 9 GiB caps (rl_24gb.py; ~4 minutes). Prints issue 11's table (engine_report.py)
+# and the trainer's row. On the device: R=$OUT; OUT=/tmp/targets BUNDLE=$R/targets.tgz bash ...
+# Without uv: PYTHONPATH=src plus the carried wheels.
+set -uo pipefail
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+BUDGET=${BUDGET:-540}
+start=$(date +%s)
+source "$(dirname "$0")/gpu_part.sh"
+
+nvidia-smi --query-gpu=name,memory.total,power.limit,driver_version --format=csv,noheader > "$OUT/device.txt" 2>&1
+cat "$OUT/device.txt"
+part http 200 python3 benchmarks/inference_throughput.py --num-requests 256 --prompt-len 128 --output-len 256 \
+  --skip-transformers --compare-prompt-graphs --out "$OUT/http_pieces.json"
+part mfu 110 python3 benchmarks/trainer_mfu.py --variants 1.7b:tandem_master_logits_bf16moments-cudnn \
+  --steps 10 --warmup 3 --out "$OUT/trainer_mfu.jsonl"
+part fp8 150 python3 benchmarks/fp8_decode.py --concurrency 64 256 --kernel rowwise --out "$OUT/fp8.json"
+part rl_24gb 300 python3 benchmarks/rl_24gb.py --variants lora_prompt_graphs --steps 8 --skip 2 --timeout 260
+python3 benchmarks/engine_report.py "$OUT" | grep -E "^\| (measure|HTTP|FP8|bf16)|^\|---"
+grep -E "^variant|^1\.7b" "$OUT/mfu.log"
+grep -E "^\|" "$OUT/rl_24gb.log"
