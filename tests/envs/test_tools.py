@@ -145,6 +145,30 @@ def test_execute_answers_every_kind_of_call_without_raising() -> None:
         assert time.perf_counter() - start < 1.5
 
 
+async def lookup() -> str:
+    """A tool with a shorter timeout of its own, whose error names what it waited for."""
+    try:
+        await asyncio.wait_for(asyncio.Event().wait(), 0.05)
+    except TimeoutError:
+        raise TimeoutError("the index at 127.0.0.1:9 did not answer within 0.05 s") from None
+    return "found"
+
+
+def lookup_sync() -> str:
+    raise TimeoutError("the index at 127.0.0.1:9 did not answer within 0.05 s")
+
+
+def test_a_tools_own_timeout_is_reported_as_it_said_not_as_the_tool_timeout() -> None:
+    empty = {"type": "object", "properties": {}}
+    tools = {
+        "lookup": Tool("lookup", "", empty, lookup),
+        "lookup_sync": Tool("lookup_sync", "", empty, lookup_sync),
+    }
+    for name in tools:
+        answer = asyncio.run(execute(ToolCall(name, {}), tools, timeout_s=5.0))
+        assert answer == "Error: TimeoutError: the index at 127.0.0.1:9 did not answer within 0.05 s", name
+
+
 @pytest.mark.parametrize(
     ("expression", "value"),
     [

@@ -5,6 +5,8 @@ id; the step (and an evaluation) goes on with other tasks."""
 import asyncio
 import logging
 import math
+import re
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +14,15 @@ import pytest
 from orchestrator_helpers import serve_base_model
 
 from tandem.client.config import SamplingConfig
-from tandem.client.inference import InferenceClient, ServerPool
+from tandem.client.inference import InferenceClient, ServerPool, ServerUnavailable
 from tandem.envs.mixture import Member
 from tandem.envs.reverse_text_env import ReverseTextEnv
 from tandem.orchestrator.config import OrchestratorConfig
 from tandem.orchestrator.evaluation import eval_stats, run_eval
+from tandem.orchestrator.loop import step_metrics
 from tandem.orchestrator.rollouts import RolloutCollector
 from tandem.orchestrator.tasks import step_task_order
+from tandem.transport.rollouts import pack_samples, write_step
 
 FAULTS = {
     "raise": "RuntimeError: broken environment",
@@ -30,6 +34,12 @@ FAULTS = {
     "wrong_task": "MalformedTrajectory: trajectory of task 'someone-else' returned for task",
     "bad_metric": "MalformedTrajectory: metric 'similarity' = inf is not a finite number",
     "count": "MalformedTrajectory: returned 1 trajectories, expected 2",
+}
+MORE_FAULTS = {  # kinds that passed the checks before and crashed the whole run when the step was written
+    "own_timeout": "TimeoutError: the verifier at 127.0.0.1:9 did not answer within 0.05s",
+    "tuple_ids": "MalformedTrajectory: prompt_ids must be a list, not tuple",
+    "versions": "MalformedTrajectory: weight_versions [[0]] must be non-negative integers",
+    "turns": "MalformedTrajectory: turns must be a list of dicts with a finish_reason",
 }
 
 
@@ -50,6 +60,11 @@ class FaultyEnv(ReverseTextEnv):
             raise RuntimeError("broken environment")
         if fault == "hang":
             await asyncio.sleep(3600)
+        if fault == "own_timeout":  # a timeout of the environment's own, well inside rollout_timeout
+            try:
+                await asyncio.wait_for(asyncio.Event().wait(), 0.05)
+            except TimeoutError:
+                raise TimeoutError("the verifier at 127.0.0.1:9 did not answer within 0.05s") from None
         trajectories = await super().rollout_group(task, client, sampling, n)
         t = trajectories[-1]
         t.completion_ids, t.completion_logprobs, t.completion_mask = [5, 6, 7], [-1.0] * 3, [1] * 3
@@ -67,10 +82,16 @@ class FaultyEnv(ReverseTextEnv):
             t.metrics["similarity"] = math.inf
         elif fault == "count":
             return trajectories[:1]
+        elif fault == "tuple_ids":
+            t.prompt_ids = tuple(t.prompt_ids)  # type: ignore[assignment]
+        elif fault == "versions":
+            t.weight_versions = [t.weight_versions]  # type: ignore[list-item]
+        elif fault == "turns":
+            t.turns = [{"completion_tokens": 3}]
         return trajectories
 
 
-def config(server: str, tmp_path: Path) -> OrchestratorConfig:
+def config(server: str, tmp_path: Path, **overrides: object) -> OrchestratorConfig:
     return OrchestratorConfig.model_validate(
         {
             "batch_size": 4,
@@ -81,18 +102,20 @@ def config(server: str, tmp_path: Path) -> OrchestratorConfig:
             "servers": [server],
             "sampling": {"max_tokens": 8},
             "rollout_timeout": 8.0,
+            **overrides,
         }
     )
 
 
+@pytest.mark.parametrize("table", [FAULTS, MORE_FAULTS], ids=["faults", "more_faults"])
 def test_broken_rollouts_fail_their_group_with_task_and_reason_and_the_step_goes_on(
-    server: str, tiny_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    table: dict[str, str], server: str, tiny_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     serve_base_model(server, tiny_model, tmp_path / "base")
     cfg = config(server, tmp_path)
     order = step_task_order(40, cfg.seed, 0)
-    drawn = [f"train-0-{next(order)}" for _ in range(len(FAULTS) + 2)]
-    faults = dict(zip(drawn, FAULTS, strict=False))  # the first tasks step 0 draws are broken
+    drawn = [f"train-0-{next(order)}" for _ in range(len(table) + 2)]
+    faults = dict(zip(drawn, table, strict=False))  # the first tasks step 0 draws are broken
     env = FaultyEnv(faults)
     assert all(t in {task.task_id for task in env.dataset("train")} for t in drawn)
 
@@ -106,12 +129,36 @@ def test_broken_rollouts_fail_their_group_with_task_and_reason_and_the_step_goes
 
     with caplog.at_level(logging.ERROR):
         batch = asyncio.run(collect())
-    assert batch.failed_groups == len(FAULTS) and len(batch.errors) == len(FAULTS)
+    assert batch.failed_groups == len(table) and len(batch.errors) == len(table)
     assert sorted(g.task_id for g in batch.groups) == sorted(drawn[-2:])  # the next two tasks
     logged = "\n".join(r.message for r in caplog.records)
     for task_id, fault in faults.items():
-        assert f"step 0: rollout of task {task_id} failed: {FAULTS[fault]}" in logged, fault
+        assert f"step 0: rollout of task {task_id} failed: {table[fault]}" in logged, fault
     assert batch.seconds < 30
+    write_step(tmp_path, 0, pack_samples(batch.samples(), cfg.seq_len, 1, cfg.micro_batch_tokens))
+    assert step_metrics(batch, 0.0, 1.0)["groups_failed"] == len(table)
+
+
+def test_a_server_that_stops_answering_stops_the_step_naming_server_and_task(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    cfg = config(url, tmp_path, client={"max_retries": 0})
+
+    async def collect() -> None:
+        pool = ServerPool(cfg.servers, cfg.client)
+        try:
+            await RolloutCollector(FaultyEnv({}), pool, cfg).collect(0)
+        finally:
+            await pool.close()
+
+    with pytest.raises(ServerUnavailable) as raised:
+        asyncio.run(collect())
+    assert re.fullmatch(
+        rf"step 0: rollout of task train-0-\d+: inference server {url} did not answer a chat completion "
+        "after 1 attempts: .*",
+        str(raised.value),
+    ), raised.value
 
 
 def test_an_evaluation_counts_broken_tasks_as_failed_and_scores_the_rest(server: str, tmp_path: Path) -> None:

@@ -146,14 +146,16 @@ async def execute(
     if problem:
         return f"Error: {problem}"
     arguments = call.arguments or {}
+    deadline = asyncio.timeout(timeout_s)
     try:
-        if asyncio.iscoroutinefunction(tool.fn):
-            result = await asyncio.wait_for(tool.fn(**arguments), timeout_s)
-        else:
-            result = await asyncio.wait_for(in_daemon_thread(tool.fn, arguments), timeout_s)
-    except TimeoutError:
-        return f"Error: tool '{tool.name}' did not finish within {timeout_s:g} s"
-    except Exception as e:
+        async with deadline:
+            if asyncio.iscoroutinefunction(tool.fn):
+                result = await tool.fn(**arguments)
+            else:
+                result = await in_daemon_thread(tool.fn, arguments)
+    except Exception as e:  # a TimeoutError of the tool's own (deadline not expired) keeps its message
+        if isinstance(e, TimeoutError) and deadline.expired():
+            return f"Error: tool '{tool.name}' did not finish within {timeout_s:g} s"
         return f"Error: {type(e).__name__}: {e}"
     text = result if isinstance(result, str) else json.dumps(result, default=str)
     return text if len(text) <= max_chars else text[:max_chars] + " [truncated]"

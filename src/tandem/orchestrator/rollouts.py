@@ -46,9 +46,13 @@ class RolloutTimeout(TimeoutError):
 
 def check_trajectory(t: Trajectory, task_id: str, seq_len: int) -> None:
     """Raise MalformedTrajectory naming the first problem of `t`."""
-    n = len(t.completion_ids)
     if t.task_id != task_id:
         raise MalformedTrajectory(f"trajectory of task {t.task_id!r} returned for task {task_id!r}")
+    for name in ("prompt_ids", "completion_ids", "completion_mask", "completion_logprobs", "weight_versions"):
+        value = getattr(t, name)
+        if not isinstance(value, list):
+            raise MalformedTrajectory(f"{name} must be a list, not {type(value).__name__}")
+    n = len(t.completion_ids)
     if not t.prompt_ids:
         raise MalformedTrajectory("empty prompt_ids")
     if len(t.completion_mask) != n or len(t.completion_logprobs) != n:
@@ -61,6 +65,12 @@ def check_trajectory(t: Trajectory, task_id: str, seq_len: int) -> None:
         raise MalformedTrajectory("token ids must be non-negative integers")
     if any(m not in (0, 1) for m in t.completion_mask) or sum(t.completion_mask) < 1:
         raise MalformedTrajectory("completion_mask must be 0/1 with at least one sampled token")
+    if not all(isinstance(v, int) and v >= 0 for v in t.weight_versions):
+        raise MalformedTrajectory(f"weight_versions {t.weight_versions!r} must be non-negative integers")
+    if not isinstance(t.turns, list) or not all(
+        isinstance(x, dict) and "finish_reason" in x for x in t.turns
+    ):
+        raise MalformedTrajectory("turns must be a list of dicts with a finish_reason")
     if not all(isinstance(x, int | float) and math.isfinite(x) for x in t.completion_logprobs):
         raise MalformedTrajectory("completion_logprobs must be finite numbers")
     if not isinstance(t.reward, int | float) or not math.isfinite(t.reward):
@@ -82,9 +92,13 @@ async def play_group(
     seq_len: int,
 ) -> list[Trajectory]:
     """`n` checked trajectories of one task; raises RolloutTimeout or MalformedTrajectory."""
+    deadline = asyncio.timeout(timeout)
     try:
-        trajectories = await asyncio.wait_for(env.rollout_group(task, client, sampling, n), timeout)
+        async with deadline:
+            trajectories = await env.rollout_group(task, client, sampling, n)
     except TimeoutError:
+        if not deadline.expired():
+            raise  # the environment's own timeout: its message says what it waited for
         raise RolloutTimeout(f"no result within rollout_timeout ({timeout:g}s)") from None
     if len(trajectories) != n:
         raise MalformedTrajectory(f"returned {len(trajectories)} trajectories, expected {n}")
@@ -215,8 +229,10 @@ class RolloutCollector:
                     name = self.members[e].name
                     try:
                         group = future.result()
-                    except ServerUnavailable:
-                        raise
+                    except ServerUnavailable as down:  # the run stops, naming the group it stopped at
+                        raise ServerUnavailable(
+                            f"step {step}: rollout of {self.where(name, task_id)}: {down}"
+                        ) from None
                     except Exception as error:
                         self.record_failure(batch, name, task_id, error, max_failures)
                         launch(e)
@@ -238,6 +254,10 @@ class RolloutCollector:
         batch.seconds = time.perf_counter() - start
         return batch
 
+    def where(self, env: str, task_id: str) -> str:
+        """A group as logs name it: its task, and its environment when the run mixes several."""
+        return f"task {task_id}" if len(self.members) == 1 else f"env {env} task {task_id}"
+
     def record_failure(
         self, batch: StepBatch, env: str, task_id: str, error: Exception, max_failures: int
     ) -> None:
@@ -245,7 +265,7 @@ class RolloutCollector:
         batch.failed_groups += 1
         batch.failed_by_env[env] = batch.failed_by_env.get(env, 0) + 1
         reason = f"{type(error).__name__}: {error}"
-        where = f"task {task_id}" if len(self.members) == 1 else f"env {env} task {task_id}"
+        where = self.where(env, task_id)
         batch.errors.append(f"{where}: {reason}")
         log.error("step %d: rollout of %s failed: %s", batch.step, where, reason)
         log.debug("traceback of %s", where, exc_info=error)
