@@ -161,6 +161,29 @@ def test_a_server_that_stops_answering_stops_the_step_naming_server_and_task(tmp
     ), raised.value
 
 
+def test_an_evaluation_stopped_by_a_silent_server_names_env_and_task(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    cfg = config(url, tmp_path, client={"max_retries": 0})
+
+    async def evaluate() -> None:
+        pool = ServerPool(cfg.servers, cfg.client)
+        try:
+            await run_eval(
+                [Member("faulty", FaultyEnv({}))], pool, 1, SamplingConfig(max_tokens=8), 1, 5.0, 96
+            )
+        finally:
+            await pool.close()
+
+    with pytest.raises(ServerUnavailable) as raised:
+        asyncio.run(evaluate())
+    assert re.fullmatch(
+        rf"eval rollout of env faulty task eval-0-\d+: inference server {url} did not answer .*",
+        str(raised.value),
+    ), raised.value
+
+
 def test_an_evaluation_counts_broken_tasks_as_failed_and_scores_the_rest(server: str, tmp_path: Path) -> None:
     cfg = config(server, tmp_path)
     env = FaultyEnv({"eval-0-1": "raise", "eval-0-4": "nan"})

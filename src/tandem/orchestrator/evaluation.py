@@ -53,8 +53,10 @@ async def run_eval(
         async with pool.lease() as client:
             try:
                 trajectories = await play_group(member.env, task, client, sampling, n, timeout, seq_len)
-            except ServerUnavailable:
-                raise
+            except ServerUnavailable as down:  # the run stops, naming the rollout it stopped at
+                raise ServerUnavailable(
+                    f"eval rollout of env {member.name} task {task.task_id}: {down}"
+                ) from None
             except Exception as e:
                 reason = f"{type(e).__name__}: {e}"
                 log.error("eval rollout of env %s task %s failed: %s", member.name, task.task_id, reason)
