@@ -11,6 +11,7 @@ sending bucket k. Nothing larger than one bucket is ever held beyond the model i
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from tandem.transport.shared_buffers import SharedBuffers
 from tandem.transport.weight_buckets import Bucket, TensorSpec, bucket_layout, slot_bytes
@@ -200,7 +201,7 @@ class WeightSender:
         for k, bucket in enumerate(layout):
             slot = k % SLOTS
             if pending[slot] is not None:
-                pending[slot].wait()
+                self._sent(pending[slot], version, k - SLOTS, len(layout))
                 pending[slot] = None
             if self.consumers and k >= SLOTS:
                 self._wait_freed(version, k - SLOTS, until)
@@ -215,9 +216,19 @@ class WeightSender:
                 self.link.put(f"filled/{version}/{self.rank}/{k}", "")
         if next(stream, None) is not None:
             raise TransferError(f"{self.side}: the weight stream yielded more tensors than its specs")
-        for work in pending:
-            if work is not None:
-                work.wait()
+        for k in range(max(0, len(layout) - SLOTS), len(layout)):
+            if pending[k % SLOTS] is not None:
+                self._sent(pending[k % SLOTS], version, k, len(layout))
+
+    def _sent(self, work: dist.Work, version: int, k: int, buckets: int) -> None:
+        """Wait for bucket k's broadcast; a failed or timed-out one (the group's own timeout,
+        weights.transfer_timeout_s) ends the run with one line naming the version and bucket."""
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise TransferError(
+                f"{self.side}: policy version {version}: bucket {k + 1} of {buckets} was not sent: {e}"
+            ) from None
 
     def _next(self, stream: Iterator[tuple[str, torch.Tensor]], spec: TensorSpec) -> torch.Tensor:
         """The stream's next tensor, which must be the one `spec` announced."""
