@@ -3,9 +3,10 @@
 import subprocess
 import sys
 from pathlib import Path
+from typing import Annotated, Literal
 
 import pytest
-from pydantic import Field
+from pydantic import Discriminator, Field, Tag
 
 from tandem.config import ConfigError, ModelConfig, Section, build_config, parse_config, to_toml
 from tandem.config.loader import split_args
@@ -179,3 +180,79 @@ def test_section_default_instances_keep_their_values(tmp_path: Path) -> None:
     a = write(tmp_path / "a.toml", "[custom.optim]\nbetas = [0.5, 0.6]\n")
     cfg = parse_config(Top, ["@", str(a)])
     assert (cfg.custom.optim.lr, cfg.custom.optim.betas) == (5e-6, [0.5, 0.6])
+
+
+def test_a_number_is_not_true_or_false(tmp_path: Path) -> None:
+    """Pydantic would read true as 1: `--max_steps` with its value forgotten, or `lr = true`."""
+    with pytest.raises(ConfigError, match="'max_steps': expects a number, not true/false"):
+        parse_config(Root, ["--max_steps"])
+    a = write(tmp_path / "a.toml", "[trainer.optim]\nlr = true\n")
+    with pytest.raises(ConfigError, match="'trainer.optim.lr': expects a number"):
+        parse_config(Root, ["@", str(a)])
+
+    class Limits(Section):
+        limit: int | None = None
+        on: bool | int = 0
+
+    with pytest.raises(ConfigError, match="'limit': expects a number"):
+        parse_config(Limits, ["--limit"])
+    assert parse_config(Limits, ["--on"]).on is True  # a field that takes booleans still does
+
+
+def test_a_config_path_that_is_a_directory(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=f"config file {tmp_path} is a directory"):
+        parse_config(Root, ["@", str(tmp_path)])
+
+
+class Plain(Section):
+    type: Literal["plain"] = "plain"
+    scale: float = 1.0
+
+
+class Clipped(Section):
+    type: Literal["clipped"]
+    clip: float
+
+
+class WithUnions(Section):
+    loss: Annotated[
+        Annotated[Plain, Tag("plain")] | Annotated[Clipped, Tag("clipped")],
+        Discriminator(lambda v: v.get("type", "plain") if isinstance(v, dict) else v.type),
+    ] = Plain()
+    modules: list[str] | str = "all"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--loss.bogus", "1"], "unknown key 'loss.bogus'"),
+        (["--loss.type", "clipped"], "missing required key 'loss.clip'"),
+        (["--loss.type", "clipped", "--loss.clip", "x"], "'loss.clip': Input should be a valid number"),
+        (["--modules", "3"], "'modules': Input should be a valid list (got 3); 'modules': Input should"),
+    ],
+)
+def test_errors_name_keys_not_union_members(argv: list[str], message: str) -> None:
+    """Pydantic puts the union member it tried in the error's location (`loss.plain.bogus`)."""
+    with pytest.raises(ConfigError) as info:
+        parse_config(WithUnions, argv)
+    assert str(info.value).startswith(f"invalid config: {message}"), str(info.value)
+
+
+def test_a_shared_field_error_is_named_once() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(Root, ["--seq_len", "x", "--model.dtype", "fp8"])
+    problems = str(info.value).removeprefix("invalid config: ").split("; ")
+    assert [p.split("'")[1] for p in problems] == ["model.dtype", "seq_len"]
+    with pytest.raises(ConfigError) as info:  # set in a section too: both are named
+        parse_config(Root, ["--seq_len", "x", "--trainer.seq_len", "y"])
+    assert [p.split("'")[1] for p in str(info.value).split(": ", 1)[1].split("; ")] == [
+        "seq_len",
+        "trainer.seq_len",
+    ]
+
+
+def test_a_key_written_in_both_spellings_in_one_file(tmp_path: Path) -> None:
+    """TOML refuses a key written twice; `batch-size` and `batch_size` are one key here too."""
+    a = write(tmp_path / "a.toml", "[orchestrator]\nbatch_size = 8\nbatch-size = 16\n")
+    with pytest.raises(ConfigError, match=f"{a}: key 'orchestrator.batch_size' is written twice"):
+        parse_config(Root, ["@", str(a)])

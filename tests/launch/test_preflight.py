@@ -61,6 +61,12 @@ def bad_inputs(tmp_path: Path, model: Path) -> dict[str, tuple[list[str], str]]:
             ["--trainer.loss.type", "custom", "--trainer.loss.import_path", "my_losses:ratio"],
             "trainer.loss.import_path 'my_losses:ratio' cannot be imported: no module named 'my_losses'",
         ),
+        "config path that is a directory": (["@", str(tmp_path)], f"config file {tmp_path} is a directory"),
+        "number key given no value": (["--max_steps"], "'max_steps': expects a number, not true/false"),
+        "key of the loss, under another loss type": (
+            ["--trainer.loss.type", "ppo_clip", "--trainer.loss.bogus", "1"],
+            "unknown key 'trainer.loss.bogus'",
+        ),
         "non-finite number": (
             ["--trainer.optim.lr", "inf"],
             "'trainer.optim.lr': Input should be a finite number",
@@ -89,7 +95,7 @@ def test_each_bad_input_is_one_line_before_anything_starts(
     for why, (argv, message) in bad_inputs(tmp_path, model).items():
         err = rl_error([*base, *argv], capsys)
         assert message in err and err.count("\n") == 1, (why, err)
-        assert not (run_dir / "configs").exists() and not (run_dir / "logs").exists(), why
+        assert not run_dir.exists(), why  # not even an empty run directory
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -1,8 +1,10 @@
 """Base class for every tandem config section: strict, typed, and written once."""
 
-from typing import Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 
 class Section(BaseModel):
@@ -12,6 +14,26 @@ class Section(BaseModel):
     model_config = ConfigDict(
         extra="forbid", validate_assignment=True, validate_default=True, allow_inf_nan=False
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def no_bool_for_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """Pydantic reads true as 1 where a number is expected; a `--key` given no value is true."""
+        if (
+            isinstance(value, bool)
+            and info.field_name
+            and takes_number(cls.model_fields[info.field_name].annotation)
+        ):
+            raise PydanticCustomError(
+                "bool_for_number", "expects a number, not true/false (a --key given no value is true)"
+            )
+        return value
+
+
+def takes_number(annotation: Any) -> bool:
+    """Whether a field's type is a number and not a boolean (`int`, `float | None`, ...)."""
+    types = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    return bool({int, float} & set(types)) and bool not in types
 
 
 class ModelConfig(Section):

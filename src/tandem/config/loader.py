@@ -5,7 +5,7 @@
 `@ FILE` (or `@FILE`) arguments are merged left to right, then each `--section.key value`
 override is applied. Keys may be written in kebab-case or snake_case. Values on the command
 line are read as TOML values when they parse as one (`3e-4`, `true`, `[1, 2]`) and as plain
-strings otherwise. A flag with no value (`--resume`) means `true`.
+strings otherwise. A flag with no value (`--resume`) means `true` (an error for a number key).
 
 Shared fields (see `SHARED_FIELDS`) set at the top level are copied into every sub-section that
 declares a field of the same name, unless that sub-section sets its own value.
@@ -15,10 +15,11 @@ import sys
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from types import UnionType
+from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
 
 import tomli_w
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Tag, ValidationError
 
 from tandem.config.base import SHARED_FIELDS
 
@@ -29,12 +30,19 @@ class ConfigError(ValueError):
     """A config problem a user can fix; its message is one line naming the key or file."""
 
 
-def normalise_keys(data: Any) -> Any:
-    """kebab-case keys → snake_case, recursively."""
+def normalise_keys(data: Any, prefix: str = "") -> Any:
+    """kebab-case keys → snake_case, recursively; a key written both ways is an error (TOML
+    refuses a key written twice, but sees two keys here)."""
     if isinstance(data, dict):
-        return {str(k).replace("-", "_"): normalise_keys(v) for k, v in data.items()}
+        normalised: dict[str, Any] = {}
+        for key, value in data.items():
+            snake = str(key).replace("-", "_")
+            if snake in normalised:
+                raise ConfigError(f"key '{prefix}{snake}' is written twice: in kebab-case and in snake_case")
+            normalised[snake] = normalise_keys(value, f"{prefix}{snake}.")
+        return normalised
     if isinstance(data, list):
-        return [normalise_keys(v) for v in data]
+        return [normalise_keys(v, prefix) for v in data]
     return data
 
 
@@ -50,17 +58,23 @@ def deep_merge(base: dict, update: dict) -> dict:
 
 
 def read_toml(path: Path) -> dict:
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory: give a .toml file in it")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
         with path.open("rb") as f:
-            return normalise_keys(tomllib.load(f))
+            data = tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"malformed TOML in {path}: {e}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(
             f"{path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})"
         ) from None
+    try:
+        return normalise_keys(data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
 
 
 def parse_value(text: str) -> Any:
@@ -146,19 +160,71 @@ def spread_shared_fields(cls: type[BaseModel], data: dict) -> dict:
     return data
 
 
-def format_validation_error(error: ValidationError) -> str:
-    problems = []
+def _unwrap(annotation: Any) -> Any:
+    """`Annotated[X, ...]` and `X | None` → X; a union of several types stays as it is."""
+    while True:
+        if get_origin(annotation) is Annotated:
+            annotation = get_args(annotation)[0]
+        elif get_origin(annotation) in (Union, UnionType):
+            rest = [a for a in get_args(annotation) if a is not type(None)]
+            if len(rest) > 1:
+                return annotation
+            annotation = rest[0]
+        else:
+            return annotation
+
+
+def _union_member(annotation: Any, label: int | str) -> Any:
+    """The member of a tagged union that `label` tags (None if untagged or not a union)."""
+    for member in get_args(annotation):
+        tags = (
+            [m.tag for m in get_args(member)[1:] if isinstance(m, Tag)]
+            if get_origin(member) is Annotated
+            else []
+        )
+        if label in tags:
+            return member
+    return None
+
+
+def key_path(cls: type[BaseModel] | None, loc: tuple[int | str, ...]) -> str:
+    """The dotted key an error's location names. Pydantic adds the union member it tried
+    (`trainer.loss.ppo_clip.clip`, `lora.target_modules.str`): no key the user wrote."""
+    keys: list[str] = []
+    node: Any = cls
+    for part in loc:
+        node = _unwrap(node)
+        if get_origin(node) in (Union, UnionType):
+            node = _union_member(node, part)
+            continue
+        fields = node.model_fields if isinstance(node, type) and issubclass(node, BaseModel) else {}
+        node = fields[part].annotation if part in fields else None
+        keys.append(str(part))
+    return ".".join(keys) or "<root>"
+
+
+def format_validation_error(error: ValidationError, cls: type[BaseModel] | None = None) -> str:
+    """All of `error`'s problems in one line, keys named as written (given `cls`, the validated
+    model). A shared field's problem is named once, not again for each section it flowed into."""
+    problems: dict[tuple[str, str], str] = {}  # (key, what is wrong) → the text naming both
     for item in error.errors():
-        path = ".".join(str(p) for p in item["loc"]) or "<root>"
+        key = key_path(cls, item["loc"])
         if item["type"] == "extra_forbidden":
-            problems.append(f"unknown key '{path}'")
+            what, text = "unknown", f"unknown key '{key}'"
         elif item["type"] == "missing":
-            problems.append(f"missing required key '{path}'")
+            what, text = "missing", f"missing required key '{key}'"
         else:
             given = item.get("input")
-            shown = f" (got {given!r})" if not isinstance(given, dict | list) else ""
-            problems.append(f"'{path}': {item['msg']}{shown}")
-    return "invalid config: " + "; ".join(problems)
+            what = item["msg"] + (f" (got {given!r})" if not isinstance(given, dict | list) else "")
+            text = f"'{key}': {what}"
+        problems.setdefault((key, what), text)
+    shared = [(key, what) for key, what in problems if key.split(".")[0] in SHARED_FIELDS]
+    texts = [
+        text
+        for (key, what), text in problems.items()
+        if not any(key.endswith(f".{top}") and what == same for top, same in shared)
+    ]
+    return "invalid config: " + "; ".join(texts)
 
 
 def build_config(cls: type[C], files: Sequence[Path] = (), overrides: Sequence[tuple[str, Any]] = ()) -> C:
@@ -171,7 +237,7 @@ def build_config(cls: type[C], files: Sequence[Path] = (), overrides: Sequence[t
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e)) from None
+        raise ConfigError(format_validation_error(e, cls)) from None
 
 
 def to_toml(config: BaseModel) -> str:

@@ -25,7 +25,8 @@ from tandem.transport.resume import check_fresh_start
 
 
 def preflight(plan: RunPlan, create: bool) -> None:
-    """Raise on the first problem; `create`: make the run directory (not under --dry-run)."""
+    """Raise on the first problem; `create`: then make the run directory (not under --dry-run),
+    last, so that a failed check leaves no empty run directory behind."""
     config = plan.config
     check_model_source(plan.orchestrator.model.name)
     if plan.orchestrator.monitor.wandb_enabled:
@@ -33,7 +34,7 @@ def preflight(plan: RunPlan, create: bool) -> None:
     if plan.runs_trainer:
         check_attention_package(plan.trainer.model.attention)
         check_expert_parallel(plan.trainer.model.name, plan.trainer.parallel.ep)
-    check_run_dir(config.run_dir, create)
+    check_run_dir(config.run_dir)
     if not config.resume:
         check_fresh_start(config.run_dir)
     check_ports(plan)
@@ -44,6 +45,8 @@ def preflight(plan: RunPlan, create: bool) -> None:
     if counters is not None:
         for member in members:
             check_prompt_lengths(member.env, plan.orchestrator, *counters)
+    if create:
+        make_run_dir(config.run_dir)
 
 
 def check_attention_package(attention: str) -> None:
@@ -59,19 +62,21 @@ def check_attention_package(attention: str) -> None:
         )
 
 
-def check_run_dir(run_dir: Path, create: bool) -> None:
-    """run_dir exists as a writable directory or can be made (made when `create`)."""
+def check_run_dir(run_dir: Path) -> None:
+    """run_dir exists as a writable directory or can be made."""
     existing = next(p for p in [run_dir, *run_dir.absolute().parents] if p.exists())
     if not existing.is_dir():
         where = "it is a file" if existing == run_dir else f"{existing} is a file"
         raise UserError(f"run_dir {run_dir} cannot be created: {where}")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"run_dir {run_dir} cannot be created: {existing} is not writable")
-    if create:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UserError(f"run_dir {run_dir} cannot be created: {e.strerror}") from None
+
+
+def make_run_dir(run_dir: Path) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"run_dir {run_dir} cannot be created: {e.strerror}") from None
 
 
 def check_ports(plan: RunPlan) -> None:

@@ -178,7 +178,9 @@ def updated(name: str, model: M, updates: dict[str, Any]) -> M:
     try:
         return type(model).model_validate(data)
     except ValidationError as e:
-        raise ConfigError(f"{format_validation_error(e)} (in the resolved {name or 'rl'} config)") from None
+        raise ConfigError(
+            f"{format_validation_error(e, type(model))} (in the resolved {name or 'rl'} config)"
+        ) from None
 
 
 def _plain(value: Any) -> Any:
