@@ -363,6 +363,12 @@ BAD_COMPLETIONS = [
     ({"prompt": "x" * (MAX_MODEL_LEN - 20), "max_tokens": 100}, 400, "max_tokens"),
     ({"max_tokens": 3}, 400, "prompt"),
     ({"prompt": "x", "model": "no-such-model"}, 404, "model"),
+    ({"prompt": "x", "stream": 5}, 400, "stream"),
+    (
+        {"prompt": "x", "stream": True, "stream_options": {"include_usage": 5}},
+        400,
+        "stream_options.include_usage",
+    ),
 ]
 
 
@@ -401,6 +407,19 @@ def test_bad_chat_requests(server: Any, body: dict) -> None:
     response = httpx.post(server.base_url + "/chat/completions", json=body, timeout=30)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["type"] == "BadRequestError"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_template_that_renders_nothing_is_a_400_naming_messages(server: Any, stream: bool) -> None:
+    """Refused before a stream begins, not by the engine as an error event after a 200."""
+    body = {
+        "messages": [{"role": "user", "content": "x"}],
+        "chat_template_kwargs": {"chat_template": "{{ '' }}"},
+        "stream": stream,
+    }
+    response = httpx.post(server.base_url + "/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "messages"
 
 
 def test_malformed_json_and_unknown_routes(server: Any, client: openai.OpenAI) -> None:

@@ -140,6 +140,23 @@ def test_bad_checkpoints_keep_the_old_weights(
         assert server.post("/update_weights", body).status_code == 400
 
 
+def test_unreadable_weight_paths_are_400s_naming_the_path(server: InProcessServer) -> None:
+    live = server.greedy()
+    for body in ({"path": "~no-such-user-here/weights"}, {"path": "/" + "a" * 5000}):
+        response = server.post("/update_weights", body)
+        assert response.status_code == 400, response.text[:300]
+        assert response.json()["error"]["param"] == "path", response.text[:300]
+    surrogate = httpx.post(  # a lone surrogate, valid JSON that httpx's json= would not encode
+        server.url + "/update_weights",
+        content=b'{"path": "/tmp/\\ud800"}',
+        headers={"authorization": f"Bearer {API_KEY}", "content-type": "application/json"},
+    )
+    assert surrogate.status_code == 400 and surrogate.json()["error"]["param"] == "path", surrogate.text
+    response = server.post("/update_weights")
+    assert response.status_code == 400 and "no body" in response.json()["error"]["message"], response.text
+    assert server.greedy() == live
+
+
 def test_an_idle_kept_alive_connection_outlives_the_clients_expiry(server: InProcessServer) -> None:
     """A connection idle for longer than httpx's 5 s keep-alive expiry is still open, so a client
     never sends on a connection the server is closing at the same moment."""

@@ -5,7 +5,9 @@ with vLLM's conventions (type = the error's class name, code = the HTTP status),
 the same shape from the native and the vLLM backend.
 """
 
+import json
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -49,8 +51,17 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
     }
 
 
+class ErrorResponse(JSONResponse):
+    """JSON in ASCII: a message that quotes the client's text still renders when that text holds a
+    lone surrogate (JSON escapes allow one, and FastAPI's parser of the admin routes lets it through),
+    which JSONResponse's UTF-8 cannot encode."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
+
+
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
+    return ErrorResponse(error_body(status, message, param), status_code=status)
 
 
 def describe_validation_error(error: RequestValidationError) -> tuple[str, str | None]:
@@ -60,10 +71,13 @@ def describe_validation_error(error: RequestValidationError) -> tuple[str, str |
     for item in error.errors():
         loc = [str(p) for p in item.get("loc", ()) if p != "body"]
         # pydantic puts the union member's type name into the path; it means nothing to a client
-        loc = [p for p in loc if not p.startswith(("list[", "str", "int", "function-"))]
+        loc = [p for p in loc if p not in ("str", "int") and not p.startswith(("list[", "function-"))]
         path = ".".join(loc)
         if item.get("type") == "json_invalid":
             problems.append(f"malformed JSON: {item.get('ctx', {}).get('error', item.get('msg'))}")
+            continue
+        if not path and item.get("type") == "missing":  # (FastAPI's routes: no body at all)
+            problems.append("the request has no body; expected a JSON object")
             continue
         message = str(item.get("msg", "invalid value"))
         problems.append(f"{path}: {message}" if path else message)

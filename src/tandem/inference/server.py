@@ -10,6 +10,7 @@ import asyncio
 import base64
 import itertools
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -151,7 +152,10 @@ class Server:
             )
         except Exception as e:  # jinja errors, raise_exception() in templates, bad kwargs
             raise APIError(400, f"cannot apply the chat template: {e}", "messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:  # refused here, not by the engine: a stream would already have begun
+            raise APIError(400, "the chat template rendered these messages as an empty prompt", "messages")
+        return ids
 
     # --- pause gate -----------------------------------------------------------------------------
 
@@ -262,8 +266,8 @@ class Server:
     # --- weights --------------------------------------------------------------------------------
 
     def weights_path(self, req: UpdateWeightsRequest) -> Path:
-        if req.path is not None:
-            return Path(req.path).expanduser()
+        if req.path is not None:  # (os.path leaves an unknown user's ~name be; pathlib raises)
+            return Path(os.path.expanduser(req.path))
         if self.config.run_dir is None:
             raise APIError(400, "'step' needs the server to know the run directory (set run_dir)", "step")
         return weights_dir(self.config.run_dir, req.step)

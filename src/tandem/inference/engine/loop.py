@@ -180,7 +180,11 @@ class CoreLoop:
 
     def _read_update(self, path: Path) -> Callable[[], Any]:
         """Read and check a weights directory; what gives its tensors."""
-        if not is_adapter_dir(path):
+        try:
+            adapter_dir = is_adapter_dir(path)
+        except OSError as e:  # a name too long, a directory this process may not read
+            raise WeightLoadError(f"cannot read '{path}': {e.strerror}") from None
+        if not adapter_dir:
             tensors = read_checkpoint(path, self.core.model)
             return lambda: self.lora.full(tensors)
         config, adapter = read_adapter(path)
