@@ -256,3 +256,20 @@ def test_a_key_written_in_both_spellings_in_one_file(tmp_path: Path) -> None:
     a = write(tmp_path / "a.toml", "[orchestrator]\nbatch_size = 8\nbatch-size = 16\n")
     with pytest.raises(ConfigError, match=f"{a}: key 'orchestrator.batch_size' is written twice"):
         parse_config(Root, ["@", str(a)])
+
+
+def test_a_temperature_the_servers_cannot_sample_is_refused() -> None:
+    from tandem.launch.config import RLConfig
+
+    with pytest.raises(
+        ConfigError, match=r"'orchestrator.sampling.temperature': .*must be 0 \(greedy\) or at least"
+    ):
+        parse_config(
+            RLConfig,
+            [
+                "@",
+                str(Path(__file__).parents[2] / "examples/reverse_text/rl.toml"),
+                "--orchestrator.sampling.temperature",
+                "1e-9",
+            ],
+        )

@@ -344,6 +344,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "n": 0}, 400, "n"),
     ({"prompt": "x", "n": MAX_N + 1}, 400, "n"),
     ({"prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ({"prompt": "x", "temperature": 1e-45}, 400, "temperature"),  # (was a 200 of NaN logprobs)
     ({"prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ({"prompt": "x", "top_k": -2}, 400, "top_k"),

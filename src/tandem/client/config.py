@@ -1,10 +1,11 @@
 """Configuration of tandem's clients of inference servers: how a request samples and how the client
 retries (`[orchestrator.sampling]`, `[orchestrator.client]`, and the same sections of `evaluate`)."""
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from tandem.client.seeds import derive_seed
 from tandem.config.base import Section
+from tandem.inference.protocol import MIN_TEMPERATURE
 
 
 class SamplingConfig(Section):
@@ -20,6 +21,13 @@ class SamplingConfig(Section):
         "from its own stream); unset = the servers' own randomness. The orchestrator sets it per group "
         "when seeded_sampling is on.",
     )
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_or_usable(cls, temperature: float) -> float:
+        if 0 < temperature < MIN_TEMPERATURE:  # the servers refuse it: their logits would overflow
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
+        return temperature
 
     def for_part(self, *part: int) -> "SamplingConfig":
         """The sampling of one part of a seeded request's work that an environment sends as a

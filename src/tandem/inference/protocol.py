@@ -18,6 +18,9 @@ MAX_TOP_LOGPROBS = 20
 TokenId = Annotated[StrictInt, Field(ge=0)]
 
 
+MIN_TEMPERATURE = 1e-6
+
+
 class APIModel(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
@@ -54,6 +57,15 @@ class SamplingFields(APIModel):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     prompt_logprobs: int | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_greedy_or_usable(cls, temperature: float | None) -> float | None:
+        """Logits divided by a temperature this close to 0 overflow to inf, and the sampled
+        tokens and logprobs become NaN garbage: greedy is 0."""
+        if temperature is not None and 0 < temperature < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
+        return temperature
 
     @field_validator("stop")
     @classmethod
