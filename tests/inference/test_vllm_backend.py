@@ -297,6 +297,9 @@ def test_bad_requests_get_vllms_400(server: Any, admin: httpx.Client) -> None:
     )
     assert 400 <= malformed.status_code < 500
     assert admin.post("/update_weights", json={"path": "x", "step": 1}).status_code == 400
+    for path in ("~nosuchuser/x", "/" + "a" * 5000):  # (500s before: pathlib on an unknown user, a long name)
+        refused = admin.post("/update_weights", json={"path": path})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "path", refused.text
 
 
 def test_pause_holds_new_requests_until_resume(client: openai.OpenAI, admin: httpx.Client) -> None:

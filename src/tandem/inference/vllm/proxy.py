@@ -22,6 +22,7 @@ is sent to it (its `model` names the adapter; responses name the served model as
 import asyncio
 import json
 import logging
+import os
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -198,11 +199,17 @@ class VLLMFront:
     # --- admin -----------------------------------------------------------------------------------
 
     def weights_path(self, req: UpdateWeightsRequest) -> Path:
-        if req.path is not None:
-            return Path(req.path).expanduser().resolve()
-        if self.config.run_dir is None:
+        if req.path is None and self.config.run_dir is None:
             raise APIError(400, "'step' needs the server to know the run directory (set run_dir)", "step")
-        return weights_dir(self.config.run_dir, req.step).resolve()
+        path = (
+            Path(os.path.expanduser(req.path))
+            if req.path is not None
+            else weights_dir(self.config.run_dir, req.step)
+        )
+        try:  # (os.path leaves an unknown user's ~name be, where pathlib raises)
+            return path.resolve()
+        except (OSError, RuntimeError) as e:  # a name too long, a symlink loop
+            raise APIError(400, f"cannot read weights path '{path}': {e}", "path") from None
 
     async def rpc(self, method: str, args: list, timeout_s: float) -> list[dict]:
         """Call a worker-extension method on every vLLM worker; their results."""
