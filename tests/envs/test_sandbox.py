@@ -283,6 +283,74 @@ def test_limits_hold_against_programs_that_ignore_signals_and_start_sessions(mod
     assert capped.stdout.split() == ["7", "11"], capped.stderr  # EAGAIN with 8 tasks
 
 
+UNTIE = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+high = ctypes.c_long((1 << 32) | 1)  # prctl's option is an int: the kernel drops the high bits
+print('untied:', libc.prctl(1, 0, 0, 0, 0), libc.syscall(157, high, 0, 0, 0, 0), flush=True)
+os.setsid()  # out of the runner's process group too
+os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', sys.argv[1]])
+"""
+"""Clears its parent-death signal (PR_SET_PDEATHSIG 0, also with high bits set), starts a session
+and sleeps with `argv[1]` (a marker) on its command line."""
+
+
+def marked(marker: str) -> list[Path]:
+    return [p for p in Path("/proc").glob("[0-9]*") if marker in read_cmdline(p)]
+
+
+def test_a_program_cannot_untie_itself_from_the_runner(mode: str) -> None:
+    """Were PID 1 to clear its PDEATHSIG and leave the runner's process group, nothing would kill
+    it at the wall-clock limit: it would outlive the run (and hold the output pipes open)."""
+    marker = uuid.uuid4().hex
+    source = f"import sys\nsys.argv[1:] = [{marker!r}]\n" + UNTIE
+    result = run(source, mode, Limits(wall_seconds=1.5))
+    assert result.timed_out and result.error is None
+    assert result.stdout == "untied: -1 -1\n", result.stdout  # both refused
+    time.sleep(0.3)
+    assert marked(marker) == []
+
+
+CALLER = """
+import asyncio, os, sys
+from tandem.envs.sandbox import Limits, Sandbox
+source = "import os, sys\\nos.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', %r])"
+sandbox = Sandbox(Limits(wall_seconds=60), isolation=sys.argv[1])
+asyncio.run(sandbox.run(source % os.environ["MARKER"]))
+"""
+
+
+def test_the_program_dies_with_its_caller(mode: str) -> None:
+    """A caller killed mid-run (SIGKILL, the OOM killer) takes its sandboxed programs with it."""
+    marker = uuid.uuid4().hex  # in the environment of the caller, on the command line of the program
+    env = {**os.environ, "MARKER": marker}
+    caller = subprocess.Popen([sys.executable, "-c", CALLER, mode], env=env)
+    try:
+        deadline = time.monotonic() + 20
+        while not marked(marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marked(marker), "the program did not start"
+    finally:
+        caller.kill()
+        caller.wait()
+    deadline = time.monotonic() + 3
+    while marked(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert marked(marker) == []
+
+
+def test_memory_no_process_maps_is_refused(mode: str) -> None:
+    """Detached System V segments, message queues and memfds hold memory RLIMIT_AS never counts."""
+    source = TRY + (
+        "attempt('shmget', lambda: call(libc.shmget(0, 1 << 20, 0o1600)))\n"
+        "attempt('msgget', lambda: call(libc.msgget(0, 0o1600)))\n"
+        "attempt('semget', lambda: call(libc.semget(0, 1, 0o1600)))\n"
+        "attempt('memfd', lambda: os.memfd_create('x'))\n"
+    )
+    outcome = lines(run(source, mode, Limits(memory_mb=128)))
+    assert len(outcome) == 4 and all(v.startswith("refused") for v in outcome.values()), outcome
+
+
 def read_cmdline(process: Path) -> str:
     try:
         return (process / "cmdline").read_bytes().decode(errors="replace")

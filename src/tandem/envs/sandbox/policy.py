@@ -11,10 +11,13 @@ the runner or bwrap loads it as the last step before the program. It refuses wit
 and every other mount-API call, pivot_root, chroot, unshare, setns and clone into new namespaces,
 ptrace, process_vm_readv/writev, the pidfd calls, io_uring (it would run calls outside the filter),
 bpf, perf_event_open, userfaultfd, keyrings, kernel modules, kexec, reboot, swap, quotas,
-open_by_handle_at, syslog; socket() and socketpair() of every family the task did not allow
-(none by default, AF_UNIX included); and, unless the task allows processes, fork, vfork and
-clone without CLONE_THREAD (threads still work; clone3 answers ENOSYS so libc uses clone, whose
-flags a filter can read). System calls of another ABI (x32, i386 on x86_64) are refused.
+open_by_handle_at, syslog; memfd_create and System V shared memory, message queues and
+semaphores (memory outside RLIMIT_AS: a detached segment lives until its IPC namespace ends);
+prctl(PR_SET_PDEATHSIG), which would untie a process from the runner whose death must kill it;
+socket() and socketpair() of every family the task did not allow (none by default, AF_UNIX
+included); and, unless the task allows processes, fork, vfork and clone without CLONE_THREAD
+(threads still work; clone3 answers ENOSYS so libc uses clone, whose flags a filter can read).
+System calls of another ABI (x32, i386 on x86_64) are refused.
 """
 
 import errno
@@ -37,6 +40,9 @@ ALWAYS_DENIED = (
     "reboot", "swapon", "swapoff", "acct", "quotactl", "quotactl_fd", "open_by_handle_at",
     "name_to_handle_at", "syslog", "lookup_dcookie", "uselib", "iopl", "ioperm", "vhangup",
     "settimeofday", "clock_settime", "clock_adjtime",
+    # memory that no process maps, so RLIMIT_AS does not count it (SysV segments outlive shmdt)
+    "memfd_create", "shmget", "shmat", "shmdt", "shmctl", "msgget", "msgsnd", "msgrcv", "msgctl",
+    "semget", "semop", "semtimedop", "semctl",
 )  # fmt: skip
 UNKNOWN_TO_LIBSECCOMP = -1  # __NR_SCMP_ERROR
 UNIFIED_NUMBERS = {  # calls added since Linux 5.1 have one number on every architecture
@@ -45,6 +51,8 @@ UNIFIED_NUMBERS = {  # calls added since Linux 5.1 have one number on every arch
     "pidfd_open": 434, "clone3": 435, "pidfd_getfd": 438, "mount_setattr": 442, "quotactl_fd": 443,
 }  # fmt: skip
 CLONE_THREAD = 0x00010000
+PR_SET_PDEATHSIG = 1
+INT_MASK = 0xFFFFFFFF  # prctl's option is an int: the kernel ignores the upper 32 bits
 CLONE_NEW_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x80)
 SOCKET_FAMILIES = {"AF_UNIX": socket.AF_UNIX, "AF_INET": socket.AF_INET, "AF_INET6": socket.AF_INET6}
 
@@ -126,6 +134,7 @@ def seccomp_program(socket_families: tuple[str, ...] = (), processes: bool = Fal
     for name in ALWAYS_DENIED:
         add(deny, name)
     add(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    add(deny, "prctl", seccomp.Arg(0, seccomp.MASKED_EQ, INT_MASK, PR_SET_PDEATHSIG))
     for flag in CLONE_NEW_FLAGS:
         add(deny, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
     if not processes:

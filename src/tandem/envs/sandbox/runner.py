@@ -284,9 +284,13 @@ def relay_exit(pid: int) -> None:
 
 
 def enter_namespaces(job: dict, unshared_w: int, mapped_r: int) -> None:
+    """Unshare, then fork PID 1. PDEATHSIG ties this process to the runner as PID 1 is tied to this
+    one, so that the caller's death reaches the program; it is armed after unshare (a change of
+    credentials clears it) and before the runner hears "x" (so the runner is alive then)."""
     try:
         flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
         check(libc.unshare(flags | CLONE_NEWCGROUP), "unshare")
+        check(libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0), "PR_SET_PDEATHSIG")
         os.write(unshared_w, b"x")
         os.close(unshared_w)
         if os.read(mapped_r, 1) != b"x":

@@ -234,8 +234,9 @@ async def supervise(
         timed_out = True
     finally:
         kill(process.pid)  # and with the runner everything inside (PDEATHSIG, PID namespace)
-    if process.returncode is None:
-        await asyncio.wait_for(process.wait(), KILL_GRACE_S)
+    if process.returncode is None:  # wait() also waits for the pipes (below): not past the grace
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(process.wait(), KILL_GRACE_S)
     done, pending = await asyncio.wait(readers, timeout=KILL_GRACE_S)
     for reader in pending:  # something still holds the pipe open: stop listening
         reader.cancel()
