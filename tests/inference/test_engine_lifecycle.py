@@ -295,3 +295,16 @@ def test_a_slow_consumer_gets_the_steps_it_missed_merged(tiny_model: Path) -> No
         assert len(sizes) <= 2 and sizes[-1] > 1  # (the first update may already hold several steps)
 
     asyncio.run(main())
+
+
+def test_a_sample_finished_while_waiting_is_delivered_by_an_idle_engine(tiny_model: Path) -> None:
+    # finish_sample of a sample that waits for a step (not started, or preempted) ends it at once;
+    # before, with nothing else to run, has_work() was False, so no step delivered its end and
+    # the request stayed in the core (found by a randomized stress test of the core).
+    core = EngineCore(config(tiny_model))
+    core.add_request("r", [5, 6, 7], GREEDY, n=1)
+    core.finish_sample("r", 0, "stop")
+    assert core.has_work()
+    ((rid, (update,)),) = core.step()
+    assert (rid, update.index, update.token_ids, update.finish_reason) == ("r", 0, [], "stop")
+    assert not core.has_work() and not core.requests

@@ -141,3 +141,23 @@ def test_a_stream_interval_sends_the_first_tokens_at_once_then_waits(tiny_model:
     assert sum(sizes["every"]) == sum(sizes["spaced"]) == 30
     assert len(sizes["every"]) >= 29  # a delivery per step
     assert sizes["spaced"][0] == 1 and len(sizes["spaced"]) == 2  # the first token, then the rest at the end
+
+
+def test_an_abort_while_the_prompts_last_step_is_in_flight_starts_no_samples(tiny_model: Path) -> None:
+    # The step that finishes a prompt of n > 1 forks it into its samples when its tokens are read;
+    # before, a request aborted while that step was in flight was still forked, and its samples ran
+    # to max_tokens holding KV blocks (found by a randomized stress test of the core).
+    core = make_core(tiny_model)
+    params = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=3)
+    core.add_request("kept", [5, 6, 7], params, 1)
+    core.step()
+    core.add_request("gone", list(range(3, 23)), params, 3)
+    core.step()  # launches the next step, which prefills "gone", before reading this one's tokens
+    assert core._in_flight is not None and core._in_flight.forks
+    core.abort("gone")
+    core.step()
+    assert [s.request.request_id for s in core.scheduler.running + list(core.scheduler.waiting)] == ["kept"]
+    (kept,) = core.scheduler.running
+    assert core.blocks.num_usable - core.blocks.num_free == len(kept.block_table)
+    _, reasons, _ = run(core, {}, lookahead=True)
+    assert reasons == {("kept", 0): "length"}

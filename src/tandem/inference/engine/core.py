@@ -166,7 +166,9 @@ class EngineCore(PromptTransfer):
         self._finish(seq, reason)
 
     def has_work(self) -> bool:
-        return self._in_flight is not None or self.scheduler.has_work()
+        """A step to run, or updates to deliver (a sample that `finish_sample` ended while it
+        waited for a step: with nothing else to run, only a step delivers its end)."""
+        return self._in_flight is not None or self.scheduler.has_work() or bool(self._touched)
 
     @property
     def num_active_requests(self) -> int:
@@ -391,8 +393,11 @@ class EngineCore(PromptTransfer):
         return num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens or num_tokens >= self.max_model_len
 
     def _fork(self, parent: Sequence, index: int) -> Sequence | None:
-        """Sample `index` of `parent`'s request, sharing the prompt's blocks (None if cancelled)."""
+        """Sample `index` of `parent`'s request, sharing the prompt's blocks (None if cancelled,
+        or if the request was aborted while the prompt's last step ran: no sample starts)."""
         request = parent.request
+        if parent.finish_reason == "abort":
+            return None
         if index in request.cancelled:
             self._mark_finished(request, index, request.cancelled.pop(index))
             return None
