@@ -139,47 +139,33 @@ def test_broken_rollouts_fail_their_group_with_task_and_reason_and_the_step_goes
     assert step_metrics(batch, 0.0, 1.0)["groups_failed"] == len(table)
 
 
-def test_a_server_that_stops_answering_stops_the_step_naming_server_and_task(tmp_path: Path) -> None:
+@pytest.mark.parametrize("job", ["step", "eval"])
+def test_a_server_that_stops_answering_stops_the_run_naming_the_rollout(job: str, tmp_path: Path) -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{s.getsockname()[1]}"
     cfg = config(url, tmp_path, client={"max_retries": 0})
 
-    async def collect() -> None:
+    async def run_job() -> None:
         pool = ServerPool(cfg.servers, cfg.client)
         try:
-            await RolloutCollector(FaultyEnv({}), pool, cfg).collect(0)
+            if job == "step":
+                await RolloutCollector(FaultyEnv({}), pool, cfg).collect(0)
+            else:
+                members = [Member("faulty", FaultyEnv({}))]
+                await run_eval(members, pool, 1, SamplingConfig(max_tokens=8), 1, 5.0, 96)
         finally:
             await pool.close()
 
     with pytest.raises(ServerUnavailable) as raised:
-        asyncio.run(collect())
+        asyncio.run(run_job())
+    where = (
+        r"step 0: rollout of task train-0-\d+"
+        if job == "step"
+        else r"eval rollout of env faulty task eval-0-\d+"
+    )
     assert re.fullmatch(
-        rf"step 0: rollout of task train-0-\d+: inference server {url} did not answer a chat completion "
-        "after 1 attempts: .*",
-        str(raised.value),
-    ), raised.value
-
-
-def test_an_evaluation_stopped_by_a_silent_server_names_env_and_task(tmp_path: Path) -> None:
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{s.getsockname()[1]}"
-    cfg = config(url, tmp_path, client={"max_retries": 0})
-
-    async def evaluate() -> None:
-        pool = ServerPool(cfg.servers, cfg.client)
-        try:
-            await run_eval(
-                [Member("faulty", FaultyEnv({}))], pool, 1, SamplingConfig(max_tokens=8), 1, 5.0, 96
-            )
-        finally:
-            await pool.close()
-
-    with pytest.raises(ServerUnavailable) as raised:
-        asyncio.run(evaluate())
-    assert re.fullmatch(
-        rf"eval rollout of env faulty task eval-0-\d+: inference server {url} did not answer .*",
+        rf"{where}: inference server {url} did not answer a chat completion after 1 attempts: .*",
         str(raised.value),
     ), raised.value
 
