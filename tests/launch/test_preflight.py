@@ -67,6 +67,10 @@ def bad_inputs(tmp_path: Path, model: Path) -> dict[str, tuple[list[str], str]]:
             ["--trainer.loss.type", "ppo_clip", "--trainer.loss.bogus", "1"],
             "unknown key 'trainer.loss.bogus'",
         ),
+        "inference.port = 0": (
+            ["--inference.port", "0"],
+            "inference.port = 0 (any free port) leaves the launcher no server URL to wait for",
+        ),
         "non-finite number": (
             ["--trainer.optim.lr", "inf"],
             "'trainer.optim.lr': Input should be a finite number",

@@ -148,10 +148,6 @@ def check_node_shapes(config: RLConfig) -> None:
     """GPU and process counts that cannot fit the nodes fail here, naming the keys."""
     cfg = config.cluster
     gpus = cfg.gpus_per_node or 0
-    if config.inference.port == 0 and not config.deployment.inference_ports:
-        raise ConfigError(
-            "inference.port = 0 (any free port) leaves the launcher no server URL to wait for: give a port"
-        )
     if not is_multi_node(config):
         for key in (
             "servers_per_node",

@@ -81,6 +81,11 @@ def make_run_dir(run_dir: Path) -> None:
 
 def check_ports(plan: RunPlan) -> None:
     for cfg in plan.inference:
+        if cfg.port == 0:  # (a plan may render a server's section with 0; a run cannot start it)
+            raise UserError(
+                "inference.port = 0 (any free port) leaves the launcher no server URL to wait for: "
+                "give a port (or deployment.inference_ports)"
+            )
         with socket.socket() as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will
             try:

@@ -207,9 +207,13 @@ class VLLMFront:
             else weights_dir(self.config.run_dir, req.step)
         )
         try:  # (os.path leaves an unknown user's ~name be, where pathlib raises)
-            return path.resolve()
-        except (OSError, RuntimeError) as e:  # a name too long, a symlink loop
+            path = path.resolve()
+            path.stat()  # here, not in vLLM's workers, whose errors come back as 500s
+        except FileNotFoundError:
+            pass  # the workers refuse it, naming the path
+        except (OSError, RuntimeError) as e:  # a name too long, a symlink loop, no permission
             raise APIError(400, f"cannot read weights path '{path}': {e}", "path") from None
+        return path
 
     async def rpc(self, method: str, args: list, timeout_s: float) -> list[dict]:
         """Call a worker-extension method on every vLLM worker; their results."""
