@@ -47,3 +47,22 @@ def test_a_resumed_run_continues_the_same_wandb_run_without_repeats(
     (run,) = [r["run"] for r in logged if r["type"] == "run"]
     assert run["run_id"] == first.run.id and run["resume"] is True
     assert [r["exit"]["exit_code"] for r in logged if r["type"] == "exit"] == [0]
+
+
+def test_the_forwarder_skips_a_bad_line_naming_it_and_waits_for_a_torn_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    keep_wandb_home_in(tmp_path / "home", monkeypatch)
+    run_dir = tmp_path / "run"
+    MetricsWriter(run_dir / "metrics.jsonl", "trainer").log(0, loss=1.0)
+    path = run_dir / "metrics.jsonl"
+    with path.open("a") as f:  # a bad line, a blank one, a resumed run's record, a torn last line
+        f.write('[1]\n\n{"step": 1, "source": "trainer", "repeated": true, "attempt": 2, "loss": 0.4}\n{"st')
+    run = WandbRun(WandbConfig(mode="offline", project="p"), run_dir, resume=False, config={}, poll_s=0.01)
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(run.wait_for("trainer", 1, timeout_s=10))
+    run.finish(failed=False)
+    assert f"skipped {path}:2: not a metrics record" in caplog.text
+    (offline,) = offline_runs(run_dir)
+    rows = [{k: v for k, v in h.items() if not k.startswith("_")} for h in history(records(offline))]
+    assert rows == [{"trainer/step": 0, "trainer/loss": 1.0}, {"trainer/step": 1, "trainer/loss": 0.4}]

@@ -19,8 +19,10 @@ from tandem.monitor.metrics import read_metrics  # noqa: E402
 
 
 def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
-    points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-    return [p[0] for p in points], [p[1] for p in points]
+    """`key`'s values by step, in step order; of a step logged twice, the later record's value."""
+    points = {r["step"]: r[key] for r in records if r.get(key) is not None}
+    steps = sorted(points)
+    return steps, [points[s] for s in steps]
 
 
 def plot_runs(run_dirs: list[Path], out: Path) -> Path:

@@ -13,7 +13,8 @@ launcher started the orchestrator and named it in TANDEM_RUN_CONFIG; else the or
 own), and every `sample_interval` steps a table of that step's rollouts.
 
 A resumed run continues the same W&B run: run_dir/wandb/forwarded.json keeps the run id and how
-many bytes of metrics.jsonl were forwarded, so no record is sent twice or skipped.
+many bytes of metrics.jsonl were forwarded, so no record is sent twice or skipped. A line that is
+not a record is skipped with a warning naming the file and line (the run goes on).
 """
 
 import asyncio
@@ -28,11 +29,12 @@ from typing import Any
 
 from tandem.cli import UserError
 from tandem.monitor.config import WandbConfig
+from tandem.monitor.metrics import MetricsFileError, parse_line
 
 log = logging.getLogger(__name__)
 RUN_CONFIG_ENV = "TANDEM_RUN_CONFIG"
 STATE_FILE = "forwarded.json"
-NOT_METRICS = ("step", "source", "time", "repeated")
+NOT_METRICS = ("step", "source", "time", "repeated", "attempt")
 """Keys of a metrics.jsonl record that are not numbers to plot."""
 
 
@@ -72,6 +74,7 @@ class WandbRun:
         self.poll_s = poll_s
         state = json.loads(self.state_path.read_text()) if resume and self.state_path.is_file() else {}
         self.offset: int = state.get("offset", 0)
+        self.lines = self._lines_before(self.offset)
         self.last_step: dict[str, int] = {}
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -94,6 +97,13 @@ class WandbRun:
         self.sources: set[str] = set()
         self.save_state()
         log.info("W&B run %s (%s, project %s)", self.run.id, cfg.mode, cfg.project)
+
+    def _lines_before(self, offset: int) -> int:
+        """Lines in the first `offset` bytes of metrics.jsonl, to number the lines in warnings."""
+        if offset == 0 or not self.metrics_path.is_file():
+            return 0
+        with self.metrics_path.open("rb") as f:
+            return f.read(offset).count(b"\n")
 
     def save_state(self) -> None:
         tmp = self.state_path.with_suffix(".tmp")
@@ -124,9 +134,15 @@ class WandbRun:
         end = data.rfind(b"\n") + 1  # a line still being written waits for the next call
         if end == 0:
             return
-        for line in data[:end].splitlines():
-            if line.strip():
-                self.log_record(json.loads(line))
+        for line in data[: end - 1].split(b"\n"):
+            self.lines += 1
+            try:
+                record = parse_line(line, self.metrics_path, self.lines)
+            except MetricsFileError as e:
+                log.warning("W&B: skipped %s", e)
+                continue
+            if record is not None:
+                self.log_record(record)
         self.offset += end
         self.save_state()
 
