@@ -119,9 +119,7 @@ def test_config_errors_name_the_key() -> None:
         build_config(RLTrainerConfig, overrides=[("loss.type", "nope")])
     with pytest.raises(ConfigError, match="unknown key 'loss.delta'"):
         build_config(RLTrainerConfig, overrides=[("loss.type", "ppo_clip"), ("loss.delta", 0.3)])
-    with pytest.raises(
-        ConfigError, match=r"'loss.high': Input should be greater than or equal to 1"
-    ):
+    with pytest.raises(ConfigError, match=r"'loss.high': Input should be greater than or equal to 1"):
         build_config(RLTrainerConfig, overrides=[("loss.low", 0.9), ("loss.high", 0.95)])
 
 

@@ -5,7 +5,7 @@ from pydantic import Field, field_validator
 
 from tandem.client.seeds import derive_seed
 from tandem.config.base import Section
-from tandem.inference.protocol import MIN_TEMPERATURE
+from tandem.inference.protocol import usable_temperature
 
 
 class SamplingConfig(Section):
@@ -22,12 +22,7 @@ class SamplingConfig(Section):
         "when seeded_sampling is on.",
     )
 
-    @field_validator("temperature")
-    @classmethod
-    def _greedy_or_usable(cls, temperature: float) -> float:
-        if 0 < temperature < MIN_TEMPERATURE:  # the servers refuse it: their logits would overflow
-            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
-        return temperature
+    _usable_temperature = field_validator("temperature")(usable_temperature)  # (what the servers take)
 
     def for_part(self, *part: int) -> "SamplingConfig":
         """The sampling of one part of a seeded request's work that an environment sends as a

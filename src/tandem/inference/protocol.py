@@ -21,6 +21,14 @@ TokenId = Annotated[StrictInt, Field(ge=0)]
 MIN_TEMPERATURE = 1e-6
 
 
+def usable_temperature(temperature: float | None) -> float | None:
+    """0 (greedy), or high enough that the logits divided by it stay finite: near 0 they overflow
+    to inf, and the sampled tokens and logprobs become NaN garbage. ValueError otherwise."""
+    if temperature is not None and 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
+    return temperature
+
+
 class APIModel(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
@@ -58,14 +66,7 @@ class SamplingFields(APIModel):
     best_of: int | None = None
     prompt_logprobs: int | None = None
 
-    @field_validator("temperature")
-    @classmethod
-    def _temperature_greedy_or_usable(cls, temperature: float | None) -> float | None:
-        """Logits divided by a temperature this close to 0 overflow to inf, and the sampled
-        tokens and logprobs become NaN garbage: greedy is 0."""
-        if temperature is not None and 0 < temperature < MIN_TEMPERATURE:
-            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
-        return temperature
+    _usable_temperature = field_validator("temperature")(usable_temperature)
 
     @field_validator("stop")
     @classmethod

@@ -25,13 +25,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
 
-from tandem.cli import UserError
-
 log = logging.getLogger("tandem.monitor")
 
 
-class MetricsFileError(UserError):
-    """A line of a metrics file that is not a record."""
+class MetricsFileError(ValueError):
+    """A line of a metrics file that is not a record (the readers skip it with a warning)."""
 
 
 class MetricsWriter:

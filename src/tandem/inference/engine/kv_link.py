@@ -256,7 +256,6 @@ class KVLinks:
     def join(self, host: str, port: int, link: int) -> int:
         """Join link `link` of the prefill engine whose store is at host:port; this side's number."""
         number = self._new_number()
-
         self.links[number] = KVLink(
             f"p{link}", lambda: self._client(host, port), 1, self.device, self.timeout_s
         )
