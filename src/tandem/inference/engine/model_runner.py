@@ -469,11 +469,10 @@ class ModelRunner:
         inputs, tables = packed[: 5 * size].view(5, size), packed[5 * size :].view(size, width)
         inputs[CONTEXT].fill_(1)  # context length 1: padded rows attend to one slot of block 0
         inputs[FEED].fill_(-1)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._decode_forward(inputs, tables)  # warm-up (kernel compilation) outside the graph
-        torch.cuda.current_stream().wait_stream(stream)
+        # warm-up (kernel compilation) outside the graph, on the step's own stream: a fresh side
+        # stream per capture left cuBLAS a workspace for each (32 MiB on Hopper, never freed: ~1 GiB
+        # in a server after its first widths, measured on an H100), and its cached memory unusable
+        self._decode_forward(inputs, tables)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):
             hidden = self._decode_forward(inputs, tables)
