@@ -2,6 +2,7 @@
 crash handling, the sample format, trajectory stitching, server selection and start-up errors."""
 
 import asyncio
+import contextlib
 import logging
 import socket
 import subprocess
@@ -188,6 +189,33 @@ def test_a_server_that_does_not_answer_is_named_after_the_retries() -> None:
         ServerUnavailable, match=rf"server http://127.0.0.1:{port} did not answer .* after 3 attempts"
     ):
         asyncio.run(run())
+
+
+def test_requests_failing_alike_log_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """Twenty requests in flight when a server goes away: one retry warning, not forty; a later
+    warning of the same reason counts the ones left out."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = ClientConfig(max_retries=2, retry_backoff=0.05, request_timeout=2)
+
+    async def run() -> list[BaseException | str]:
+        client = InferenceClient(f"http://127.0.0.1:{port}", cfg)
+        try:
+            return await asyncio.gather(*(client.connect() for _ in range(20)), return_exceptions=True)
+        finally:
+            client.retry_warnings.window = 0.0  # the window over: the next warning reports the count
+            with contextlib.suppress(ServerUnavailable):
+                await client.connect()
+            await client.close()
+
+    with caplog.at_level(logging.WARNING, logger="tandem.client.inference"):
+        results = asyncio.run(run())
+    assert all(isinstance(r, ServerUnavailable) for r in results)
+    warnings = [r.getMessage() for r in caplog.records if "GET /v1/models failed" in r.getMessage()]
+    assert len(warnings) == 1 + 2, warnings  # the first of the twenty, then the last call's two
+    assert f"http://127.0.0.1:{port}" in warnings[0] and "more like it" not in warnings[0]
+    assert "(39 more like it in the" in warnings[1], warnings[1]
 
 
 def test_bad_settings_fail_at_start_with_one_line(tmp_path: Path) -> None:

@@ -7,12 +7,16 @@ the launcher reads environments without any server); tandem's own fields ride al
 `token_ids` and weight versions). Token ids are taken from the server as-is, never re-tokenised.
 
 Every request is retried with exponential backoff on connection errors, timeouts and 5xx
-answers; after the last retry a `ServerUnavailable` names the server.
+answers; after the last retry a `ServerUnavailable` names the server. A retry's warning is logged
+once per server and reason every REPEAT_WINDOW seconds: when a server dies, every request in
+flight fails alike (a step's 128 rollouts gave 128 copies of one long line), so the repeats are
+counted and the count goes with the next warning of that reason.
 """
 
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +30,7 @@ from tandem.client.config import ClientConfig, SamplingConfig
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 MAX_BACKOFF = 30.0
+REPEAT_WINDOW = 10.0
 
 
 class ServerUnavailable(UserError):
@@ -34,6 +39,29 @@ class ServerUnavailable(UserError):
 
 class RequestRejected(RuntimeError):
     """The server answered with a 4xx: the request itself is wrong; retrying cannot help."""
+
+
+class RepeatedWarnings:
+    """Logs a message at most once per `window` seconds; repeats inside the window are counted
+    and the count is added to the message's next warning."""
+
+    def __init__(self, window: float) -> None:
+        self.window = window
+        self._seen: dict[str, tuple[float, int]] = {}  # message: (last logged at, repeats since)
+
+    def warn(self, message: str, detail: str = "") -> None:
+        """Log `message` + `detail` (what may differ between repeats, such as a delay)."""
+        now = time.monotonic()
+        logged_at, repeats = self._seen.get(message, (-self.window, 0))
+        if now - logged_at < self.window:
+            self._seen[message] = (logged_at, repeats + 1)
+            return
+        if repeats:
+            detail += f" ({repeats} more like it in the {now - logged_at:.0f} s before)"
+        if len(self._seen) > 256:  # distinct reasons are few; never let the record grow unbounded
+            self._seen.clear()
+        self._seen[message] = (now, 0)
+        log.warning("%s%s", message, detail)
 
 
 @dataclass
@@ -122,6 +150,7 @@ class InferenceClient:
         self.cfg = cfg
         self.model = model
         self.in_flight = 0
+        self.retry_warnings = RepeatedWarnings(REPEAT_WINDOW)
         headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         self.http = httpx.AsyncClient(base_url=self.base_url, timeout=cfg.request_timeout, headers=headers)
         import openai
@@ -150,7 +179,9 @@ class InferenceClient:
                         f"inference server {self.base_url} did not answer {what} after "
                         f"{attempt + 1} attempts: {describe(e)}"
                     ) from None
-                log.warning("%s: %s failed (%s); retry in %.1fs", self.base_url, what, describe(e), delay)
+                self.retry_warnings.warn(
+                    f"{self.base_url}: {what} failed ({describe(e)})", f"; retry in {delay:.1f}s"
+                )
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, MAX_BACKOFF)
         raise AssertionError("unreachable")
