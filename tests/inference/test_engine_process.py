@@ -11,6 +11,7 @@ import itertools
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import threading
@@ -350,6 +351,63 @@ def test_in_memory_weights_reach_the_engine_process(tmp_path: Path) -> None:
         finally:
             sender.close()
     assert not Path(f"/proc/{engine.pid}").exists()  # its receiver closed, the process reaped
+
+
+def test_a_receiver_killed_mid_broadcast_ends_the_senders_transfer_in_one_line(tmp_path: Path) -> None:
+    """The trainer's side of a broadcast whose receiving engine process is killed halfway: the
+    next bucket's broadcast fails (a closed peer or the group's timeout) and the sender raises a
+    TransferError naming the version and the bucket, not torch's own error."""
+    models = transfer_models(tmp_path)
+    link = LinkSettings("127.0.0.1", free_port(), LINK_TIMEOUT_S, 60.0, bucket_bytes=64 << 10)
+    engine_config = InferenceConfig.model_validate(
+        {
+            "model": {"name": str(models["a"])},
+            "engine": {"max_model_len": 256, "core_process": True},
+            "weights": server_weights("broadcast", link),
+        }
+    )
+    engine = ProcessEngine(engine_config)
+    sender = WeightSender(link, 1, 0, 1, torch.device("cpu"))
+    model = hf(models["b"])
+    halfway, killed = threading.Event(), threading.Event()
+
+    def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        tensors = list(iter_hf_weights(model, torch.float32))
+        for i, item in enumerate(tensors):
+            if i == len(tensors) // 2:
+                halfway.set()
+                assert killed.wait(60), "the test did not kill the engine process"
+            yield item
+
+    with serve_in_thread(build_app(engine, engine.tokenizer, engine_config)) as url:
+        sender.connect(lambda dtype: hf_weight_specs(model, dtype))
+        answers: list[httpx.Response | BaseException] = []
+
+        def ask() -> None:
+            try:
+                answers.append(httpx.post(url + "/update_weights", json={"step": 4}, timeout=60))
+            except httpx.HTTPError as e:
+                answers.append(e)
+
+        def kill_halfway() -> None:
+            asking = threading.Thread(target=ask)
+            asking.start()
+            assert halfway.wait(60), "the sender never got halfway"
+            os.kill(engine.pid, signal.SIGKILL)
+            killed.set()
+            asking.join(60)
+
+        try:
+            start = time.monotonic()
+            _, failure = send_while(sender, 4, model, kill_halfway, tensors=stream())
+        finally:
+            sender.close()
+    assert isinstance(failure, TransferError), repr(failure)
+    message = str(failure)
+    assert re.search(r"trainer: policy version 4: bucket \d+ of \d+ was not sent: \w", message), message
+    assert "\n" not in message and ".cc:" not in message, message  # torch's own error, in one line
+    assert time.monotonic() - start < LINK_TIMEOUT_S + 30
+    assert answers and (not isinstance(answers[0], httpx.Response) or answers[0].status_code == 503)
 
 
 def test_the_engine_process_is_the_default_on_cuda_only(tiny_model: Path) -> None:

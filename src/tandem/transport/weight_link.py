@@ -30,6 +30,7 @@ Imports only torch and the standard library: vLLM's worker extension uses it too
 """
 
 import json
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -86,6 +87,15 @@ class TransferError(RuntimeError):
     so the receiving model mixes two versions."""
 
     partial = False
+
+
+def collective_failure(error: BaseException) -> str:
+    """What a failed broadcast's error says, in one line: its first line without the C++ source
+    location that gloo and NCCL put in front ("[.../pair.cc:545] Read error ...") or gloo's advice
+    after it."""
+    line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    line = re.sub(r"^\[[^\]]*:\d+\]\s*", "", line)
+    return line.split(" This is typically caused by")[0]
 
 
 class TransferRefused(TransferError):

@@ -36,6 +36,7 @@ from tandem.transport.weight_link import (
     TransferRefused,
     TransferTimeout,
     broadcast,
+    collective_failure,
     deadline,
     device_id,
     new_group,
@@ -240,7 +241,7 @@ class Transfer:
                 pending[k % SLOTS].wait()
             except RuntimeError as e:
                 raise TransferError(
-                    f"{receiver.side}: policy version {self.version}: bucket {k + 1} of {len(layout)} did not arrive: {e}"
+                    f"{receiver.side}: policy version {self.version}: bucket {k + 1} of {len(layout)} did not arrive: {collective_failure(e)}"
                 ) from None
             yield from bucket.views(slots[k % SLOTS])
             if k + SLOTS < len(layout):

@@ -23,6 +23,7 @@ from tandem.transport.weight_link import (
     TransferError,
     TransferRefused,
     broadcast,
+    collective_failure,
     deadline,
     device_id,
     indices,
@@ -227,7 +228,7 @@ class WeightSender:
             work.wait()
         except RuntimeError as e:
             raise TransferError(
-                f"{self.side}: policy version {version}: bucket {k + 1} of {buckets} was not sent: {e}"
+                f"{self.side}: policy version {version}: bucket {k + 1} of {buckets} was not sent: {collective_failure(e)}"
             ) from None
 
     def _next(self, stream: Iterator[tuple[str, torch.Tensor]], spec: TensorSpec) -> torch.Tensor:
