@@ -16,7 +16,8 @@ in whichever of their processes starts CUDA — the server's engine core runs in
 of its own on CUDA (`engine.core_process`), which inherits the role; the HTTP process never touches
 CUDA — and writes each such process's peak allocated and reserved memory every second and at exit.
 The server's KV cache is inside its cap (the config's kv_cache_memory_gb). nvidia-smi's peak of the
-device's used memory (CUDA contexts of every process included) is sampled alongside.
+device's used memory (CUDA contexts of every process included) is sampled alongside, and each
+process's own (printed after the table, by command line).
 
 Columns: s/step is the median time between trainer steps after the first --skip; compute and
 publish the trainer's medians; rollouts the orchestrator's (benchmarks/rl_timing.py).
@@ -110,19 +111,45 @@ def build_model(out: Path) -> Path:
 
 
 class DeviceMemory(threading.Thread):
-    """The peak of nvidia-smi's used memory on GPU 0 while the run lasts."""
+    """The peak of nvidia-smi's used memory on GPU 0 while the run lasts, and each process's
+    peak there (`--query-compute-apps`: what CUDA context and allocations every process that
+    touched the GPU holds), named by its command line."""
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
         self.peak_mib, self.done = 0, threading.Event()
+        self.processes: dict[int, tuple[int, str]] = {}  # pid: (peak MiB, command line)
 
     def run(self) -> None:
         query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"]
+        apps = [
+            "nvidia-smi",
+            "--query-compute-apps=pid,used_memory",
+            "--format=csv,noheader,nounits",
+            "-i",
+            "0",
+        ]
         while not self.done.wait(0.5):
             try:
                 self.peak_mib = max(self.peak_mib, int(subprocess.check_output(query, text=True).split()[0]))
+                for line in subprocess.check_output(apps, text=True).splitlines():
+                    pid, used = (int(field) for field in line.split(","))
+                    peak, command = self.processes.get(pid, (0, ""))
+                    self.processes[pid] = (max(peak, used), command or command_line(pid))
             except (OSError, subprocess.CalledProcessError, ValueError, IndexError):
                 return
+
+    def table(self) -> str:
+        return "\n".join(
+            f"  pid {pid}: {mib} MiB  {command}" for pid, (mib, command) in sorted(self.processes.items())
+        )
+
+
+def command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
+    except OSError:
+        return "?"
 
 
 def run(variant: str, model: Path, work: Path, args: argparse.Namespace) -> dict:
@@ -162,6 +189,7 @@ def run(variant: str, model: Path, work: Path, args: argparse.Namespace) -> dict
         note = f" ({len(reports)} processes)" if len(reports) > 1 else ""
         row[f"{role} peak GiB"] = f"{allocated:.2f} / {reserved:.2f}{note}"
     row["device peak GiB"] = round(memory.peak_mib / 1024, 2)
+    row["processes"] = memory.table()
     try:
         timing = summarize(run_dir, args.skip)
         row |= {k: round(timing[k], 2) for k in ("s/step", "trainer compute", "publish", "rollouts")}
@@ -205,9 +233,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model = build_model(work / "model")
+        processes = []
         for variant in args.variants.split(","):
             row = run(variant, model, work, args)
             print("| " + " | ".join(str(row.get(c, "")) for c in COLUMNS) + " |", flush=True)
+            processes.append(f"{variant}: each process's peak on the GPU (nvidia-smi)\n{row['processes']}")
             if args.keep:
                 target = args.keep / variant
                 target.mkdir(parents=True, exist_ok=True)
@@ -226,6 +256,7 @@ def main() -> None:
                 metrics = work / f"run_{variant}" / "metrics.jsonl"
                 if metrics.is_file():
                     subprocess.run(["cp", str(metrics), str(target)], check=False)
+        print("\n".join(processes))
 
 
 if __name__ == "__main__":
