@@ -1,5 +1,6 @@
 """The math environment without a server: generated problems are right, splits, answer parsing, rewards."""
 
+import random
 import re
 from fractions import Fraction
 
@@ -83,6 +84,7 @@ def test_last_boxed(text: str, content: str | None) -> None:
         (" -3 ", (-3,)),
         ("+4", (4,)),
         ("1,234", (1234,)),
+        ("x=1,234", (1234,)),
         ("3/4", (Fraction(3, 4),)),
         (r"-\frac{3}{4}", (Fraction(-3, 4),)),
         (r"\dfrac{6}{8}", (Fraction(3, 4),)),
@@ -91,16 +93,59 @@ def test_last_boxed(text: str, content: str | None) -> None:
         ("(2, -3)", (2, -3)),
         (r"\left(2,-3\right)", (2, -3)),
         ("x=2, y=-3", (2, -3)),
+        ("y=-3, x=2", (2, -3)),  # named: in either order
+        ("2, 345", (2, 345)),  # a pair, not a thousands separator
+        ("(1,234)", (1, 234)),
         ("0.333", (Fraction(333, 1000),)),
-        ("1/0", None),
-        ("five", None),
-        (r"\sqrt{2}", None),
-        ("", None),
-        ("2 apples", None),
     ],
 )
-def test_parse_answer(answer: str, numbers: tuple | None) -> None:
-    assert parse_answer(answer) == (None if numbers is None else tuple(Fraction(n) for n in numbers))
+def test_parse_answer(answer: str, numbers: tuple) -> None:
+    assert parse_answer(answer, len(numbers)) == tuple(Fraction(n) for n in numbers)
+
+
+@pytest.mark.parametrize(
+    ("answer", "components"),
+    [
+        ("1/0", 1),
+        ("five", 1),
+        (r"\sqrt{2}", 1),
+        ("", 1),
+        ("2 apples", 1),
+        ("2, 3", 1),
+        ("2", 2),
+        ("1, 2, 3", 2),
+        ("x=2, x=-3", 2),
+        ("a=2, b=-3", 2),
+        ("x=2, -3", 2),  # one name: which is which is unclear
+        ("1" * 5000, 1),  # past Python's int-string limit: not a number, not an error
+        ("1/" + "1" * 5000, 1),
+    ],
+)
+def test_parse_answer_refuses(answer: str, components: int) -> None:
+    assert parse_answer(answer, components) is None
+
+
+def reference_last_boxed(text: str) -> str | None:
+    """The obvious definition (each unclosed box rescanned to the end): quadratic, for checking."""
+    start = text.rfind("\\boxed{")
+    while start >= 0:
+        depth = 0
+        for i in range(start + len("\\boxed"), len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                return text[start + len("\\boxed{") : i]
+        start = text.rfind("\\boxed{", 0, start)
+    return None
+
+
+def test_last_boxed_equals_the_definition_and_stays_linear() -> None:
+    rng = random.Random(0)
+    pieces = ["\\boxed{", "{", "}", "7", " "]
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 24)))
+        assert last_boxed(text) == reference_last_boxed(text), text
+    # a degenerate answer: 20,000 unclosed boxes after a closed one took the definition minutes
+    assert last_boxed("\\boxed{5}" + "\\boxed{" * 20_000) == "5"
 
 
 def reply(text: str) -> list[dict[str, str]]:
@@ -121,6 +166,8 @@ def test_rewards_score_the_last_boxed_answer_exactly() -> None:
         (pair, r"\boxed{(2, -3)}", 1.0, 1.0),
         (pair, r"\boxed{(-3, 2)}", 0.0, 1.0),
         (pair, r"\boxed{2}", 0.0, 1.0),
+        (pair, r"\boxed{y=-3, x=2}", 1.0, 1.0),
+        (pair, r"\boxed{y=2, x=-3}", 0.0, 1.0),  # the names say which is which
     ]
     for task, text, right, boxed in cases:
         assert env.score(task, reply(text)) == (right, {"correct": right, "has_boxed": boxed}), text

@@ -50,6 +50,11 @@ def test_parse_one_and_several_calls_with_text_around() -> None:
         (call_text('{"name": "calculate", "arguments": "{oops"}'), "arguments string is not valid JSON"),
         ('<tool_call>\n{"name": "calculate", "argu', "not valid JSON"),  # cut off mid-call
         ("<tool_call>", "not valid JSON"),
+        (call_text('{"name": "calculate", "arguments": ' + "[" * 5000 + "]" * 5000 + "}"), "not valid JSON"),
+        (
+            call_text('{"name": "calculate", "arguments": "' + "[" * 5000 + '"}'),
+            "arguments string is not valid",
+        ),
     ],
 )
 def test_malformed_calls_become_calls_with_an_error(text: str, error: str) -> None:

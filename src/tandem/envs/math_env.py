@@ -16,8 +16,10 @@ final assistant message (braces matched, so `\boxed{\frac{3}{4}}` works); withou
 - integers `12`, `-3`, `+4`, and thousands separators `1,234` for a one-number answer;
 - fractions `3/4`, `-3/4`, `\frac{3}{4}` (also `\dfrac`, `\tfrac`, `-\frac{3}{4}`);
 - decimals only when exact: `0.75` equals 3/4, `0.333` does not equal 1/3;
-- pairs `(2, -3)`, `2, -3`, `x=2, y=-3` for systems (order x, y).
-Anything else (words, units, `\sqrt`) is not a number and scores 0.
+- pairs `(2, -3)`, `2, -3`, `x=2, y=-3` for systems (order x, y; named, either order, but the
+  names must be x and y);
+Anything else (words, units, `\sqrt`, more or fewer numbers than the answer has, a number of
+over 1,000 characters) is not an answer and scores 0.
 """
 
 import hashlib
@@ -56,26 +58,34 @@ class MathTask:
 
 
 def last_boxed(text: str) -> str | None:
-    r"""Content of the last `\boxed{...}` with balanced braces; None when there is none."""
+    r"""Content of the last `\boxed{...}` with balanced braces; None when there is none. An
+    unclosed one is skipped for the one before it, whose scan stops where the unclosed one begins
+    (had it closed after that, the later one would have closed too): linear in the text, where
+    rescanning to the end was quadratic (a repeated `\boxed{` held the event loop for minutes)."""
+    end = len(text)
     start = text.rfind("\\boxed{")
     while start >= 0:
-        depth, i = 0, start + len("\\boxed")
-        for i in range(start + len("\\boxed"), len(text)):
+        depth = 0
+        for i in range(start + len("\\boxed"), end):
             depth += {"{": 1, "}": -1}.get(text[i], 0)
             if depth == 0:
                 return text[start + len("\\boxed{") : i]
-        start = text.rfind("\\boxed{", 0, start)  # unbalanced: try an earlier one
+        end, start = start, text.rfind("\\boxed{", 0, start)  # unbalanced: try an earlier one
     return None
 
 
 FRAC = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
-NAME = re.compile(r"^[a-zA-Z]\w*=")
+NAME = re.compile(r"^([a-zA-Z]\w*)=")
 NUMBER = re.compile(r"^[+-]?\d+(\.\d+)?$")
 RATIO = re.compile(r"^[+-]?\d+/[+-]?\d+$")
 THOUSANDS = re.compile(r"^[+-]?\d{1,3}(,\d{3})+$")
+MAX_NUMBER_CHARS = 1000  # far beyond any generated answer; Python refuses int strings of > 4300 digits
+PAIR_NAMES = ("x", "y")
 
 
 def parse_number(text: str) -> Fraction | None:
+    if len(text) > MAX_NUMBER_CHARS:
+        return None
     if NUMBER.match(text):
         return Fraction(text)  # Fraction("0.75") is exact
     if RATIO.match(text):
@@ -84,20 +94,33 @@ def parse_number(text: str) -> Fraction | None:
     return None
 
 
-def parse_answer(text: str) -> tuple[Fraction, ...] | None:
-    """The numbers of a boxed answer under the rules in the module docstring; None if not numbers."""
+def parse_answer(text: str, components: int = 1) -> tuple[Fraction, ...] | None:
+    """The `components` numbers of a boxed answer under the rules in the module docstring; None
+    if it is not that many numbers. Thousands separators only in a one-number answer (in a pair
+    `2, 345` is two numbers); named pair components must be x and y, in either order."""
     s = re.sub(r"\s+|\$|\\left|\\right|\\!|\\,", "", text)
     s = FRAC.sub(r"\1/\2", s)
-    if THOUSANDS.match(s):
-        s = s.replace(",", "")
     if s.startswith("(") and s.endswith(")"):
         s = s[1:-1]
-    numbers = []
-    for part in s.split(","):
-        value = parse_number(NAME.sub("", part, count=1))
+    if components == 1:
+        s = NAME.sub("", s, count=1)
+        parts = [s.replace(",", "") if THOUSANDS.match(s) else s]
+    else:
+        parts = s.split(",")
+    numbers, names = [], []
+    for part in parts:
+        name = NAME.match(part)
+        value = parse_number(part[name.end() :] if name else part)
         if value is None:
             return None
         numbers.append(value)
+        names.append(name.group(1) if name else None)
+    if len(numbers) != components:
+        return None
+    if components == len(PAIR_NAMES) and any(names):  # x=2, y=-3 or y=-3, x=2; nothing else
+        if sorted(n or "" for n in names) != sorted(PAIR_NAMES):
+            return None
+        numbers = [numbers[names.index(n)] for n in PAIR_NAMES]
     return tuple(numbers)
 
 
@@ -107,7 +130,7 @@ def has_boxed(task: MathTask, messages: list[Message]) -> float:
 
 def correct(task: MathTask, messages: list[Message]) -> float:
     boxed = last_boxed(last_content(messages))
-    return float(boxed is not None and parse_answer(boxed) == task.answer)
+    return float(boxed is not None and parse_answer(boxed, len(task.answer)) == task.answer)
 
 
 # --- problems ----------------------------------------------------------------------------------

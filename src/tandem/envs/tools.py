@@ -85,15 +85,15 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
 def parse_call(body: str) -> ToolCall:
     try:
         call = json.loads(body.strip())
-    except ValueError as e:
-        return ToolCall(None, None, f"the tool call is not valid JSON ({e})")
+    except (ValueError, RecursionError) as e:  # nesting past the parser's depth raises RecursionError
+        return ToolCall(None, None, f"the tool call is not valid JSON ({type(e).__name__}: {str(e)[:200]})")
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
         return ToolCall(None, None, 'a tool call must be a JSON object with a "name" string')
     arguments = call.get("arguments", {})
     if isinstance(arguments, str):  # OpenAI style: arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             return ToolCall(call["name"], None, "the arguments string is not valid JSON")
     if not isinstance(arguments, dict):
         return ToolCall(call["name"], None, '"arguments" must be a JSON object')
