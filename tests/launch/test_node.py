@@ -10,6 +10,7 @@ import pytest
 from launch_helpers import free_port
 
 from tandem.launch.node import hold_until_stopped, main
+from tandem.transport.weights import offered_version, write_offer
 
 
 def node_launcher(tmp_path: Path, capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
@@ -34,8 +35,12 @@ join_timeout_s = 2
 
 
 def test_a_node_that_never_joins_is_named(tmp_path: Path, capsys, monkeypatch) -> None:
+    """...and a node clears an earlier run's in-memory weight offer before the roll call (a
+    resumed orchestrator read the old run's version and asked the servers for it)."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    write_offer(tmp_path / "run", 7)
     code, err = node_launcher(tmp_path, capsys, "--node", "1")
+    assert offered_version(tmp_path / "run") is None
     assert code == 2
     assert err.startswith(
         "rl node: error: inference-0 (127.0.0.1) did not join the node roll call at 127.0.0.1:"

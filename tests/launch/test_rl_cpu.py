@@ -5,6 +5,7 @@ computing two decode servers' prompts."""
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +72,32 @@ def test_rl_runs_two_steps_on_cpu(tmp_path: Path) -> None:
     assert "training again from step 0" in out and "[trainer] step 3/3" in out
     trainer = read_metrics(run / "metrics.jsonl", "trainer")
     assert [(r["step"], r.get("attempt", 1)) for r in trainer] == [(0, 1), (1, 1), (0, 2), (1, 2), (2, 1)]
+
+
+def test_a_resume_with_every_step_written_retrains_them_and_finishes(tmp_path: Path) -> None:
+    """The trainer stopped in the last steps, after the orchestrator (which runs ahead) wrote
+    every step: --resume retrains from the checkpoint on the written rollouts, and the servers
+    still take each version it sends in memory (the orchestrator used to return at once, and the
+    trainer then waited out transfer_timeout_s for servers nobody told to receive)."""
+    keep = ("--max_steps", "4", "--trainer.ckpt.interval", "2", "--trainer.prune_rollouts", "false")
+    _, run = run_rl(tmp_path, *keep)
+    for stopped in (
+        run / "checkpoints" / "step_4",
+        run / "weights" / "step_4",
+    ):  # what a kill in step 3 leaves
+        shutil.rmtree(stopped)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "tandem.launch.cli", "@", str(tmp_path / "rl.toml"), *keep, "--resume"],
+        capture_output=True,
+        text=True,
+        timeout=480,
+        env=ENV,
+    )
+    out = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, out[-4000:]
+    assert "all 4 steps are already written; the trainer retrains them from step 2" in out
+    assert "[trainer] step 4/4" in out and (run / "weights" / "step_4" / "STABLE").is_file()
+    assert "received policy version 4" in (run / "logs" / "inference.log").read_text()
 
 
 def test_two_rank_trainer_broadcasts_to_two_servers(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from tandem.launch.plan import RunPlan, plan_node, plan_run
 from tandem.launch.preflight import preflight
 from tandem.launch.rollcall import RollCall
 from tandem.launch.supervisor import Console, record_failure
+from tandem.transport.weights import clear_offer
 
 PROG = "rl node"
 LINGER_S = 3600.0
@@ -90,6 +91,7 @@ def run_node(config: RLConfig, node: str | None) -> int:
     rollcall = RollCall(cluster, unit, lambda text: console.line(prog, text))
     try:
         preflight(plan, create=True)
+        clear_offer(config.run_dir)  # before the roll call, so before any process of any node starts
         rollcall.join(config.run_dir, config.cluster.join_timeout_s)
     except (ConfigError, UserError) as e:
         record_failure(plan.log_dir, f"{prog}: {e}")

@@ -315,7 +315,10 @@ class Supervisor:
                 self.say(f"{child.name} still running ({reason}); sending SIGKILL")
                 _signal_group(child.popen.pid, signal.SIGKILL)
         for child in live:
-            child.popen.wait(timeout=10)  # (run() then waits for their logs: _drain_logs)
+            try:
+                child.popen.wait(timeout=10)  # (run() then waits for their logs: _drain_logs)
+            except subprocess.TimeoutExpired:  # stuck in the kernel after SIGKILL (a GPU driver's teardown)
+                self.say(f"{child.name} (pid {child.popen.pid}) did not exit 10 s after SIGKILL; leaving it")
 
     # ---- outcomes ----------------------------------------------------------------------------
 

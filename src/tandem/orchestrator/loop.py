@@ -29,7 +29,7 @@ from tandem.orchestrator.prompt_check import check_prompt_lengths
 from tandem.orchestrator.rollouts import RolloutCollector, StepBatch
 from tandem.orchestrator.stats import mean, per_env_stats, staleness_stats, trajectory_stats
 from tandem.orchestrator.weights import PolicySync
-from tandem.transport.resume import check_fresh_start, orchestrator_start
+from tandem.transport.resume import check_fresh_start, orchestrator_start, trainer_start
 from tandem.transport.rollouts import pack_samples, step_dir, write_step
 
 log = logging.getLogger(__name__)
@@ -140,8 +140,8 @@ class Orchestrator:
         failed = True
         try:
             start = first_step(cfg)
-            if start >= cfg.max_steps:
-                log.info("all %d steps are already written; nothing to do", cfg.max_steps)
+            if start >= cfg.max_steps and trainer_start(cfg.run_dir) >= cfg.max_steps:
+                log.info("all %d steps are already written and trained; nothing to do", cfg.max_steps)
                 return
             self.tokenizer = tokenizer = load_tokenizer(cfg.model.name)
             for member in self.members:
@@ -155,7 +155,14 @@ class Orchestrator:
                 config = run_config(cfg.model_dump(mode="json"))
                 self.wandb = WandbRun(cfg.monitor.wandb, cfg.run_dir, cfg.resume, config)
             await self.policy.sync()
-            await supervise(self.steps(start), self.policy.watch(), *self.forwarders())
+            if start < cfg.max_steps:
+                await supervise(self.steps(start), self.policy.watch(), *self.forwarders())
+            else:  # the trainer retrains written steps: the servers still take each version it sends
+                log.info(
+                    "all %d steps are already written; the trainer retrains them from step %d",
+                    cfg.max_steps,
+                    trainer_start(cfg.run_dir),
+                )
             if cfg.eval.interval > 0:
                 await supervise(self.final_eval(), self.policy.watch(), *self.forwarders())
             elif cfg.weights.in_memory:  # the trainer waits for the servers to take every version
