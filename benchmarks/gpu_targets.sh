@@ -22,7 +22,7 @@ part http 200 python3 benchmarks/inference_throughput.py --num-requests 256 --pr
 part mfu 110 python3 benchmarks/trainer_mfu.py --variants 1.7b:tandem_master_logits_bf16moments-cudnn \
   --steps 10 --warmup 3 --out "$OUT/trainer_mfu.jsonl"
 part fp8 150 python3 benchmarks/fp8_decode.py --concurrency 64 256 --kernel rowwise --out "$OUT/fp8.json"
-part rl_24gb 300 python3 benchmarks/rl_24gb.py --variants lora_prompt_graphs --steps 8 --skip 2 --timeout 260
+part rl_24gb 300 python3 benchmarks/rl_24gb.py --variants lora_prompt_graphs --steps 5 --skip 1 --timeout 260
 python3 benchmarks/engine_report.py "$OUT" | grep -E "^\| (measure|HTTP|FP8|bf16)|^\|---"
 grep -E "^variant|^1\.7b" "$OUT/mfu.log"
-grep -E "^\|" "$OUT/rl_24gb.log"
+grep -E "^\||pid " "$OUT/rl_24gb.log"
