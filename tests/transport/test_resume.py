@@ -48,6 +48,21 @@ def test_after_a_checkpoint_it_continues_and_drops_what_lies_past_a_gap(tmp_path
     assert written_steps(run_dir) == [3, 4, 5] and stable_versions(run_dir) == [4, 5, 6]
 
 
+def test_steps_packed_for_another_trainer_shape_are_collected_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Resumed on another number of trainer ranks: kept rollouts from the checkpoint on were packed
+    for the old data-parallel groups (the trainer would refuse them), so they are written again."""
+    run_dir = stopped_run(tmp_path, rollouts=[3, 4, 5], weights=[4, 5], checkpoints=[4])
+    for step in (3, 4, 5):
+        (run_dir / "rollouts" / f"step_{step}" / "READY").write_text('{"num_ranks": 2, "cp": 1}')
+    assert orchestrator_start(run_dir, (2, 1)) == 6  # the same trainer: all kept
+    assert written_steps(run_dir) == [3, 4, 5] and not caplog.records
+    assert orchestrator_start(run_dir, (1, 1)) == 4  # now one rank: steps 4 and 5 again
+    assert written_steps(run_dir) == [3] and stable_versions(run_dir) == [4]  # (step 3 is never read again)
+    assert "rollouts of steps 4.. were packed for (data-parallel groups, cp) = (2, 1)" in caplog.text
+
+
 def test_metrics_of_repeated_steps_are_marked_per_attempt(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     for steps in ([0, 1, 2], [1, 2, 3], [3, 4]):  # a run, resumed from step 1, then from step 3

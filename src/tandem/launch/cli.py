@@ -23,6 +23,7 @@ from tandem.launch.devices import visible_gpus
 from tandem.launch.plan import RunPlan, plan_run
 from tandem.launch.preflight import preflight
 from tandem.launch.supervisor import Console
+from tandem.transport.resume import orchestrator_start
 from tandem.transport.weights import clear_offer, latest_version, weights_dir
 
 PROG = "rl"
@@ -50,10 +51,20 @@ def latest_weights(run_dir: Path) -> Path | None:
     return None if version is None else weights_dir(run_dir, version)
 
 
+def prepare_resume(plan: RunPlan) -> None:
+    """Before any process starts: an earlier run's in-memory offer is void (its trainer is gone),
+    and a resumed orchestrator's deletions (rollouts past a gap or packed for another number of
+    trainer ranks, weights past its start: transport/resume.py) are done now, so that no trainer
+    reads a step that is about to go. Idempotent: the orchestrator repeats them at its start."""
+    clear_offer(plan.config.run_dir)
+    if plan.runs_orchestrator and plan.orchestrator.resume:
+        orchestrator_start(plan.config.run_dir, plan.orchestrator.trainer_shape)
+
+
 def launch(plan: RunPlan) -> int:
     preflight(plan, create=True)
     plan.write_configs()
-    clear_offer(plan.config.run_dir)  # an earlier run's in-memory offer is void: its trainer is gone
+    prepare_resume(plan)
     supervisor = plan.supervisor(Console(), PROG)
     supervisor.say(f"run_dir {plan.config.run_dir}; configs in {plan.config_dir}")
     code = supervisor.run()

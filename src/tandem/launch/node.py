@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 from tandem.cli import UserError, run_cli
 from tandem.config.loader import ConfigError, parse_config
-from tandem.launch.cli import launch
+from tandem.launch.cli import launch, prepare_resume
 from tandem.launch.cluster import is_multi_node, resolve_cluster
 from tandem.launch.config import RLConfig
 from tandem.launch.devices import visible_gpus
@@ -91,7 +91,10 @@ def run_node(config: RLConfig, node: str | None) -> int:
     rollcall = RollCall(cluster, unit, lambda text: console.line(prog, text))
     try:
         preflight(plan, create=True)
-        clear_offer(config.run_dir)  # before the roll call, so before any process of any node starts
+        if plan.runs_orchestrator:  # (once: the run_dir is shared) before any process of any node starts
+            prepare_resume(plan)
+        else:
+            clear_offer(config.run_dir)
         rollcall.join(config.run_dir, config.cluster.join_timeout_s)
     except (ConfigError, UserError) as e:
         record_failure(plan.log_dir, f"{prog}: {e}")

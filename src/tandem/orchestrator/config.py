@@ -188,3 +188,8 @@ class OrchestratorConfig(Section):
     @property
     def groups_per_step(self) -> int:
         return self.batch_size // self.group_size
+
+    @property
+    def trainer_shape(self) -> tuple[int, int]:
+        """(data-parallel groups, cp) of the trainer a step is packed for (its READY marker)."""
+        return self.num_ranks // self.cp, self.cp

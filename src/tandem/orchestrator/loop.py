@@ -42,7 +42,7 @@ def first_step(cfg: OrchestratorConfig) -> int:
     if not cfg.resume:
         check_fresh_start(cfg.run_dir)
         return 0
-    return orchestrator_start(cfg.run_dir)
+    return orchestrator_start(cfg.run_dir, cfg.trainer_shape)
 
 
 def prompt_tokens(tokenizer: Any, messages: list[Message]) -> int:

@@ -8,7 +8,8 @@ accident). With --resume:
 - the trainer starts at its latest checkpoint K, or at step 0 from the base model when the run
   stopped before its first checkpoint (`trainer_start`);
 - the orchestrator continues after the rollouts written in an unbroken line from step K: they
-  are still valid input for the steps the trainer retrains. Rollouts after a gap, and weights
+  are still valid input for the steps the trainer retrains (unless packed for another number of
+  trainer ranks: resumed on other ranks, those are collected again). Rollouts after a gap, and weights
   newer than the step the orchestrator starts at, came from the stopped run's later policies and
   are deleted before anything is written (`orchestrator_start`), so no server is ever handed a
   policy the new trainer has not produced. Weights the trainer publishes again replace the old ones.
@@ -16,12 +17,16 @@ accident). With --resume:
 Metrics of retrained steps are marked in metrics.jsonl (monitor/metrics.py).
 """
 
+import json
+import logging
 import shutil
 from pathlib import Path
 
 from tandem.cli import UserError
-from tandem.transport.layout import CHECKPOINTS, checkpoint_steps, step_dir, written_steps
+from tandem.transport.layout import CHECKPOINTS, READY, checkpoint_steps, step_dir, written_steps
 from tandem.transport.weights import STABLE, stable_versions, weights_dir
+
+log = logging.getLogger(__name__)
 
 
 def trainer_start(run_dir: Path) -> int:
@@ -44,13 +49,33 @@ def check_fresh_start(run_dir: Path) -> None:
         )
 
 
-def orchestrator_start(run_dir: Path) -> int:
-    """The first step a resumed orchestrator writes; deletes what the stopped run left after it."""
+def packed_for(run_dir: Path, step: int) -> tuple[int, int] | None:
+    """(data-parallel groups, cp) a written step was packed for (its READY marker), or None."""
+    try:
+        marker = json.loads((step_dir(run_dir, step) / READY).read_text())
+        return int(marker["num_ranks"]), int(marker.get("cp", 1))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def orchestrator_start(run_dir: Path, shape: tuple[int, int] | None = None) -> int:
+    """The first step a resumed orchestrator writes; deletes what the stopped run left after it.
+
+    `shape` (data-parallel groups, cp) is the trainer's now: a kept step packed for another (the
+    run resumed on another number of trainer ranks) is not valid input and is collected again."""
     written = set(written_steps(run_dir))
     start = trainer_start(run_dir)
-    while start in written:
+    while start in written and (shape is None or packed_for(run_dir, start) == shape):
         start += 1
-    for step in sorted(s for s in written if s > start):
+    if shape is not None and start in written:
+        log.warning(
+            "rollouts of steps %d.. were packed for (data-parallel groups, cp) = %s; the trainer "
+            "now runs %s: collecting them again",
+            start,
+            packed_for(run_dir, start),
+            shape,
+        )
+    for step in sorted(s for s in written if s >= start):
         shutil.rmtree(step_dir(run_dir, step), ignore_errors=True)
     for version in stable_versions(run_dir):
         if version > start:
