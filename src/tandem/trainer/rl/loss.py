@@ -30,7 +30,7 @@ class LossInputs:
     sampler_logprobs: torch.Tensor  # log μ(token) from the inference server
     advantages: torch.Tensor
     loss_mask: torch.Tensor  # bool: tokens the loss is taken over
-    entropy: torch.Tensor  # of π_θ at each position (for entropy bonuses; detached use is fine)
+    entropy: torch.Tensor  # of π_θ at each position, differentiable (entropy bonuses)
 
     @property
     def log_ratio(self) -> torch.Tensor:

@@ -53,7 +53,7 @@ def micro_batch_loss(
         sampler_logprobs=mine(mb.sampler_logprobs.to(device)),
         advantages=mine(mb.advantages.to(device)),
         loss_mask=mine(mb.loss_mask.to(device)),
-        entropy=entropy.detach(),
+        entropy=entropy,  # differentiable: a custom objective may add an entropy bonus
     )
     return policy_loss(objective, cfg.loss, inputs, mb.num_loss_tokens)
 
