@@ -6,7 +6,9 @@ answer tokens and the closing end-of-turn token: the tokens after the templated 
 after the eos (ChatML's trailing newline) stays in the sequence without loss.
 
 `data.task = "chat_jsonl"` reads whole chats (multi-turn transcripts) from a JSONL file instead;
-every assistant turn gets the loss in the same way.
+every assistant turn but an opening one (context: nothing renders before it to say where it
+begins) gets the loss in the same way. Every line is checked (roles, string contents) and
+templated when the dataset is built, so bad data fails before training, naming its line.
 """
 
 import json
@@ -48,8 +50,8 @@ def transcript_sample(tokenizer: PreTrainedTokenizerBase, messages: list[dict[st
     full_ids = chat_ids(tokenizer, messages, prompt=False)
     mask = [False] * len(full_ids)
     for k, message in enumerate(messages):
-        if message.get("role") != "assistant":
-            continue
+        if message.get("role") != "assistant" or k == 0:  # an opening assistant turn is context: no
+            continue  # prompt renders before it, so where its tokens begin is the template's secret
         before = chat_ids(tokenizer, messages[:k], prompt=True)
         if full_ids[: len(before)] != before:
             raise UserError("the chat template renders earlier turns differently once later turns follow")
@@ -59,28 +61,59 @@ def transcript_sample(tokenizer: PreTrainedTokenizerBase, messages: list[dict[st
             raise UserError("the chat template does not close an assistant turn with eos") from None
         mask[len(before) : end] = [True] * (end - len(before))
     if not any(mask):
-        raise UserError("a chat in data.path has no assistant message")
+        raise UserError("it has no assistant message after its first")
     return Sample(full_ids, mask)
 
 
-def read_chats(path: Path, limit: int) -> list[list[dict[str, Any]]]:
-    """The first `limit` chats of a JSONL file of `{"messages": [...]}` lines (0 = all)."""
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def chat_problem(messages: Any) -> str | None:
+    """What is wrong with one line's `messages` (one short phrase naming the field), or None."""
+    if not isinstance(messages, list) or not messages:
+        return "'messages' must be a non-empty list"
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            return f"messages[{i}] is not an object"
+        role = message.get("role")
+        if role not in ROLES:
+            return f"messages[{i}].role is {role!r}, not one of {', '.join(ROLES)}"
+        content = message.get("content")
+        if not isinstance(content, str) and not (
+            role == "assistant" and content is None and message.get("tool_calls")
+        ):
+            return f"messages[{i}].content must be a string (null only for an assistant turn with tool_calls)"
+    if not any(message["role"] == "assistant" for message in messages[1:]):
+        return "it has no assistant message (after its first message: an opening one is context)"
+    return None
+
+
+def read_chats(path: Path, limit: int) -> list[tuple[int, list[dict[str, Any]]]]:
+    """(line number, messages) of the first `limit` chats of a JSONL file of `{"messages": [...]}`
+    lines (0 = all), each checked (`chat_problem`); a bad line fails in one line naming it."""
     if not path.is_file():
         raise UserError(f"data.path: no such file {path}")
     chats = []
-    with path.open() as f:
-        for number, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            where = f"data.path: line {number} of {path}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise UserError(f"{where} is not UTF-8") from None
             if not line.strip():
                 continue
             try:
                 messages = json.loads(line)["messages"]
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise UserError(
-                    f"data.path: line {number} of {path} is not a JSON object with 'messages'"
-                ) from None
-            chats.append(messages)
+                raise UserError(f"{where} is not a JSON object with 'messages'") from None
+            if problem := chat_problem(messages):
+                raise UserError(f"{where}: {problem}")
+            chats.append((number, messages))
             if len(chats) == limit:
                 break
+    if not chats:
+        raise UserError(f"data.path: {path} holds no chats")
     return chats
 
 
@@ -91,7 +124,7 @@ class SFTDataset:
     """
 
     def __init__(
-        self, tasks: Sequence[ReverseTextTask], tokenizer: PreTrainedTokenizerBase, seed: int, shuffle: bool
+        self, tasks: Sequence[Any], tokenizer: PreTrainedTokenizerBase, seed: int, shuffle: bool
     ) -> None:
         if not tasks:
             raise UserError("data.num_examples is 0: the training dataset is empty")
@@ -123,10 +156,32 @@ class SFTDataset:
 
 
 class ChatDataset(SFTDataset):
-    """Whole chats (e.g. multi-turn transcripts) as examples, loss on every assistant turn."""
+    """Whole chats (e.g. multi-turn transcripts) as examples, loss on every assistant turn; every
+    chat is templated once, here, so a template that fails on one names its line before training."""
+
+    def __init__(
+        self,
+        chats: list[tuple[int, list[dict[str, Any]]]],
+        tokenizer: PreTrainedTokenizerBase,
+        seed: int,
+        shuffle: bool,
+        path: Path,
+    ) -> None:
+        samples = []
+        for number, messages in chats:
+            try:
+                samples.append(transcript_sample(tokenizer, messages))
+            except UserError as e:
+                raise UserError(f"data.path: line {number} of {path}: {e}") from None
+            except Exception as e:  # the template's own error (jinja2, transformers)
+                raise UserError(
+                    f"data.path: line {number} of {path}: the chat template failed: {e}"
+                ) from None
+        super().__init__(samples, tokenizer, seed, shuffle)
+        self.lines = [number for number, _ in chats]
 
     def sample(self, task: Any) -> Sample:
-        return transcript_sample(self.tokenizer, task)
+        return task  # templated at start
 
 
 def build_chat_dataset(
@@ -134,14 +189,13 @@ def build_chat_dataset(
 ) -> SFTDataset:
     if cfg.path is None:
         raise UserError("data.path is required with data.task = 'chat_jsonl'")
-    dataset = ChatDataset(read_chats(cfg.path, cfg.num_examples), tokenizer, seed, cfg.shuffle)
-    longest = max(
-        dataset.tasks, key=lambda chat: sum(len(str(m.get("content") or "")) for m in chat), default=None
-    )
-    length = len(dataset.sample(longest).input_ids) if longest is not None else 0
-    if length > seq_len:
+    dataset = ChatDataset(read_chats(cfg.path, cfg.num_examples), tokenizer, seed, cfg.shuffle, cfg.path)
+    lengths = [len(sample.input_ids) for sample in dataset.tasks]
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    if lengths[longest] > seq_len:
         raise UserError(
-            f"seq_len {seq_len} is too small: the longest chat of {cfg.path} takes {length} tokens"
+            f"seq_len {seq_len} is too small: line {dataset.lines[longest]} of {cfg.path} takes "
+            f"{lengths[longest]} tokens"
         )
     return dataset
 
