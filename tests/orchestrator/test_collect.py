@@ -221,6 +221,10 @@ def test_requests_failing_alike_log_one_warning(caplog: pytest.LogCaptureFixture
 def test_bad_settings_fail_at_start_with_one_line(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"batch_size \(10\) must be a multiple of group_size \(4\)"):
         build_config(OrchestratorConfig, overrides=[("batch_size", 10), ("group_size", 4)])
+    with pytest.raises(
+        ConfigError, match=r"'group_size': Input should be greater than or equal to 2 \(got 1\)"
+    ):
+        build_config(OrchestratorConfig, overrides=[("batch_size", 4), ("group_size", 1)])  # no signal
     with pytest.raises(ConfigError, match="'env.args.max_lenn': Extra inputs are not permitted"):
         load_environment("reverse_text", {"max_lenn": 3})
     with pytest.raises(ConfigError, match="unknown environment 'wordel"):

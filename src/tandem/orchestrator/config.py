@@ -64,7 +64,12 @@ class OrchestratorConfig(Section):
     )
 
     batch_size: int = Field(64, gt=0, description="Samples per trainer step (prompts × group_size).")
-    group_size: int = Field(8, gt=0, description="Completions per prompt (one request with n=group_size).")
+    group_size: int = Field(
+        8,
+        ge=2,
+        description="Completions per prompt (one request with n=group_size); at least 2: advantages are "
+        "relative to the prompt's group, so a group of one has no learning signal.",
+    )
     num_ranks: int = Field(
         1, gt=0, description="Trainer ranks; one rank_R.bin file per data-parallel group (num_ranks / cp)."
     )
