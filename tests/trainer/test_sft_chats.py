@@ -92,3 +92,17 @@ def test_an_opening_assistant_turn_is_context(tmp_path: Path, tokenizer) -> None
     eos = tokenizer.eos_token_id
     want = [t for text in ("hello",) for t in tokenizer.encode(text, add_special_tokens=False) + [eos]]
     assert trained == want
+
+
+def test_a_chats_tools_are_rendered_as_rl_renders_them(tmp_path: Path, tokenizer) -> None:  # noqa: ANN001
+    """A line's "tools" go to the chat template (the prompt an RL tool environment renders), and
+    the loss still covers exactly the assistant turns."""
+    tools = [{"type": "function", "function": {"name": "calculate", "parameters": {"type": "object"}}}]
+    with_tools, without = build(write(tmp_path, {**GOOD, "tools": tools}, GOOD), tokenizer).tasks
+    want = tokenizer.apply_chat_template(GOOD["messages"], tools=tools, tokenize=False)
+    assert tokenizer.decode(with_tools.input_ids) == want and "calculate" in want
+    assert len(with_tools.input_ids) > len(without.input_ids)
+    trained = [[t for t, m in zip(s.input_ids, s.loss_mask, strict=True) if m] for s in (with_tools, without)]
+    assert trained[0] == trained[1]
+    with pytest.raises(UserError, match=r"line 1 of .*: 'tools' must be a list of objects$"):
+        build(write(tmp_path, {**GOOD, "tools": "calculate"}), tokenizer)

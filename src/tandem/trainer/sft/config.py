@@ -21,8 +21,9 @@ class DataConfig(Section):
     path: Path | None = Field(
         None,
         description='chat_jsonl: a JSONL file with one {"messages": [...]} chat per line (UTF-8; roles '
-        "system, developer, user, assistant, tool; string contents); the loss covers every assistant "
-        "turn but an opening one. Every line is checked and templated before training.",
+        'system, developer, user, assistant, tool; string contents; an optional "tools" list goes to '
+        "the chat template, as RL environments pass theirs); the loss covers every assistant turn but "
+        "an opening one. Every line is checked and templated before training.",
     )
     num_examples: int = Field(
         10_000, ge=0, description="Distinct training examples (chat_jsonl: the first N chats; 0 = all)."

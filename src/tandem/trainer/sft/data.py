@@ -15,7 +15,7 @@ import json
 import random
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
@@ -25,8 +25,15 @@ from tandem.trainer.packing import Sample
 from tandem.trainer.sft.config import DataConfig
 
 
-def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], prompt: bool) -> list[int]:
-    encoded = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=prompt)
+def chat_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, str]],
+    prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    encoded = tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=True, add_generation_prompt=prompt
+    )
     return list(encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded)
 
 
@@ -45,14 +52,19 @@ def chat_sample(tokenizer: PreTrainedTokenizerBase, prompt: list[dict[str, str]]
     return Sample(full_ids, mask)
 
 
-def transcript_sample(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> Sample:
-    """Token ids of a whole chat, with the loss on every assistant turn and its end-of-turn token."""
-    full_ids = chat_ids(tokenizer, messages, prompt=False)
+def transcript_sample(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+) -> Sample:
+    """Token ids of a whole chat (rendered with its `tools`, as an RL environment renders its
+    prompts), with the loss on every assistant turn and its end-of-turn token."""
+    full_ids = chat_ids(tokenizer, messages, prompt=False, tools=tools)
     mask = [False] * len(full_ids)
     for k, message in enumerate(messages):
         if message.get("role") != "assistant" or k == 0:  # an opening assistant turn is context: no
             continue  # prompt renders before it, so where its tokens begin is the template's secret
-        before = chat_ids(tokenizer, messages[:k], prompt=True)
+        before = chat_ids(tokenizer, messages[:k], prompt=True, tools=tools)
         if full_ids[: len(before)] != before:
             raise UserError("the chat template renders earlier turns differently once later turns follow")
         try:
@@ -88,9 +100,16 @@ def chat_problem(messages: Any) -> str | None:
     return None
 
 
-def read_chats(path: Path, limit: int) -> list[tuple[int, list[dict[str, Any]]]]:
-    """(line number, messages) of the first `limit` chats of a JSONL file of `{"messages": [...]}`
-    lines (0 = all), each checked (`chat_problem`); a bad line fails in one line naming it."""
+class Chat(NamedTuple):
+    line: int
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None  # the line's "tools": what the template shows the model
+
+
+def read_chats(path: Path, limit: int) -> list[Chat]:
+    """The first `limit` chats of a JSONL file of `{"messages": [...], "tools": [...]}` lines
+    ("tools" optional; 0 = all), each checked (`chat_problem`); a bad line fails in one line
+    naming it."""
     if not path.is_file():
         raise UserError(f"data.path: no such file {path}")
     chats = []
@@ -104,12 +123,17 @@ def read_chats(path: Path, limit: int) -> list[tuple[int, list[dict[str, Any]]]]
             if not line.strip():
                 continue
             try:
-                messages = json.loads(line)["messages"]
-            except (json.JSONDecodeError, KeyError, TypeError):
+                row = json.loads(line)
+                messages, tools = row["messages"], row.get("tools")
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
                 raise UserError(f"{where} is not a JSON object with 'messages'") from None
             if problem := chat_problem(messages):
                 raise UserError(f"{where}: {problem}")
-            chats.append((number, messages))
+            if tools is not None and not (
+                isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+            ):
+                raise UserError(f"{where}: 'tools' must be a list of objects")
+            chats.append(Chat(number, messages, tools))
             if len(chats) == limit:
                 break
     if not chats:
@@ -160,25 +184,19 @@ class ChatDataset(SFTDataset):
     chat is templated once, here, so a template that fails on one names its line before training."""
 
     def __init__(
-        self,
-        chats: list[tuple[int, list[dict[str, Any]]]],
-        tokenizer: PreTrainedTokenizerBase,
-        seed: int,
-        shuffle: bool,
-        path: Path,
+        self, chats: list[Chat], tokenizer: PreTrainedTokenizerBase, seed: int, shuffle: bool, path: Path
     ) -> None:
         samples = []
-        for number, messages in chats:
+        for chat in chats:
+            where = f"data.path: line {chat.line} of {path}"
             try:
-                samples.append(transcript_sample(tokenizer, messages))
+                samples.append(transcript_sample(tokenizer, chat.messages, chat.tools))
             except UserError as e:
-                raise UserError(f"data.path: line {number} of {path}: {e}") from None
+                raise UserError(f"{where}: {e}") from None
             except Exception as e:  # the template's own error (jinja2, transformers)
-                raise UserError(
-                    f"data.path: line {number} of {path}: the chat template failed: {e}"
-                ) from None
+                raise UserError(f"{where}: the chat template failed: {e}") from None
         super().__init__(samples, tokenizer, seed, shuffle)
-        self.lines = [number for number, _ in chats]
+        self.lines = [chat.line for chat in chats]
 
     def sample(self, task: Any) -> Sample:
         return task  # templated at start
