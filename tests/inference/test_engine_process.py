@@ -295,22 +295,27 @@ def tokens(choices: list[dict]) -> list[tuple[list[int], list[float]]]:
     return [(c["token_ids"], c["logprobs"]["token_logprobs"]) for c in choices]
 
 
+def broadcast_engine(model: Path) -> tuple[ProcessEngine, WeightSender, InferenceConfig]:
+    """An engine process serving `model` that receives weights by broadcast (gloo), and the
+    trainer-side sender of that link."""
+    link = LinkSettings("127.0.0.1", free_port(), LINK_TIMEOUT_S, 60.0, bucket_bytes=64 << 10)
+    engine_config = InferenceConfig.model_validate(
+        {
+            "model": {"name": str(model)},
+            "engine": {"max_model_len": 256, "core_process": True},
+            "weights": server_weights("broadcast", link),
+        }
+    )
+    return ProcessEngine(engine_config), WeightSender(link, 1, 0, 1, torch.device("cpu")), engine_config
+
+
 def test_in_memory_weights_reach_the_engine_process(tmp_path: Path) -> None:
     """The receiver lives in the engine process: a transfer serves exactly what loading the same
     weights from disk serves, under the transfer's version; one that does not fit is refused
     (400) with the old weights live; one broken midway (TransferError with `partial`, rebuilt from
     the pipe) takes the server out (503)."""
     models = transfer_models(tmp_path)
-    link = LinkSettings("127.0.0.1", free_port(), LINK_TIMEOUT_S, 60.0, bucket_bytes=64 << 10)
-    engine_config = InferenceConfig.model_validate(
-        {
-            "model": {"name": str(models["a"])},
-            "engine": {"max_model_len": 256, "core_process": True},
-            "weights": server_weights("broadcast", link),
-        }
-    )
-    engine = ProcessEngine(engine_config)
-    sender = WeightSender(link, 1, 0, 1, torch.device("cpu"))
+    engine, sender, engine_config = broadcast_engine(models["a"])
     greedy = {"max_tokens": 8, "temperature": 0, "logprobs": 1}
     with serve_in_thread(build_app(engine, engine.tokenizer, engine_config)) as url:
         served = Served(url, engine)
@@ -358,16 +363,7 @@ def test_a_receiver_killed_mid_broadcast_ends_the_senders_transfer_in_one_line(t
     next bucket's broadcast fails (a closed peer or the group's timeout) and the sender raises a
     TransferError naming the version and the bucket, not torch's own error."""
     models = transfer_models(tmp_path)
-    link = LinkSettings("127.0.0.1", free_port(), LINK_TIMEOUT_S, 60.0, bucket_bytes=64 << 10)
-    engine_config = InferenceConfig.model_validate(
-        {
-            "model": {"name": str(models["a"])},
-            "engine": {"max_model_len": 256, "core_process": True},
-            "weights": server_weights("broadcast", link),
-        }
-    )
-    engine = ProcessEngine(engine_config)
-    sender = WeightSender(link, 1, 0, 1, torch.device("cpu"))
+    engine, sender, engine_config = broadcast_engine(models["a"])
     model = hf(models["b"])
     halfway, killed = threading.Event(), threading.Event()
 

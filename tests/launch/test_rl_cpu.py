@@ -28,6 +28,11 @@ def run_rl(tmp_path: Path, *overrides: str) -> tuple[str, Path]:
     )
     run = tmp_path / "run"
     (tmp_path / "rl.toml").write_text(tiny_rl_config(model, run, max_steps=2))
+    return launch_rl(tmp_path, *overrides), run
+
+
+def launch_rl(tmp_path: Path, *overrides: str) -> str:
+    """`rl @ tmp_path/rl.toml OVERRIDES`, which must succeed; its output."""
     result = subprocess.run(
         [sys.executable, "-m", "tandem.launch.cli", "@", str(tmp_path / "rl.toml"), *overrides],
         capture_output=True,
@@ -37,7 +42,7 @@ def run_rl(tmp_path: Path, *overrides: str) -> tuple[str, Path]:
     )
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
-    return out, run
+    return out
 
 
 def test_rl_runs_two_steps_on_cpu(tmp_path: Path) -> None:
@@ -81,20 +86,9 @@ def test_a_resume_with_every_step_written_retrains_them_and_finishes(tmp_path: P
     trainer then waited out transfer_timeout_s for servers nobody told to receive)."""
     keep = ("--max_steps", "4", "--trainer.ckpt.interval", "2", "--trainer.prune_rollouts", "false")
     _, run = run_rl(tmp_path, *keep)
-    for stopped in (
-        run / "checkpoints" / "step_4",
-        run / "weights" / "step_4",
-    ):  # what a kill in step 3 leaves
-        shutil.rmtree(stopped)
-    resumed = subprocess.run(
-        [sys.executable, "-m", "tandem.launch.cli", "@", str(tmp_path / "rl.toml"), *keep, "--resume"],
-        capture_output=True,
-        text=True,
-        timeout=480,
-        env=ENV,
-    )
-    out = resumed.stdout + resumed.stderr
-    assert resumed.returncode == 0, out[-4000:]
+    for kind in ("checkpoints", "weights"):  # what a kill in step 3 leaves
+        shutil.rmtree(run / kind / "step_4")
+    out = launch_rl(tmp_path, *keep, "--resume")
     assert "all 4 steps are already written; the trainer retrains them from step 2" in out
     assert "[trainer] step 4/4" in out and (run / "weights" / "step_4" / "STABLE").is_file()
     assert "received policy version 4" in (run / "logs" / "inference.log").read_text()
