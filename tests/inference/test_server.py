@@ -272,7 +272,7 @@ def test_streaming_equals_non_streaming(client: openai.OpenAI) -> None:
     name = model_name(client)
     kwargs = dict(model=name, max_tokens=10, temperature=1.0, seed=9, extra_body={"return_token_ids": True})
     whole = client.completions.create(prompt="stream me", logprobs=1, n=2, **kwargs)
-    text, ids, logprobs, finish = ["", ""], [[], []], [[], []], [None, None]
+    text, ids, logprobs, offsets, finish = ["", ""], [[], []], [[], []], [[], []], [None, None]
     chunks = client.completions.create(
         prompt="stream me", logprobs=1, n=2, stream=True, stream_options={"include_usage": True}, **kwargs
     )
@@ -284,12 +284,14 @@ def test_streaming_equals_non_streaming(client: openai.OpenAI) -> None:
             text[c.index] += c.text
             ids[c.index] += c.token_ids
             logprobs[c.index] += c.logprobs.token_logprobs
+            offsets[c.index] += c.logprobs.text_offset  # counted on across chunks
             finish[c.index] = c.finish_reason or finish[c.index]
     for i, c in enumerate(whole.choices):
-        assert (text[i], ids[i], logprobs[i], finish[i]) == (
+        assert (text[i], ids[i], logprobs[i], offsets[i], finish[i]) == (
             c.text,
             c.token_ids,
             c.logprobs.token_logprobs,
+            c.logprobs.text_offset,
             c.finish_reason,
         )
     assert usage.completion_tokens == whole.usage.completion_tokens
@@ -305,6 +307,21 @@ def test_streaming_equals_non_streaming(client: openai.OpenAI) -> None:
     assert content == whole_chat.choices[0].message.content
     assert token_ids == whole_chat.choices[0].token_ids
     assert chunks[-1].choices[0].finish_reason == whole_chat.choices[0].finish_reason
+
+
+def test_null_fields_mean_their_defaults(server: Any) -> None:
+    """OpenAI's optional fields are nullable: a client that sends every parameter, unset ones as
+    null, gets their defaults (these were 400s); a required field's null still names it."""
+    nulls = dict.fromkeys(
+        ("n", "stream", "presence_penalty", "frequency_penalty", "ignore_eos", "logit_bias")
+    )
+    completion = {"prompt": "x", "max_tokens": 2, "echo": None, "logprobs": None, **nulls}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": None, **nulls}
+    for path, body in (("/completions", completion), ("/chat/completions", chat)):
+        answer = httpx.post(server.base_url + path, json=body, timeout=30)
+        assert answer.status_code == 200 and len(answer.json()["choices"]) == 1, answer.text
+    answer = httpx.post(server.base_url + "/chat/completions", json={"messages": None}, timeout=30)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages", answer.text
 
 
 def test_raw_sse_format(server: Any) -> None:

@@ -42,6 +42,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     streamed_tokens: int = 0  # tokens already sent in stream chunks
+    streamed_offset: int = 0  # completions' logprobs: text_offset of the next streamed token
 
     @property
     def token_ids(self) -> list[int]:

@@ -30,7 +30,22 @@ def usable_temperature(temperature: float | None) -> float | None:
 
 
 class APIModel(BaseModel):
+    """An explicit null in a field whose default is not null means the default, as OpenAI's
+    spec (every optional field is nullable) and vLLM read it: clients send `"n": null`."""
+
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            k: v
+            for k, v in data.items()
+            if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None
+        }
 
 
 class StreamOptions(APIModel):

@@ -163,7 +163,9 @@ class ResponseBuilder:
             out["delta"] = {"content": text} if text or not finished else {}
         else:
             out["text"] = text
-        out["logprobs"] = self.logprobs(choice, start, end)
+        out["logprobs"] = logprobs = self.logprobs(choice, start, end, choice.streamed_offset)
+        if logprobs is not None and not self.chat:  # offsets count on across chunks, as OpenAI's do
+            choice.streamed_offset += sum(len(token) for token in logprobs["tokens"])
         out["finish_reason"] = choice.finish_reason
         out["stop_reason"] = choice.stop_reason
         if self.return_token_ids:
