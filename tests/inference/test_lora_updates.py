@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from server_process import free_port, serve_in_thread
 from transformers import AutoModelForCausalLM
 from weight_link_helpers import server_weights
@@ -154,6 +155,29 @@ def test_adapters_from_disk_and_broadcast_merge_onto_the_base(trainer: Trainer, 
         assert "does not fit the model" in message and "at rank 8 needs" in message, message
         assert "the old weights stay live" in message
         assert_serves(url, second_merged)
+
+        norm = tmp_path / "norm_target"  # a LoRA pair aimed at a norm's 1-D weight: a 400, not a 500
+        shutil.copytree(first, norm)
+        tensors = load_file(norm / "adapter_model.safetensors")
+        rank = json.loads((norm / "adapter_config.json").read_text())["r"]
+        hidden = next(t for k, t in tensors.items() if "lora_A" in k).shape[1]
+        prefix = "base_model.model.model.norm"
+        tensors |= {
+            f"{prefix}.lora_A.weight": torch.zeros(rank, hidden),
+            f"{prefix}.lora_B.weight": torch.zeros(hidden, rank),
+        }
+        save_file(tensors, norm / "adapter_model.safetensors")
+        answer = httpx.post(url + "/update_weights", json={"path": str(norm)}, timeout=60)
+        assert answer.status_code == 400, answer.text
+        assert "model.norm.weight is not a linear layer's weight" in answer.json()["error"]["message"]
+
+        no_bias_key = tmp_path / "no_bias_key"  # peft's default when the key is absent: bias "none"
+        shutil.copytree(first, no_bias_key)
+        config.pop("bias", None)
+        (no_bias_key / "adapter_config.json").write_text(json.dumps(config | {"r": rank}))
+        answer = httpx.post(url + "/update_weights", json={"path": str(no_bias_key)}, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert_serves(url, first_merged)
 
 
 @pytest.mark.parametrize("base_on_cpu", [False, True], ids=["base_on_device", "base_on_cpu"])

@@ -248,6 +248,10 @@ def test_prefill_servers_compute_the_others_prompts(tmp_path: Path) -> None:
         ({"deployment.shutdown_grace_s": 60}, "deployment.shutdown_grace_s"),
         ({"deployment.inference_ports": [9000, 9001]}, "2 port(s) for 1 inference server"),
         ({"deployment.colour": True}, "unknown key 'deployment.colour'"),
+        (
+            {"trainer.lora.enabled": True, "inference.engine.quantization": "fp8"},
+            "trainer.lora with inference.engine.quantization = 'fp8': the native engine merges adapters",
+        ),
     ],
 )
 def test_validation_is_one_clear_line(tmp_path: Path, overrides: dict, message: str) -> None:

@@ -164,6 +164,17 @@ def _check_agreement(
         raise ConfigError(
             f"trainer.parallel.ep = {ep} does not divide the trainer's {ranks} ranks (deployment.trainer_nproc)"
         )
+    lora = trainer.lora
+    if (
+        lora is not None
+        and lora.enabled
+        and inference.engine.quantization == "fp8"
+        and inference.backend != "vllm"
+    ):
+        raise ConfigError(
+            "trainer.lora with inference.engine.quantization = 'fp8': the native engine merges adapters "
+            "into its bf16 weights; set quantization = 'none' (or inference.backend = 'vllm')"
+        )
     keep, lag = trainer.weights.keep, orchestrator.max_async_level
     if not trainer.weights.in_memory and keep and keep <= lag:
         raise ConfigError(

@@ -82,7 +82,9 @@ class LoRAMerger:
             ("rank_pattern", lambda v: not v, "one rank for every module"),
             ("alpha_pattern", lambda v: not v, "one alpha for every module"),
         ):
-            if not ok(config.get(key, None if key in ("r", "lora_alpha") else False)):
+            if not ok(
+                config.get(key, None if key in ("r", "lora_alpha", "bias") else False)
+            ):  # (peft: bias "none")
                 return f"adapter_config {key} = {config.get(key)!r}: the engine merges {what}"
         params, _ = expected_parameters(self.model)
         rank, found = config["r"], {}
@@ -98,6 +100,8 @@ class LoRAMerger:
                 return f"{name}: the model has no {weight} to merge it into"
             if not isinstance(target, torch.Tensor):
                 return f"{name}: {weight} is FP8 here; LoRA updates need engine.quantization = 'none'"
+            if target.dim() != 2:
+                return f"{name}: {weight} is not a linear layer's weight ({list(target.shape)})"
             out, cols = target.shape
             want = (rank, cols) if which == "A" else (out, rank)
             if tuple(shape) != want:
