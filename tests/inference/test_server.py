@@ -13,6 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tandem.inference.responses import TokenTexts
+
 MAX_MODEL_LEN = 1024
 MAX_N = 8
 
@@ -559,3 +561,15 @@ def test_top_k_top_p_min_p_reach_the_sampler(client: openai.OpenAI, narrowing: d
     kwargs["extra_body"] = {**kwargs["extra_body"], **narrowing}
     narrowed = client.completions.create(temperature=1.0, seed=1, **kwargs).choices[0].token_ids
     assert narrowed == greedy  # only the most likely token survives the filter
+
+
+def test_chat_logprob_bytes_rebuild_characters_split_across_tokens(tiny_model: Path) -> None:
+    """OpenAI's `bytes` are a token's own bytes: where a character spans tokens, each token's
+    text is U+FFFD, and joining their bytes gives the character back (they were U+FFFD's bytes)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    texts = TokenTexts(tokenizer)
+    text = "ʀé 漢字 🙂 naïve"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in texts(t) for t in ids)  # some token holds part of a character
+    assert bytes(b for t in ids for b in texts.bytes(t)) == text.encode("utf-8")
+    assert texts.bytes(tokenizer.eos_token_id) == list(tokenizer.eos_token.encode("utf-8"))

@@ -18,11 +18,12 @@ COMPACT = json.JSONEncoder(separators=(",", ":"))
 
 
 class TokenTexts:
-    """Cached text of single tokens, for logprob entries."""
+    """Cached text and bytes of single tokens, for logprob entries."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.cache: dict[int, str] = {}
+        self.byte_cache: dict[int, list[int]] = {}
 
     def __call__(self, token_id: int, as_id: bool = False) -> str:
         if as_id:
@@ -31,6 +32,30 @@ class TokenTexts:
         if text is None:
             text = self.cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
+
+    def bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes (chat logprobs' `bytes`): a token may hold part of a UTF-8
+        character, which its text shows as U+FFFD; clients join the bytes of consecutive tokens
+        to rebuild it. Read from a byte-level BPE's token string; other tokenizers: the text's."""
+        cached = self.byte_cache.get(token_id)
+        if cached is None:
+            piece, table = self.tokenizer.convert_ids_to_tokens(token_id), self._byte_level
+            if table is not None and isinstance(piece, str) and all(c in table for c in piece):
+                cached = [table[c] for c in piece]
+            else:
+                cached = list(self(token_id).encode("utf-8"))
+            self.byte_cache[token_id] = cached
+        return cached
+
+    @cached_property
+    def _byte_level(self) -> dict[str, int] | None:
+        """Byte-level BPE's character → byte table (GPT-2's), when the tokenizer decodes so."""
+        decoder = getattr(getattr(self.tokenizer, "backend_tokenizer", None), "decoder", None)
+        if type(decoder).__name__ != "ByteLevel":
+            return None
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 @dataclass
@@ -68,16 +93,15 @@ class ResponseBuilder:
         if self.top_logprobs is None:
             return None
         ids = choice.token_ids[start:end]
-        texts = [self.token_texts(t, self.tokens_as_ids) for t in ids]
         if self.chat:
             content = []
-            for i, (text, logprob) in enumerate(zip(texts, choice.logprobs[start:end], strict=True)):
+            for i, (token, logprob) in enumerate(zip(ids, choice.logprobs[start:end], strict=True)):
                 alternatives = [
-                    self._chat_entry(self.token_texts(t, self.tokens_as_ids), lp)
-                    for t, lp in choice.top_logprobs[start + i][: self.top_logprobs]
+                    self._chat_entry(t, lp) for t, lp in choice.top_logprobs[start + i][: self.top_logprobs]
                 ]
-                content.append({**self._chat_entry(text, logprob), "top_logprobs": alternatives})
+                content.append({**self._chat_entry(token, logprob), "top_logprobs": alternatives})
             return {"content": content}
+        texts = [self.token_texts(t, self.tokens_as_ids) for t in ids]
         offsets, top = [], []
         for i, text in enumerate(texts):
             offsets.append(text_offset)
@@ -92,9 +116,10 @@ class ResponseBuilder:
             "text_offset": offsets,
         }
 
-    @staticmethod
-    def _chat_entry(text: str, logprob: float) -> dict:
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    def _chat_entry(self, token_id: int, logprob: float) -> dict:
+        text = self.token_texts(token_id, self.tokens_as_ids)
+        data = list(text.encode("utf-8")) if self.tokens_as_ids else self.token_texts.bytes(token_id)
+        return {"token": text, "logprob": logprob, "bytes": data}
 
     def _header(self, obj: str) -> dict:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}

@@ -23,6 +23,8 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
+    def convert_ids_to_tokens(self, ids: int) -> str | None: ...
+
 
 def decoder(tokenizer: Tokenizer) -> Callable[..., str]:
     """`tokenizer.decode`, or its `tokenizers` backend's decode when that gives the same text
