@@ -85,6 +85,9 @@ def test_health_and_models(server: Any, client: openai.OpenAI, tiny_model: Path)
     models = client.models.list().data
     assert [m.id for m in models] == [str(tiny_model)]
     assert models[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+    assert client.models.retrieve(str(tiny_model)).id == str(tiny_model)  # (the id is a path: slashes)
+    with pytest.raises(openai.NotFoundError, match="the model 'gpt-4' does not exist"):
+        client.models.retrieve("gpt-4")
 
 
 # --- numerics against transformers -------------------------------------------------------------

@@ -356,9 +356,8 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
             "weights": await engine.weight_transport(),
         }
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        card = {
+    def model_card() -> dict:
+        return {
             "id": server.model_name,
             "object": "model",
             "created": 0,
@@ -367,7 +366,20 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
             "max_model_len": engine.max_model_len,
             "weight_version": engine.weight_version,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")  # (openai's client.models.retrieve; ids may hold slashes)
+    async def model(model_id: str) -> dict:
+        if model_id not in (server.model_name, config.model.name):  # (requests may use either)
+            raise APIError(
+                404,
+                f"the model {model_id!r} does not exist: this server serves {server.model_name!r}",
+                "model",
+            )
+        return model_card()
 
     @app.post("/update_weights")
     async def update_weights(req: UpdateWeightsRequest) -> dict:
