@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import signal
 import socket
 import subprocess
 import sys
@@ -251,9 +252,33 @@ def print_result(result: dict, console: Console) -> None:
         parts = [f"mean reward {e['reward_mean']:.4f}"]
         parts += [f"{m} {v:.4f}" for m, v in e["metrics"].items()]
         parts += [f"{k} {v:.4f}" for k, v in e["pass_at_k"].items()]
+        failed = f" ({e['failed']} failed: not in the means)" if e["failed"] else ""
         print(
-            f"{name}: {e['num_tasks']} held-out tasks, " + ", ".join(parts) + f" ({result['seconds']:.1f}s)"
+            f"{name}: {e['num_tasks']} held-out tasks{failed}, "
+            + ", ".join(parts)
+            + f" ({result['seconds']:.1f}s)"
         )
+
+
+def check_out(out: Path) -> None:
+    """`out` can be written (before anything starts: a finished run must not be lost to it)."""
+    if out.is_dir():
+        raise UserError(f"out: {out} is a directory; give a file path")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"out: cannot create {out.parent} ({e.strerror})") from None
+
+
+def write_out(out: Path, result: dict) -> None:
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(out)
+
+
+def stop_on_sigterm(*_: object) -> None:
+    """SIGTERM (timeout, a batch system) ends the run as Ctrl-C does: the server is stopped."""
+    raise SystemExit(128 + signal.SIGTERM)
 
 
 def main() -> None:
@@ -264,10 +289,12 @@ def main() -> None:
         )
         if not cfg.model.name:
             raise UserError("model.name is required, e.g. --model.name runs/reverse_text/sft/final")
+        if cfg.out:
+            check_out(cfg.out)
+        signal.signal(signal.SIGTERM, stop_on_sigterm)
         result = evaluate(cfg)
         if cfg.out:
-            cfg.out.parent.mkdir(parents=True, exist_ok=True)
-            cfg.out.write_text(json.dumps(result, indent=1))
+            write_out(cfg.out, result)
         console = Console()
         print_result(result, console if console.is_terminal else Console(width=200))  # no cut columns in logs
 

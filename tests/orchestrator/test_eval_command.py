@@ -5,8 +5,10 @@ refuses bad input with one line."""
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -102,9 +104,33 @@ def test_eval_on_a_running_server_mixes_environments_and_reports_pass_at_k(
     [
         (["--env.name", "no_such_env"], "unknown environment 'no_such_env'"),
         (["--n", "4"], "n > 1 needs sampling.temperature > 0"),
+        (["--out", "/"], "out: / is a directory; give a file path"),  # before the run, not after it
     ],
 )
 def test_eval_refuses_bad_input_with_one_line(tiny_model: Path, args: list[str], message: str) -> None:
     proc = run_eval("--model.name", str(tiny_model), *args, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr, proc.stderr
+
+
+def test_sigterm_stops_the_server_it_started(tiny_model: Path) -> None:
+    """SIGTERM (a timeout, a batch system) ends `evaluate` as Ctrl-C does: its server goes too
+    (it was left running, holding its port and memory)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HELPERS, os.environ.get("PYTHONPATH", "")])}
+    args = ["--model.name", str(tiny_model), "--num-tasks", "2000", "--seq-len", "128"]
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.evaluate", *args], env=env, stderr=subprocess.PIPE)
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    deadline = time.monotonic() + 120
+    while not (server := children.read_text().split()):
+        assert proc.poll() is None and time.monotonic() < deadline, "evaluate started no server"
+        time.sleep(0.2)
+    time.sleep(3)  # (into the server's start or the rollouts)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 30
+    while (
+        Path(f"/proc/{server[0]}").exists()
+        and "Z" not in Path(f"/proc/{server[0]}/stat").read_text().split()[2]
+    ):
+        assert time.monotonic() < deadline, "the server outlived evaluate"
+        time.sleep(0.2)
