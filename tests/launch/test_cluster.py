@@ -185,6 +185,12 @@ def test_cpu_nodes(tmp_path: Path) -> None:
             "cluster.hosts lists 2 host(s) (a, b) for 2 inference + 2 trainer",
         ),
         ({"inference.port": 29399, "cluster.servers_per_node": 2}, 0, "overlap the cluster's port(s) 29400"),
+        (
+            {"cluster.weights_group_port": 29401},
+            0,
+            "cluster.weights_group_port (29401) collides with the trainer's rendezvous (29400) or its node "
+            "roll call (29401)",
+        ),
     ],
 )
 def test_node_shapes_that_do_not_fit(tmp_path: Path, overrides: dict, visible: int, message: str) -> None:

@@ -3,6 +3,7 @@ input (no sbatch on the machine, GPU counts that do not fit). The real Slurm run
 test_slurm.py."""
 
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -65,7 +66,7 @@ def test_single_node_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cap
         "#SBATCH --qos=high",
         "#SBATCH --mem=0",
     ]
-    assert "export HF_HOME='/shared/hf cache'\nmodule load cuda\n" in script
+    assert "export HF_HOME='/shared/hf cache'\n" in script and "set -e\nmodule load cuda\nset +e\n" in script
     launcher = f"{sys.executable} -m tandem.launch.node @ {folder / 'job.toml'}"
     assert f"srun --nodes=1 --ntasks=1 --kill-on-bad-exit=1 {launcher}\n" in script
     assert "scontrol" not in script
@@ -142,3 +143,29 @@ def test_bad_input_fails_before_anything_is_written(
 def test_both_schedulers_is_an_error(tmp_path: Path, monkeypatch, capsys) -> None:
     assert run_rl(["@", str(write_config(tmp_path)), "--k8s"], monkeypatch, tmp_path) == 2
     assert re.search(r"both \[slurm\] and \[kubernetes\]", capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("fails", [True, False])
+def test_a_failed_setup_line_launches_nothing(tmp_path: Path, monkeypatch, fails: bool) -> None:
+    """A [slurm] setup line that fails (a module that does not load, a missing venv) ends the job
+    with one line before any node starts (they were launched anyway)."""
+    setup = '["true", "false", "echo after"]' if fails else '["true", "echo after"]'
+    config = write_config(tmp_path)
+    config.write_text(config.read_text().replace('setup = ["module load cuda"]', f"setup = {setup}"))
+    assert run_rl(["@", str(config), "--dry-run"], monkeypatch, tmp_path) == 0
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "srun").write_text("#!/bin/sh\necho STUB srun\n")
+    (stubs / "srun").chmod(0o755)
+    done = subprocess.run(
+        ["bash", str(tmp_path / "run" / "slurm" / "job.sbatch")],
+        env={"PATH": f"{stubs}:/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if fails:
+        assert done.returncode == 1 and "STUB srun" not in done.stdout and "after" not in done.stdout
+        assert "tandem: a [slurm] setup line failed (exit 1); nothing was launched" in done.stdout
+    else:
+        assert done.returncode == 0 and "after\n" in done.stdout and "STUB srun" in done.stdout, done.stdout

@@ -3,7 +3,8 @@
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from tandem.config.base import ModelConfig, Section
 from tandem.inference.config import InferenceConfig
@@ -148,6 +149,18 @@ class ClusterConfig(Section):
     join_timeout_s: float = Field(
         600, gt=0, description="How long each node waits for every other node to join the roll call."
     )
+
+    @model_validator(mode="after")
+    def ports_apart(self) -> "ClusterConfig":
+        """The roll call takes rdzv_port + 1 on the first trainer node, beside the weights group."""
+        if self.weights_group_port in (self.rdzv_port, self.rdzv_port + 1):
+            raise PydanticCustomError(
+                "ports",
+                f"cluster.weights_group_port ({self.weights_group_port}) collides with the trainer's "
+                f"rendezvous ({self.rdzv_port}) or its node roll call ({self.rdzv_port + 1}) on the first "
+                "trainer node",
+            )
+        return self
 
     @field_validator("hosts", mode="before")
     @classmethod
