@@ -31,7 +31,6 @@ from tandem.launch.plan import RunPlan, plan_node, plan_run
 from tandem.launch.preflight import preflight
 from tandem.launch.rollcall import RollCall
 from tandem.launch.supervisor import Console, record_failure
-from tandem.transport.weights import clear_offer
 
 PROG = "rl node"
 LINGER_S = 3600.0
@@ -91,10 +90,7 @@ def run_node(config: RLConfig, node: str | None) -> int:
     rollcall = RollCall(cluster, unit, lambda text: console.line(prog, text))
     try:
         preflight(plan, create=True)
-        if plan.runs_orchestrator:  # (once: the run_dir is shared) before any process of any node starts
-            prepare_resume(plan)
-        else:
-            clear_offer(config.run_dir)
+        prepare_resume(plan)  # before the roll call, so before any process of any node starts
         rollcall.join(config.run_dir, config.cluster.join_timeout_s)
     except (ConfigError, UserError) as e:
         record_failure(plan.log_dir, f"{prog}: {e}")

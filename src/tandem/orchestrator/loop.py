@@ -139,8 +139,8 @@ class Orchestrator:
         cfg = self.cfg
         failed = True
         try:
-            start = first_step(cfg)
-            if start >= cfg.max_steps and trainer_start(cfg.run_dir) >= cfg.max_steps:
+            start, retrain_from = first_step(cfg), trainer_start(cfg.run_dir)
+            if start >= cfg.max_steps and retrain_from >= cfg.max_steps:
                 log.info("all %d steps are already written and trained; nothing to do", cfg.max_steps)
                 return
             self.tokenizer = tokenizer = load_tokenizer(cfg.model.name)
@@ -161,7 +161,7 @@ class Orchestrator:
                 log.info(
                     "all %d steps are already written; the trainer retrains them from step %d",
                     cfg.max_steps,
-                    trainer_start(cfg.run_dir),
+                    retrain_from,
                 )
             if cfg.eval.interval > 0:
                 await supervise(self.final_eval(), self.policy.watch(), *self.forwarders())

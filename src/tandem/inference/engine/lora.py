@@ -66,6 +66,9 @@ def scale_of(config: Mapping) -> float:
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
+ABSENT = {"r": None, "lora_alpha": None, "bias": "none"}  # an adapter_config's missing keys (peft's defaults)
+
+
 class LoRAMerger:
     def __init__(self, model: torch.nn.Module, base_on_cpu: bool = False) -> None:
         self.model = model
@@ -82,9 +85,7 @@ class LoRAMerger:
             ("rank_pattern", lambda v: not v, "one rank for every module"),
             ("alpha_pattern", lambda v: not v, "one alpha for every module"),
         ):
-            if not ok(
-                config.get(key, None if key in ("r", "lora_alpha", "bias") else False)
-            ):  # (peft: bias "none")
+            if not ok(config.get(key, ABSENT.get(key, False))):
                 return f"adapter_config {key} = {config.get(key)!r}: the engine merges {what}"
         params, _ = expected_parameters(self.model)
         rank, found = config["r"], {}
