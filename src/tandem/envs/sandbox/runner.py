@@ -22,7 +22,8 @@ Modes (`job["mode"]`):
   to this runner, and the seccomp filter (compiled by the parent) is loaded.
 - `bubblewrap`: the same root, built by bwrap(1) from the same mount list; bwrap drops the
   capabilities, sets no_new_privs, loads the same seccomp filter and forbids nested user
-  namespaces. This process execs bwrap.
+  namespaces; the program is PID 1 (`--as-pid-1`: bwrap's own init would stay inside without the
+  filter, its memory writable through /proc/1/mem). This process execs bwrap.
 - `unsafe-local`: no namespaces: the job runs in a host directory with the seccomp filter and
   the resource limits only (it can read what the user can read).
 """
@@ -334,7 +335,11 @@ def build_and_exec(job: dict, alive_r: int) -> None:
 
 def bubblewrap_argv(job: dict, seccomp_fd: int, file_fds: dict[str, int]) -> list[str]:
     argv = [job["bwrap"], "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent"]
-    argv += ["--new-session", "--cap-drop", "ALL", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
+    # no bwrap init inside (it has no filter and the program could write its memory); no
+    # --new-session: the runner has a session of its own already, no terminal, and a session
+    # leader could not setsid() (as PID 1 the program would be one)
+    argv += ["--as-pid-1"]
+    argv += ["--cap-drop", "ALL", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
     for path in job["mounts"]:
         argv += ["--ro-bind", path, path]
     for path, target in job["symlinks"]:
