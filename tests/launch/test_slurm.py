@@ -37,10 +37,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(out=out, num_layers=2, hidden_size=64, head_dim=16, intermediate_size=128)
 
 
-def write_config(tmp_path: Path, model: Path, extra: str = "") -> Path:
+def write_config(tmp_path: Path, model: Path, extra: str = "", run: str = "run") -> Path:
     slurm = '[slurm]\ntime = "00:15:00"\nexclusive = false\nenv = { CUDA_VISIBLE_DEVICES = "" }\n'
     path = tmp_path / "rl.toml"
-    path.write_text(tiny_rl_config(model, tmp_path / "run", max_steps=3, extra=slurm + extra))
+    path.write_text(tiny_rl_config(model, tmp_path / run, max_steps=3, extra=slurm + extra))
     return path
 
 
@@ -61,8 +61,9 @@ def cluster_section(trainer_nodes: int = 1) -> str:
 
 
 def test_one_node_job_trains_three_steps(slurm: LocalSlurm, model: Path, tmp_path: Path, capsys) -> None:
-    job, state = submit(slurm, write_config(tmp_path, model), capsys)
-    run = tmp_path / "run"
+    # a space and a '#' in run_dir: #SBATCH values are quoted (a space ended one, '#' began a comment)
+    job, state = submit(slurm, write_config(tmp_path, model, run="my run #1"), capsys)
+    run = tmp_path / "my run #1"
     output = (run / "logs" / f"slurm-{job}.out").read_text()
     assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), output[-4000:]
     assert (run / "weights" / "step_3" / "STABLE").is_file()

@@ -54,14 +54,14 @@ def test_single_node_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cap
     assert f"[rl] wrote {folder / 'job.sbatch'} (and job.toml beside it)" in capsys.readouterr().out
     sbatch = [line for line in script.splitlines() if line.startswith("#SBATCH")]
     assert sbatch == [
-        "#SBATCH --job-name=tandem-run",
+        '#SBATCH --job-name="tandem-run"',
         "#SBATCH --nodes=1",
         "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --chdir={Path.cwd()}",
-        f"#SBATCH --output={tmp_path / 'run' / 'logs' / 'slurm-%j.out'}",
-        "#SBATCH --partition=gpu",
-        "#SBATCH --account=proj",
-        "#SBATCH --time=04:00:00",
+        f'#SBATCH --chdir="{Path.cwd()}"',
+        f'#SBATCH --output="{tmp_path / "run" / "logs" / "slurm-%j.out"}"',
+        '#SBATCH --partition="gpu"',
+        '#SBATCH --account="proj"',
+        '#SBATCH --time="04:00:00"',
         "#SBATCH --exclusive",
         "#SBATCH --qos=high",
         "#SBATCH --mem=0",
@@ -130,6 +130,7 @@ def test_without_sbatch_a_clear_error(tmp_path: Path, monkeypatch, capsys) -> No
             "rl: error: deployment.trainer_gpus: GPU(s) 1 not visible (visible: 0)",
         ),
         ('template = "/nowhere/x.j2"\n', "rl: error: slurm.template: no such file /nowhere/x.j2"),
+        ('job_name = "a\\nb"\n', "rl: error: a Slurm option value cannot hold a line break: 'a\\nb'"),
     ],
 )
 def test_bad_input_fails_before_anything_is_written(

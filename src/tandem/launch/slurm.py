@@ -49,6 +49,7 @@ def render(config: RLConfig, slurm: SlurmConfig) -> str:
         undefined=jinja2.StrictUndefined,
     )
     env.filters["quote"] = lambda value: shlex.quote(str(value))
+    env.filters["sbatch_quote"] = sbatch_quote
     multi = is_multi_node(config)
     name = template_path.name if template_path else ("multi_node" if multi else "single_node") + ".sbatch.j2"
     python = slurm.python or sys.executable
@@ -72,6 +73,15 @@ def render(config: RLConfig, slurm: SlurmConfig) -> str:
         )
     except jinja2.TemplateError as e:
         raise UserError(f"slurm template {name}: {e}") from None
+
+
+def sbatch_quote(value: object) -> str:
+    """One #SBATCH option value as sbatch reads it: in double quotes, with backslash before `\\`
+    and `"` (unquoted, a space ended the value and a `#` began a comment)."""
+    text = str(value)
+    if "\n" in text or "\r" in text:
+        raise UserError(f"a Slurm option value cannot hold a line break: {text!r}")
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _layout(config: RLConfig) -> str:
