@@ -92,6 +92,13 @@ class EvalConfig(Section):
             raise PydanticCustomError(
                 "shape", "n > 1 needs sampling.temperature > 0 (greedy samples are identical)"
             )
+        served = self.inference.model.name
+        if served and self.model.name and served != self.model.name:
+            raise PydanticCustomError(
+                "shape",
+                f"inference.model.name ({served}) differs from model.name ({self.model.name}): the server "
+                "and the prompts' tokenizer take one model; set model.name only",
+            )
         if self.seq_len <= self.sampling.max_tokens:
             raise PydanticCustomError(
                 "shape",

@@ -262,7 +262,7 @@ def test_bad_settings_fail_at_start_with_one_line(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "orchestrator: error: invalid config: '<root>': batch_size (6) must be a multiple of group_size (4)"
+        "orchestrator: error: invalid config: batch_size (6) must be a multiple of group_size (4)"
     ]
 
 

@@ -216,7 +216,7 @@ def format_validation_error(error: ValidationError, cls: type[BaseModel] | None 
         else:
             given = item.get("input")
             what = item["msg"] + (f" (got {given!r})" if not isinstance(given, dict | list) else "")
-            text = f"'{key}': {what}"
+            text = f"'{key}': {what}" if item["loc"] else what  # (a whole-config check names its keys)
         problems.setdefault((key, what), text)
     shared = [(key, what) for key, what in problems if key.split(".")[0] in SHARED_FIELDS]
     texts = [
