@@ -43,6 +43,10 @@ def build(path: Path, tokenizer, seq_len: int = 256):  # noqa: ANN001, ANN201
         ({"messages": [GOOD["messages"][0], {"role": "assistant"}]}, "messages[1].content must be a string"),
         ({"messages": [GOOD["messages"][0], {"role": "assistant", "content": 12345}]}, "messages[1].content"),
         ({"messages": [GOOD["messages"][0]]}, "it has no assistant message"),
+        (  # (read as the token, it ended the turn's loss there)
+            {"messages": [GOOD["messages"][0], {"role": "assistant", "content": "a <|im_end|> b"}]},
+            "messages[1].content holds the end-of-turn token's text '<|im_end|>'",
+        ),
         (
             {"messages": [GOOD["messages"][1], GOOD["messages"][0]]},
             "it has no assistant message (after its first",

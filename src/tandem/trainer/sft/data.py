@@ -7,7 +7,8 @@ after the eos (ChatML's trailing newline) stays in the sequence without loss.
 
 `data.task = "chat_jsonl"` reads whole chats (multi-turn transcripts) from a JSONL file instead;
 every assistant turn but an opening one (context: nothing renders before it to say where it
-begins) gets the loss in the same way. Every line is checked (roles, string contents) and
+begins) gets the loss in the same way. Every line is checked (roles, string contents, no
+end-of-turn token text inside an assistant turn) and
 templated when the dataset is built, so bad data fails before training, naming its line.
 """
 
@@ -64,6 +65,11 @@ def transcript_sample(
     for k, message in enumerate(messages):
         if message.get("role") != "assistant" or k == 0:  # an opening assistant turn is context: no
             continue  # prompt renders before it, so where its tokens begin is the template's secret
+        if tokenizer.eos_token and tokenizer.eos_token in (message.get("content") or ""):
+            raise UserError(
+                f"messages[{k}].content holds the end-of-turn token's text {tokenizer.eos_token!r}, which "
+                "the tokenizer reads as the token: the turn's loss would end there; remove it from the data"
+            )
         before = chat_ids(tokenizer, messages[:k], prompt=True, tools=tools)
         if full_ids[: len(before)] != before:
             raise UserError("the chat template renders earlier turns differently once later turns follow")
