@@ -8,8 +8,8 @@ after the eos (ChatML's trailing newline) stays in the sequence without loss.
 `data.task = "chat_jsonl"` reads whole chats (multi-turn transcripts) from a JSONL file instead;
 every assistant turn but an opening one (context: nothing renders before it to say where it
 begins) gets the loss in the same way. Every line is checked (roles, string contents, no
-end-of-turn token text inside an assistant turn) and
-templated when the dataset is built, so bad data fails before training, naming its line.
+end-of-turn token text inside an assistant turn) and templated when the dataset is built, so bad
+data fails before training, naming its line.
 """
 
 import json
