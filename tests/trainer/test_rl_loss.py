@@ -121,6 +121,10 @@ def test_config_errors_name_the_key() -> None:
         build_config(RLTrainerConfig, overrides=[("loss.type", "ppo_clip"), ("loss.delta", 0.3)])
     with pytest.raises(ConfigError, match=r"'loss.high': Input should be greater than or equal to 1"):
         build_config(RLTrainerConfig, overrides=[("loss.low", 0.9), ("loss.high", 0.95)])
+    # past e^20 the clamped log ratio kept tokens with no gradient (and a loss of e^20·A)
+    with pytest.raises(ConfigError, match=r"ratio bounds \[0.5, 1e\+10\] .* clamped at ±20"):
+        build_config(RLTrainerConfig, overrides=[("loss.high", 1e10)])
+    assert build_config(RLTrainerConfig, overrides=[("loss.high", 1e6)]).loss.bounds() == (0.5, 1e6)
 
 
 def test_defaults_survive_the_loader() -> None:

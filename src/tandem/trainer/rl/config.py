@@ -1,13 +1,18 @@
 """Configuration of the RL trainer (`uv run trainer @ cfg.toml`)."""
 
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic_core import PydanticCustomError
 
 from tandem.config.base import ModelConfig, Section
 from tandem.trainer.config import LoRAConfig, OptimConfig, ParallelConfig
 from tandem.transport.config import WeightsConfig
+
+MAX_LOG_RATIO = 20.0
+"""The loss clamps log(π/μ) to ±this (a ratio of e^20 is already nonsense; beyond, exp overflows)."""
 
 
 class LossBase(Section):
@@ -31,6 +36,19 @@ class MaskedISLoss(LossBase):
         low = self.low if self.low is not None else 1 / (1 + self.delta)
         high = self.high if self.high is not None else 1 + self.delta
         return low, high
+
+    @model_validator(mode="after")
+    def check_bounds(self) -> "MaskedISLoss":
+        """Past e^±20 a bound would keep tokens whose clamped ratio has no gradient (say 'off'
+        with e.g. high = 1e6, not 1e10)."""
+        low, high = self.bounds()
+        if math.log(high) > MAX_LOG_RATIO or math.log(low) < -MAX_LOG_RATIO:
+            raise PydanticCustomError(
+                "bounds",
+                f"the ratio bounds [{low:.3g}, {high:.3g}] (low, high or delta) must lie within [e^-20, e^20] "
+                "≈ [2.06e-9, 4.85e8]: the log ratio is clamped at ±20",
+            )
+        return self
 
 
 class PPOClipLoss(LossBase):

@@ -16,9 +16,8 @@ from typing import Any
 import torch
 
 from tandem.cli import UserError
-from tandem.trainer.rl.config import CustomLoss, LossConfig, MaskedISLoss, PPOClipLoss, TISLoss
+from tandem.trainer.rl.config import MAX_LOG_RATIO, CustomLoss, LossConfig, MaskedISLoss, PPOClipLoss, TISLoss
 
-MAX_LOG_RATIO = 20.0
 """|log r| is clamped here before exp, so a wildly off token cannot overflow to inf (or NaN grads)."""
 
 
