@@ -195,3 +195,43 @@ def test_token_budget_shrinks_turns_and_ends_the_episode(server: str, model: Pat
     env.setup(tokenizer, prompt_len)  # seq_len bounds the episode as well
     with pytest.raises(ValueError, match="leaves no token budget"):
         run_group(env, server, sampling, n=1)
+
+
+class OneCrashEnv(EchoEnv):
+    """Episode 0's environment raises at its first reply; the others reply slowly, counting."""
+
+    def __init__(self, args: MultiTurnEnv.Args) -> None:
+        super().__init__(args)
+        self.crashing: int | None = None
+        self.replies_after_the_crash = 0
+        self.crashed = False
+
+    async def env_response(self, task: Any, messages: list[Message]) -> list[Message] | None:
+        if self.crashing in (None, id(messages)):
+            self.crashing = id(messages)
+            self.crashed = True
+            raise RuntimeError("environment bug in one episode")
+        await asyncio.sleep(0.3)
+        self.replies_after_the_crash += self.crashed
+        return await super().env_response(task, messages)
+
+
+def test_a_crashing_episode_stops_the_rest_of_its_group(server: str, model: Path) -> None:
+    """The group fails with the episode's own error, and its other episodes end with it: they
+    ran on unowned (past the rollout timeout, on a server lease given back)."""
+    env = OneCrashEnv(OneCrashEnv.Args(max_turns=8))
+    env.setup(load_tokenizer(str(model)), 1024)
+
+    async def run() -> None:
+        client = InferenceClient(server, ClientConfig(request_timeout=60))
+        await client.connect()
+        try:
+            with pytest.raises(RuntimeError, match="environment bug in one episode"):
+                await env.rollout_group(Task(), client, SamplingConfig(temperature=1.0, max_tokens=4), 4)
+            await asyncio.sleep(1.0)  # the others' slow replies would have ended by now
+            assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+    assert env.replies_after_the_crash == 0

@@ -13,9 +13,9 @@ loss mask 0. Only the tokens the model sampled have mask 1 and carry the sampler
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 from tandem.client.config import SamplingConfig
 from tandem.client.inference import InferenceClient
@@ -23,6 +23,21 @@ from tandem.config.base import Section
 
 Split = Literal["train", "eval"]
 Message = dict[str, Any]
+T = TypeVar("T")
+
+
+async def gather_or_cancel(*awaitables: Awaitable[T]) -> list[T]:
+    """asyncio.gather, but the first error cancels the others (and waits for them) before it is
+    raised: a failed group's other episodes stop instead of running on unowned, past the
+    rollout timeout, on a server lease already given back."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 class Task(Protocol):
@@ -183,8 +198,7 @@ class Environment(ABC):
         """`n` independent episodes of one task (a seeded sampling gives each its own seed).
         Single-turn environments override this with one request of `n` choices, which lets the
         server share the prompt's KV cache."""
-        episodes = (self.rollout(task, client, sampling.for_part(i)) for i in range(n))
-        return list(await asyncio.gather(*episodes))
+        return await gather_or_cancel(*(self.rollout(task, client, sampling.for_part(i)) for i in range(n)))
 
     def score(self, task: Any, messages: list[Message]) -> tuple[float, dict[str, float]]:
         """Weighted reward and every reward function's value (as metrics)."""

@@ -24,7 +24,6 @@ computed in `rollout_group` after sampling; the synchronous `reward_functions` h
 `has_code` (a metric).
 """
 
-import asyncio
 import json
 import math
 import os
@@ -41,7 +40,15 @@ from pydantic import Field
 from tandem.client.config import SamplingConfig
 from tandem.client.inference import InferenceClient
 from tandem.config.base import Section
-from tandem.envs.base import Message, RewardFunction, SingleTurnEnv, Split, Trajectory, last_content
+from tandem.envs.base import (
+    Message,
+    RewardFunction,
+    SingleTurnEnv,
+    Split,
+    Trajectory,
+    gather_or_cancel,
+    last_content,
+)
 from tandem.envs.sandbox import Isolation, Limits, Sandbox, SandboxError
 
 PROBLEMS_FILE = Path(__file__).parent / "data" / "code_problems.jsonl"
@@ -302,7 +309,7 @@ class CodeEnv(SingleTurnEnv):
         self, task: CodeTask, client: InferenceClient, sampling: SamplingConfig, n: int
     ) -> list[Trajectory]:
         trajectories = await super().rollout_group(task, client, sampling, n)
-        scores = await asyncio.gather(*(self.score_code(task, t.messages) for t in trajectories))
+        scores = await gather_or_cancel(*(self.score_code(task, t.messages) for t in trajectories))
         for trajectory, (reward, metrics) in zip(trajectories, scores, strict=True):
             trajectory.reward = reward
             trajectory.metrics.update(metrics)

@@ -38,7 +38,6 @@ sample fits `max_total_tokens` (default: the orchestrator's seq_len); when no ro
 episode ends. A turn's sampled tokens are never cut afterwards, so a trajectory always fits.
 """
 
-import asyncio
 from abc import abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -48,7 +47,7 @@ from pydantic import Field
 from tandem.client.config import SamplingConfig
 from tandem.client.inference import Generation, InferenceClient
 from tandem.config.base import Section
-from tandem.envs.base import Environment, Message, Trajectory, Turn, stitch
+from tandem.envs.base import Environment, Message, Trajectory, Turn, gather_or_cancel, stitch
 
 PLACEHOLDER = "TandemPlaceholder7q"
 """Stands for the model's last answer when the chat template renders the glue around new messages."""
@@ -153,14 +152,12 @@ class MultiTurnEnv(Environment):
         first = await client.chat(
             prompt, sampling.model_copy(update={"max_tokens": first_limit}), n=n, **extra
         )
-        return list(
-            await asyncio.gather(
-                *(
-                    self.continue_episode(
-                        task, client, sampling.for_part(i), first.prompt_token_ids, choice, first_limit
-                    )
-                    for i, choice in enumerate(first.choices)
+        return await gather_or_cancel(
+            *(
+                self.continue_episode(
+                    task, client, sampling.for_part(i), first.prompt_token_ids, choice, first_limit
                 )
+                for i, choice in enumerate(first.choices)
             )
         )
 
