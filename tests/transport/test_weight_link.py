@@ -207,7 +207,8 @@ def test_an_orchestrator_cancelled_mid_transfer_asks_once(models: dict[str, Path
     """The orchestrator's weight watcher is cancelled when its steps end, possibly while a server
     receives; the final wait for the last version must then wait for that transfer, not ask the
     server again for a version the trainer streams only once (the second ask would wait for an
-    offer that never comes)."""
+    offer that never comes). The receive outlasts client.request_timeout: it is bounded by
+    weights.transfer_timeout_s, as the server's own waits are."""
     with linked_server(models["a"], "colocated") as server:
         model = hf(models["b"])
         gate = threading.Event()
@@ -221,7 +222,7 @@ def test_an_orchestrator_cancelled_mid_transfer_asks_once(models: dict[str, Path
                 failure.append(e)
 
         async def orchestrator() -> int:
-            pool = ServerPool([server.url], ClientConfig(max_retries=0))
+            pool = ServerPool([server.url], ClientConfig(max_retries=0, request_timeout=1.0))
             policy = PolicySync(tmp_path, pool, WeightsConfig(transport="colocated", poll_interval=0.01))
             watcher = asyncio.ensure_future(policy.watch())
             store = Link(server.sender.settings, "test", master=False).store  # a client of its own
@@ -229,6 +230,7 @@ def test_an_orchestrator_cancelled_mid_transfer_asks_once(models: dict[str, Path
                 await asyncio.sleep(0.01)
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
+            await asyncio.sleep(1.5)  # longer than request_timeout
             gate.set()
             await policy.wait_for(1, step=1, max_async_level=0)
             await pool.close()

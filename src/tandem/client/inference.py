@@ -186,9 +186,18 @@ class InferenceClient:
                 delay = min(2 * delay, MAX_BACKOFF)
         raise AssertionError("unreachable")
 
-    async def post(self, path: str, body: dict | None = None, retry: bool = True) -> dict:
+    async def post(
+        self,
+        path: str,
+        body: dict | None = None,
+        retry: bool = True,
+        timeout: tuple[float, str] | None = None,
+    ) -> dict:
+        """POST `path`; `timeout` = (seconds, the settings they come from) instead of request_timeout."""
+
         async def call() -> dict:
-            response = await self.http.post(path, json=body or {})
+            limit = timeout[0] if timeout else httpx.USE_CLIENT_DEFAULT
+            response = await self.http.post(path, json=body or {}, timeout=limit)
             response.raise_for_status()
             return response.json() if response.content else {}
 
@@ -198,6 +207,11 @@ class InferenceClient:
 
         try:
             return await call()
+        except httpx.TimeoutException:
+            seconds, source = timeout or (self.cfg.request_timeout, "client.request_timeout")
+            raise RequestRejected(
+                f"{self.base_url} did not answer POST {path} within {seconds:g} s ({source})"
+            ) from None
         except Exception as e:
             if isinstance(e, openai.APIStatusError | httpx.HTTPStatusError) or is_retryable(e):
                 raise RequestRejected(f"{self.base_url} failed POST {path}: {describe(e)}") from None
@@ -272,10 +286,12 @@ class InferenceClient:
         """Have the server load a weights directory; returns the version it now serves."""
         return int((await self.post("/update_weights", {"path": str(path)}))["weight_version"])
 
-    async def receive_weights(self, version: int) -> int:
+    async def receive_weights(self, version: int, timeout: tuple[float, str]) -> int:
         """Have the server receive policy `version` from the trainer (in-memory transports); returns
-        the version it now serves. Not retried: the trainer streams each version once."""
-        return int((await self.post("/update_weights", {"step": version}, retry=False))["weight_version"])
+        the version it now serves. Not retried: the trainer streams each version once. `timeout`
+        (seconds, their settings) must cover the server's own waits for the trainer."""
+        answer = await self.post("/update_weights", {"step": version}, retry=False, timeout=timeout)
+        return int(answer["weight_version"])
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -290,6 +306,7 @@ class ServerPool:
     def __init__(
         self, urls: list[str], cfg: ClientConfig, model: str = "", weight_only: list[str] | None = None
     ) -> None:
+        self.cfg = cfg
         self.clients = [InferenceClient(url, cfg, model) for url in urls]
         self.every = self.clients + [InferenceClient(url, cfg, model) for url in weight_only or []]
         self.next = 0
@@ -319,9 +336,9 @@ class ServerPool:
     async def update_weights(self, path: Path) -> list[int]:
         return list(await asyncio.gather(*(c.update_weights(path) for c in self.every)))
 
-    async def receive_weights(self, version: int) -> list[int]:
+    async def receive_weights(self, version: int, timeout: tuple[float, str]) -> list[int]:
         """All servers at once: the trainer streams to all of them together."""
-        return list(await asyncio.gather(*(c.receive_weights(version) for c in self.every)))
+        return list(await asyncio.gather(*(c.receive_weights(version, timeout) for c in self.every)))
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.every))

@@ -69,7 +69,11 @@ class PolicySync:
         try:
             if self.cfg.in_memory:
                 source = f"the {self.cfg.transport} transport"
-                served = await self.pool.receive_weights(latest)
+                # the server waits up to transfer_timeout_s for the offer, then as long for the
+                # transfer; its drain of running requests comes first
+                seconds = 2 * self.cfg.transfer_timeout_s + self.pool.cfg.request_timeout
+                settings = "2 × weights.transfer_timeout_s + client.request_timeout"
+                served = await self.pool.receive_weights(latest, (seconds, settings))
             else:
                 source = str(weights_dir(self.run_dir, latest))
                 served = await self.pool.update_weights(weights_dir(self.run_dir, latest))
