@@ -246,6 +246,21 @@ def test_bad_settings_fail_at_start_with_one_line(tmp_path: Path) -> None:
             UserError, match=r"seq_len 40 cannot fit one sample: prompt of task .* has \d+ tokens"
         ):
             check_prompt_lengths(env, cfg, *(check or [lambda m: prompt_tokens(tokenizer, m)]))
+    # held-out prompts with eval.max_tokens, when evaluation is on (its long answers failed as
+    # "more than seq_len" and the held-out mean was taken over the short ones)
+    longest = max(prompt_tokens(tokenizer, env.prompt(t)) for t in env.dataset("train"))
+    shapes = {"seq_len": longest + 8, "micro_batch_tokens": longest + 8, "sampling": {"max_tokens": 8}}
+    evaluation = {"interval": 1, "max_tokens": longest + 7}
+    check_prompt_lengths(env, config(tmp_path, **shapes, eval=evaluation | {"interval": 0}), *counters)
+    for check in [(), counters]:
+        with pytest.raises(UserError, match=r"prompt of task eval-[\d-]+ has \d+ tokens \+ eval.max_tokens"):
+            cfg = config(tmp_path, **shapes, eval=evaluation)
+            check_prompt_lengths(env, cfg, *(check or [lambda m: prompt_tokens(tokenizer, m)]))
+    with pytest.raises(ConfigError, match=r"seq_len \(40\) must exceed eval.max_tokens \(40\)"):
+        build_config(
+            OrchestratorConfig,
+            overrides=[("seq_len", 40), ("sampling.max_tokens", 8), ("eval.max_tokens", 40)],
+        )
     result = subprocess.run(
         [
             sys.executable,

@@ -150,6 +150,12 @@ class OrchestratorConfig(Section):
                 f"seq_len ({self.seq_len}) must exceed sampling.max_tokens ({self.sampling.max_tokens}) "
                 "to leave room for the prompt",
             )
+        if self.eval.max_tokens is not None and self.seq_len <= self.eval.max_tokens:
+            raise PydanticCustomError(
+                "shape",
+                f"seq_len ({self.seq_len}) must exceed eval.max_tokens ({self.eval.max_tokens}) "
+                "to leave room for the prompt",
+            )
         if self.num_ranks % self.cp:
             raise PydanticCustomError(
                 "shape",

@@ -1,4 +1,4 @@
-"""Whether every prompt plus `sampling.max_tokens` fits in `seq_len`, checked before any rollout.
+"""Whether every prompt plus its generation limit fits in `seq_len`, checked before any rollout.
 
 The launcher checks before starting anything (without torch: the model directory's tokenizer.json
 through `tokenizers`, its chat template through transformers' own renderer), and the orchestrator
@@ -25,22 +25,30 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token
 def check_prompt_lengths(
     env: Environment, cfg: OrchestratorConfig, count: CountTokens, estimate: CountTokens | None = None
 ) -> None:
-    """UserError when the longest prompt (with the chat template) plus max_tokens exceeds seq_len.
+    """UserError when the longest prompt (with the chat template) plus its generation limit
+    exceeds seq_len: training tasks with sampling.max_tokens, and (when evaluation is on) the
+    held-out ones with eval.max_tokens.
 
     `estimate`: a cheaper measure of each prompt; then only the CANDIDATES prompts it ranks
     longest are counted with `count`."""
-    max_tokens = cfg.sampling.max_tokens
     if not isinstance(env, SingleTurnEnv):
         return
-    tasks = list(env.dataset("train"))[:PROMPT_CHECK_LIMIT] + list(env.dataset("eval"))[: cfg.eval.num_tasks]
-    if estimate is not None:
-        tasks = sorted(tasks, key=lambda t: estimate(env.prompt(t)), reverse=True)[:CANDIDATES]
-    longest, task_id = max(((count(env.prompt(t)), t.task_id) for t in tasks), default=(0, ""))
-    if longest + max_tokens > cfg.seq_len:
-        raise UserError(
-            f"seq_len {cfg.seq_len} cannot fit one sample: prompt of task {task_id} has {longest} tokens "
-            f"+ sampling.max_tokens {max_tokens}"
-        )
+    splits = [
+        (list(env.dataset("train"))[:PROMPT_CHECK_LIMIT], cfg.sampling.max_tokens, "sampling.max_tokens")
+    ]
+    if cfg.eval.interval:
+        limit = cfg.eval.max_tokens or cfg.sampling.max_tokens
+        key = "eval.max_tokens" if cfg.eval.max_tokens else "sampling.max_tokens"
+        splits.append((list(env.dataset("eval"))[: cfg.eval.num_tasks], limit, key))
+    for tasks, max_tokens, key in splits:
+        if estimate is not None:
+            tasks = sorted(tasks, key=lambda t: estimate(env.prompt(t)), reverse=True)[:CANDIDATES]
+        longest, task_id = max(((count(env.prompt(t)), t.task_id) for t in tasks), default=(0, ""))
+        if longest + max_tokens > cfg.seq_len:
+            raise UserError(
+                f"seq_len {cfg.seq_len} cannot fit one sample: prompt of task {task_id} has {longest} tokens "
+                f"+ {key} {max_tokens}"
+            )
 
 
 def local_token_counters(model: str) -> tuple[CountTokens, CountTokens] | None:
