@@ -235,3 +235,31 @@ def test_a_crashing_episode_stops_the_rest_of_its_group(server: str, model: Path
 
     asyncio.run(run())
     assert env.replies_after_the_crash == 0
+
+
+class NoThinkingEnv(EchoEnv):
+    def request_extra(self, task: Any) -> dict[str, Any]:
+        return {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+def test_chat_template_kwargs_render_every_turn(server: str, model: Path) -> None:
+    """Qwen3's enable_thinking = false opens every answer with an empty think block: the server
+    renders turn 0 with it, and the later turns' glue and the first turn's budget must too (they
+    were rendered without it: later turns were asked to think, turn 0's budget was too big)."""
+    tokenizer = load_tokenizer(str(model))
+    no_think = {"enable_thinking": False}
+    opening = render_ids(tokenizer, PROMPT, None, **no_think)
+    assert len(opening) > len(render_ids(tokenizer, PROMPT))  # the tiny template knows the kwarg
+    env = NoThinkingEnv(NoThinkingEnv.Args(max_turns=1, max_total_tokens=len(opening) + 20))
+    env.setup(tokenizer, 1024)
+    [t] = run_group(env, server, SamplingConfig(temperature=1.0, max_tokens=60), n=1)
+    assert t.prompt_ids == opening and t.turns[0]["max_tokens"] == 20  # the server's prompt counted
+    env = NoThinkingEnv(NoThinkingEnv.Args(max_turns=3))
+    env.setup(tokenizer, 1024)
+    for t in run_group(env, server, SamplingConfig(temperature=1.0, max_tokens=8), n=2):
+        turns = segments(t)
+        assert t.prompt_ids == opening and len(turns) == 3
+        for k in (1, 2):
+            reply = [{"role": "user", "content": f"Turn {k + 1}."}]
+            assert turns[k][0] == environment_ids(tokenizer, turns[k - 1][1], reply, None, **no_think)
+            assert tokenizer.decode(turns[k][0]).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")

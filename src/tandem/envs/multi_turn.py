@@ -57,9 +57,13 @@ class TemplateError(ValueError):
     """The chat template cannot render environment messages as a continuation of the conversation."""
 
 
-def render_ids(tokenizer: Any, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
+def render_ids(
+    tokenizer: Any, messages: list[Message], tools: list[dict] | None = None, **template_kwargs: Any
+) -> list[int]:
     """The prompt ids the chat template makes for `messages` (with the assistant generation prompt)."""
-    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False, **template_kwargs
+    )
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -68,16 +72,20 @@ def environment_ids(
     last_completion_ids: Sequence[int],
     new_messages: list[Message],
     tools: list[dict] | None = None,
+    **template_kwargs: Any,
 ) -> list[int]:
     """Token ids between the model's last turn and its next one: the template's close of the
     assistant turn (unless the model already emitted it), `new_messages`, and the next assistant
-    header. Rendered through the tokenizer's own chat template, so any ChatML/Qwen-like works."""
+    header. Rendered through the tokenizer's own chat template, so any ChatML/Qwen-like works;
+    `template_kwargs` are the episode's chat_template_kwargs (Qwen3's enable_thinking)."""
     stand_in = [
         {"role": "user", "content": "-"},
         {"role": "assistant", "content": PLACEHOLDER},
         *new_messages,
     ]
-    text = tokenizer.apply_chat_template(stand_in, tools=tools, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        stand_in, tools=tools, add_generation_prompt=True, tokenize=False, **template_kwargs
+    )
     if text.count(PLACEHOLDER) != 1:
         raise TemplateError("the chat template does not render an assistant message's content verbatim")
     glue = text.split(PLACEHOLDER, 1)[1]
@@ -114,7 +122,9 @@ class MultiTurnEnv(Environment):
 
     def request_extra(self, task: Any) -> dict[str, Any]:
         """Extra fields of every generation request of an episode (e.g. tool environments ask for
-        `skip_special_tokens: False` so tool-call tags survive in the text); default none."""
+        `skip_special_tokens: False` so tool-call tags survive in the text); default none. Its
+        `chat_template_kwargs` (e.g. {"enable_thinking": False}) render every turn: the server's
+        turn 0, and the glue and budgets this side renders for the later ones."""
         return {}
 
     def turn_info(self, task: Any, messages: list[Message]) -> dict[str, Any]:
@@ -144,7 +154,8 @@ class MultiTurnEnv(Environment):
         tokenizer = self.require_tokenizer()
         prompt = self.prompt(task)
         tools = self.tools(task)
-        prompt_len = len(render_ids(tokenizer, prompt, tools))
+        template_kwargs = self.request_extra(task).get("chat_template_kwargs") or {}
+        prompt_len = len(render_ids(tokenizer, prompt, tools, **template_kwargs))
         first_limit = min(sampling.max_tokens, self.token_budget - prompt_len)
         if first_limit < 1:
             raise ValueError(f"task {task.task_id}: the prompt ({prompt_len} tokens) leaves no token budget")
@@ -172,6 +183,8 @@ class MultiTurnEnv(Environment):
     ) -> Trajectory:
         tokenizer = self.require_tokenizer()
         tools = self.tools(task)
+        extra = dict(self.request_extra(task))
+        template_kwargs = extra.pop("chat_template_kwargs", None) or {}  # (token-id requests: no template)
         budget = self.token_budget
         messages: list[Message] = []
         turns: list[Turn] = []
@@ -196,13 +209,15 @@ class MultiTurnEnv(Environment):
                 break
             messages.extend(reply)
             context = prompt_ids + generation.token_ids
-            prompt_ids = context + environment_ids(tokenizer, generation.token_ids, reply, tools)
+            prompt_ids = context + environment_ids(
+                tokenizer, generation.token_ids, reply, tools, **template_kwargs
+            )
             max_tokens = min(sampling.max_tokens, budget - len(prompt_ids))
             if max_tokens < 1:
                 out_of_budget = True
                 break
             turn = sampling.for_part(len(turns)).model_copy(update={"max_tokens": max_tokens})
-            result = await client.complete(prompt_ids, turn, **self.request_extra(task))
+            result = await client.complete(prompt_ids, turn, **extra)
             generation = result.choices[0]
         reward, metrics = self.score(task, messages)
         metrics["turns"] = float(len(turns))

@@ -7,7 +7,8 @@ A few whole words (the chat roles and the reverse-text instruction, `WORD_TOKENS
 tokens, as they would be in a real vocabulary; they match only as whole words, so a letter string
 that merely contains one ("xtheq", "users") is still split into letters. This halves the length
 of a reverse-text chat (68 → 35 tokens), which is most of what training on CPU costs.
-The chat template is ChatML, as Qwen uses, with Qwen/Hermes-style tool rendering.
+The chat template is ChatML, as Qwen uses, with Qwen/Hermes-style tool rendering and Qwen3's
+`enable_thinking = false` (an empty think block opens the answer).
 """
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -42,7 +43,9 @@ CHAT_TEMPLATE = (
     "<|im_end|>\n"
     "{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
 )
 
 TRAINING_TEXT = [
