@@ -263,11 +263,18 @@ def test_stop_strings_cut_text_and_tokens(client: openai.OpenAI, reference) -> N
 
 def test_stop_token_ids(client: openai.OpenAI) -> None:
     full = sampled_text(client).choices[0]
-    stop_id = full.token_ids[5]
+    tokenizer = AutoTokenizer.from_pretrained(client.models.list().data[0].id)
+    stop_id = next(t for t in full.token_ids[5:] if tokenizer.decode([t]).strip())  # a token with text
     first = full.token_ids.index(stop_id)
     out = sampled_text(client, extra_body={"stop_token_ids": [stop_id]}).choices[0]
     assert out.token_ids == full.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.model_extra["stop_reason"] == stop_id
+    # the ending token's text is not part of the answer unless asked for (as in vLLM), with
+    # special tokens kept in the text too (tool environments parse it)
+    for extra, ids in [({}, out.token_ids[:-1]), ({"include_stop_str_in_output": True}, out.token_ids)]:
+        body = {"stop_token_ids": [stop_id], "skip_special_tokens": False, **extra}
+        kept = sampled_text(client, extra_body=body).choices[0]
+        assert kept.text == tokenizer.decode(ids, skip_special_tokens=False)
 
 
 # --- streaming -------------------------------------------------------------------------------------

@@ -78,3 +78,21 @@ def test_streaming_holds_back_a_possible_stop_prefix(tokenizer) -> None:
         deltas.append(tracker.take_delta())
         assert not "".join(deltas).endswith(("<", "<E", "<EN", "<END"))
     assert "".join(deltas) + tracker.take_delta(final=True) == "one <EN two "
+
+
+@pytest.mark.parametrize("incremental", [True, False])
+def test_the_ending_token_leaves_the_text_unless_include_stop(tokenizer, incremental: bool) -> None:
+    """A sample ended by its end-of-sequence (or a stop) token: with skip_special_tokens = false
+    the token's text is not part of the answer, as in vLLM (tool-call parsers read the text)."""
+    ids = tokenizer.encode("answer") + [tokenizer.eos_token_id]
+    for include_stop, expected in [(False, "answer"), (True, "answer<|im_end|>")]:
+        tracker = TextTracker(
+            tokenizer, include_stop=include_stop, skip_special_tokens=False, incremental=incremental
+        )
+        tracker.add(ids)
+        tracker.finish(ended_by_token=True)
+        assert tracker.text == expected
+    tracker = TextTracker(tokenizer, skip_special_tokens=False, incremental=incremental)
+    tracker.add(ids)
+    tracker.finish()  # ended by length: the text is what was sampled
+    assert tracker.text == "answer<|im_end|>"

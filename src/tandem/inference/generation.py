@@ -123,7 +123,7 @@ async def run_prompt(
                 if update.finish_reason == "stop" and last in stop_ids:
                     choice.stop_reason = last
             if choice.finish_reason is not None:
-                choice.tracker.finish()
+                choice.tracker.finish(ended_by_token=update.finish_reason == "stop")
                 unfinished -= 1
             yield choice
             if unfinished == 0:

@@ -98,14 +98,21 @@ class TextTracker:
             self.text = self.text[: at + len(s)] if self.include_stop else self.text[:at]
             self.stopped_by = s
 
-    def finish(self) -> None:
-        """The sample ended: decode the lazy text, or flush a character still incomplete."""
+    def finish(self, ended_by_token: bool = False) -> None:
+        """The sample ended: decode the lazy text, or flush a character still incomplete. With
+        `ended_by_token` (its last token was an end-of-sequence or stop token) that token's text
+        leaves the output unless `include_stop`, as in vLLM: `<|im_end|>` is not part of an
+        answer decoded with skip_special_tokens = false."""
         if not self.incremental:
             self.text = self._decode(self.token_ids)
         elif self.stopped_by is None:
             full = self._decode(self.token_ids)
             if len(full) > len(self.text) and full.startswith(self.text):
                 self.text = full
+        if ended_by_token and not self.include_stop and self.stopped_by is None and self.token_ids:
+            last = self._decode(self.token_ids[-1:])
+            if last and self.text.endswith(last):
+                self.text = self.text[: -len(last)]
 
     def take_delta(self, final: bool = False) -> str:
         """Text not yet handed out; holds back a tail that may begin a stop string unless `final`."""
