@@ -62,7 +62,9 @@ class EvalConfig(Section):
         ModelConfig(), description="The model to evaluate (served when `server` is not set)."
     )
     env: EnvConfig = EnvConfig()
-    envs: list[EnvConfig] = Field([], description="Several environments ([[envs]] tables); replaces [env].")
+    envs: list[EnvConfig] = Field(
+        [], description="Several environments ([[envs]] tables with [env]'s keys); replaces [env]."
+    )
     num_tasks: int = Field(
         200, gt=0, description="Held-out tasks per environment (the first N of its split)."
     )

@@ -273,3 +273,52 @@ def test_a_temperature_the_servers_cannot_sample_is_refused() -> None:
                 "1e-9",
             ],
         )
+
+
+def help_lines(cls: type[Section], capsys: pytest.CaptureFixture) -> list[str]:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(cls, ["--help"])
+    assert exit_info.value.code == 0
+    return [line.strip() for line in capsys.readouterr().out.splitlines()]
+
+
+def test_help_lists_every_key(capsys: pytest.CaptureFixture) -> None:
+    """Optional sections and a union's members are walked into (each member's keys name their
+    `type`); defaults come from default factories and from a section's default instance."""
+
+    class Top(Section):
+        optim: Optim = Optim(lr=5e-6)
+        extra: Optim | None = Field(None, description="Another optimizer.")
+        unions: WithUnions = WithUnions(loss=Clipped(type="clipped", clip=0.5))
+
+    lines = help_lines(Top, capsys)
+    assert "--optim.lr (default 5e-06)" in lines
+    assert "--optim.betas (default [0.9, 0.999])" in lines
+    assert "[extra] (optional)  Another optimizer." in lines
+    assert "--extra.lr (default 0.001)" in lines
+    assert any(line.startswith("--unions.loss.type (default 'clipped')  ") for line in lines)
+    assert "--unions.loss.scale (plain; default 1.0)" in lines
+    assert "--unions.loss.clip (clipped; default 0.5)" in lines
+    assert "--unions.modules (default 'all')" in lines
+    assert "--loss.clip (clipped; required)" in help_lines(WithUnions, capsys)
+
+
+def test_rl_help_lists_every_key(capsys: pytest.CaptureFixture) -> None:
+    from tandem.launch.config import RLConfig
+
+    text = "\n".join(help_lines(RLConfig, capsys))
+    for line in [
+        "--trainer.loss.type (default 'masked_is')",
+        "--trainer.loss.delta (masked_is; default 1.0)",
+        "--trainer.loss.eps_low (ppo_clip; default 0.2)",
+        "--trainer.loss.import_path (custom; required)",
+        "--trainer.lora.rank (default 16)",
+        "--slurm.partition (default None)",
+        "--kubernetes.namespace (default",
+        "--monitor.wandb.project (default",
+        "--inference.vllm.extra_args (default [])",
+        "--weights.transport (default 'auto')",
+    ]:
+        assert line in text, line
+    assert "PydanticUndefined" not in text
+    assert "--trainer.loss (" not in text and "--slurm (" not in text

@@ -22,6 +22,7 @@ import tomli_w
 from pydantic import BaseModel, Tag, ValidationError
 
 from tandem.config.base import SHARED_FIELDS
+from tandem.config.fields import is_optional, walk_keys
 
 C = TypeVar("C", bound=BaseModel)
 
@@ -245,16 +246,18 @@ def to_toml(config: BaseModel) -> str:
     return tomli_w.dumps(config.model_dump(mode="json", exclude_none=True))
 
 
-def describe_fields(cls: type[BaseModel], prefix: str = "") -> list[str]:
+def describe_fields(cls: type[BaseModel]) -> list[str]:
+    """`--help`'s lines: every key (tandem.config.fields), a section only when it says something."""
     lines = []
-    for name, field in cls.model_fields.items():
-        sub = field.annotation
-        if isinstance(sub, type) and issubclass(sub, BaseModel):
-            lines.extend(describe_fields(sub, f"{prefix}{name}."))
-        else:
-            default = "" if field.is_required() else f" (default {field.default!r})"
-            doc = f"  {field.description}" if field.description else ""
-            lines.append(f"  --{prefix}{name}{default}{doc}")
+    for key in walk_keys(cls):
+        doc = f"  {key.description}" if key.description else ""
+        if key.section:
+            if doc or is_optional(key.annotation):
+                lines.append(f"  [{key.path}]{' (optional)' if is_optional(key.annotation) else ''}{doc}")
+            continue
+        notes = [", ".join(key.types)] if key.types else []
+        notes.append("required" if key.required else f"default {key.default!r}")
+        lines.append(f"  --{key.path} ({'; '.join(notes)}){doc}")
     return lines
 
 

@@ -11,7 +11,8 @@ from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel
-from pydantic_core import PydanticUndefined
+
+from tandem.config.fields import Key, is_optional, walk_keys
 
 # (title, command, "module:Class") of every config that has a console script.
 DOCUMENTED = [
@@ -32,41 +33,31 @@ def type_name(annotation: Any) -> str:
     if origin is Literal:
         return " \\| ".join(json.dumps(a) for a in get_args(annotation))
     if origin in (Union, UnionType):
-        return " \\| ".join(type_name(a) for a in get_args(annotation) if a is not type(None)) + " (optional)"
+        names = " \\| ".join(type_name(a) for a in get_args(annotation) if a is not type(None))
+        return names + (" (optional)" if is_optional(annotation) else "")
     if origin is not None:
         args = ", ".join(type_name(a) for a in get_args(annotation))
         return f"{getattr(origin, '__name__', str(origin))}[{args}]"
     return getattr(annotation, "__name__", str(annotation))
 
 
-def default_text(field: Any) -> str:
-    if field.is_required():
+def default_text(key: Key) -> str:
+    if key.required:
         return "required"
-    value = field.default_factory() if field.default is PydanticUndefined else field.default
-    if isinstance(value, BaseModel):
+    if isinstance(key.default, BaseModel):
         return ""
-    return "`" + json.dumps(value, default=str) + "`"
+    return "`" + json.dumps(key.default, default=str) + "`"
 
 
-def section_class(annotation: Any) -> type[BaseModel] | None:
-    """The config class of a section field (`X` or an optional `X | None`), else None."""
-    if get_origin(annotation) in (Union, UnionType):
-        args = [a for a in get_args(annotation) if a is not type(None)]
-        annotation = args[0] if len(args) == 1 else None
-    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
-
-
-def section_rows(cls: type[BaseModel], prefix: str = "") -> list[str]:
-    rows, nested = [], []
-    for name, field in cls.model_fields.items():
-        annotation = field.annotation
-        if (section := section_class(annotation)) is not None:
-            nested.append((f"{prefix}{name}.", section))
+def section_rows(cls: type[BaseModel]) -> list[str]:
+    """A row for every key; for a section only when it is optional or has a description."""
+    rows = []
+    for key in walk_keys(cls):
+        if key.section and not (key.description or is_optional(key.annotation)):
             continue
-        doc = (field.description or "").replace("|", "\\|").replace("\n", " ")
-        rows.append(f"| `{prefix}{name}` | {type_name(annotation)} | {default_text(field)} | {doc} |")
-    for sub_prefix, sub_cls in nested:
-        rows.extend(section_rows(sub_cls, sub_prefix))
+        doc = (f"({', '.join(key.types)}) " if key.types else "") + key.description
+        doc = doc.replace("|", "\\|").replace("\n", " ").strip()
+        rows.append(f"| `{key.path}` | {type_name(key.annotation)} | {default_text(key)} | {doc} |")
     return rows
 
 

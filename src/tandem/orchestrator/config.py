@@ -120,7 +120,8 @@ class OrchestratorConfig(Section):
     env: EnvConfig = EnvConfig()
     envs: list[EnvConfig] = Field(
         [],
-        description="Several environments mixed by weight ([[envs]] tables); when given, replaces [env].",
+        description="Several environments mixed by weight ([[envs]] tables with [env]'s keys); "
+        "when given, replaces [env].",
     )
     rollout_timeout: float = Field(
         900.0,

@@ -55,8 +55,8 @@ class PPOClipLoss(LossBase):
     """−min(r·A, clip(r, 1−eps_low, 1+eps_high)·A)."""
 
     type: Literal["ppo_clip"]
-    eps_low: float = Field(0.2, gt=0, lt=1)
-    eps_high: float = Field(0.28, gt=0)
+    eps_low: float = Field(0.2, gt=0, lt=1, description="The ratio is clipped below at 1 − eps_low.")
+    eps_high: float = Field(0.28, gt=0, description="The ratio is clipped above at 1 + eps_high.")
 
 
 class TISLoss(LossBase):
@@ -125,7 +125,10 @@ class RLTrainerConfig(Section):
         None,
         description="Train LoRA adapters only; weight updates then carry the adapters (docs/weights.md).",
     )
-    loss: LossConfig = MaskedISLoss()
+    loss: LossConfig = Field(
+        MaskedISLoss(),
+        description="The policy loss: masked_is (the default), ppo_clip, tis or custom (docs/algorithms.md).",
+    )
     ckpt: CheckpointConfig = CheckpointConfig()
     weights: WeightsConfig = WeightsConfig()
     logprob_chunk_size: int | None = Field(
