@@ -3,7 +3,7 @@
 
 - n = 8 samples of one prompt in one request (prefilled once either way: the samples fork);
 - the same 8 samples as 8 requests sent together (what a client that does not use `n` sends);
-- multi-turn Wordle rollouts (`eval --env.name wordle`: every turn re-sends the conversation).
+- multi-turn Wordle rollouts (`evaluate --env.name wordle`: every turn re-sends the conversation).
 
 The counts depend on what the engine computes, not on how fast: they are the same on a CPU as
 on a GPU (seconds are printed too, for this machine). A real server on 127.0.0.1 each time.
