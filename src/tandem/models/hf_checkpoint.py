@@ -13,7 +13,15 @@ description both directions follow:
   `model.safetensors.index.json`, so plain transformers loads the result.
 
 Before anything is read, `check_sources` verifies that every tensor a layout names exists with
-the expected shape, and fails with one line naming the first that does not.
+the expected shape and a dtype the loader reads, and fails with one line naming the first that
+does not; a missing or truncated safetensors file fails the same way, naming the file.
+
+Block-FP8 checkpoints (config.json's `quantization_config` with quant_method "fp8" and
+`weight_block_size` [bn, bk], the layout of DeepSeek-V3 and Qwen3-*-FP8) are dequantized as they
+are read: an e4m3 tensor `<name>` comes with float32 `<name>_scale_inv` [⌈N/bn⌉, ⌈K/bk⌉], one
+scale per block (the last blocks cropped where N or K is not a multiple), and a region of it reads
+as e4m3 × its blocks' scales in fp32. Each rank still reads only its region (and the scales of the
+blocks that region touches). Any other quantization method is refused.
 """
 
 import json
@@ -22,11 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+
+from tandem.inference.engine.fp8 import dequantize_blocks
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+SCALE_SUFFIX = "_scale_inv"  # block-FP8: the scales of tensor <name> are <name>_scale_inv
 
 
 @dataclass(frozen=True)
@@ -70,47 +81,151 @@ def expected_sources(layout: Layout, shape: tuple[int, ...]) -> Iterator[tuple[s
 
 
 class SafetensorsReader:
-    """Reads slices of the tensors of a (possibly sharded) safetensors checkpoint directory."""
+    """Reads slices of the tensors of a (possibly sharded) safetensors checkpoint directory;
+    `quantization` is its config's quantization_config (None, or block FP8: see the module
+    docstring)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, quantization: dict | None = None) -> None:
         self.directory = Path(directory)
+        self.block = fp8_block(quantization, self.directory)
         index = self.directory / INDEX_FILE
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as e:
+                raise CheckpointError(f"{index} is not a safetensors index: {_first_line(e)}") from None
         elif (self.directory / SINGLE_FILE).is_file():
-            with safe_open(self.directory / SINGLE_FILE, framework="pt") as f:
-                weight_map = dict.fromkeys(f.keys(), SINGLE_FILE)
+            weight_map = dict.fromkeys(self._open(SINGLE_FILE).keys(), SINGLE_FILE)
         else:
             raise CheckpointError(f"{self.directory} has neither {SINGLE_FILE} nor {INDEX_FILE}")
         self.weight_map: dict[str, str] = weight_map
         self._files: dict[str, object] = {}
 
+    def _open(self, filename: str) -> object:
+        path = self.directory / filename
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing (the index lists it): an incomplete download?")
+        try:
+            return safe_open(path, framework="pt")
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{path} cannot be read ({_first_line(e)}): a truncated file?") from None
+
     def _file(self, name: str) -> object:
         filename = self.weight_map[name]
         if filename not in self._files:
-            self._files[filename] = safe_open(self.directory / filename, framework="pt")
+            self._files[filename] = self._open(filename)
         return self._files[filename]
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._file(name).get_slice(name).get_shape())
 
+    def stored_dtype(self, name: str) -> str:
+        """The tensor's dtype as the file names it: "BF16", "F8_E4M3", "I64"..."""
+        return self._file(name).get_slice(name).get_dtype()
+
+    def is_fp8(self, name: str) -> bool:
+        return self.stored_dtype(name) == "F8_E4M3"
+
     def dtype(self, name: str) -> torch.dtype:
-        return _SAFETENSORS_DTYPES[self._file(name).get_slice(name).get_dtype()]
+        """The dtype `read` returns for the tensor: float32 for a dequantized FP8 one."""
+        return torch.float32 if self.is_fp8(name) else _SAFETENSORS_DTYPES[self.stored_dtype(name)]
 
     def read(self, name: str, region: Region) -> torch.Tensor:
-        return self._file(name).get_slice(name)[tuple(slice(start, stop) for start, stop in region)]
+        if self.is_fp8(name):
+            return self._dequantized(name, region)
+        return self._slice(name, region)
+
+    def _slice(self, name: str, region: Region) -> torch.Tensor:
+        try:
+            return self._file(name).get_slice(name)[tuple(slice(start, stop) for start, stop in region)]
+        except SafetensorError as e:
+            raise CheckpointError(
+                f"{self.directory / self.weight_map[name]}: cannot read {name} ({_first_line(e)})"
+            ) from None
+
+    def _dequantized(self, name: str, region: Region) -> torch.Tensor:
+        """The region of FP8 tensor `name`, times the scales of its blocks (fp32)."""
+        (r0, r1), (c0, c1) = region
+        bn, bk = self.block
+        scales = ((r0 // bn, -(-r1 // bn)), (c0 // bk, -(-c1 // bk)))
+        return dequantize_blocks(
+            self._slice(name, region),
+            self._slice(name + SCALE_SUFFIX, scales),
+            block=self.block,
+            offset=(r0, c0),
+        )
+
+    def check_dtype(self, name: str, shape: tuple[int, ...]) -> None:
+        """Fail unless the loader reads tensor `name` (of `shape`): a float one, or a block-FP8 one
+        with scales of the right shape."""
+        stored = self.stored_dtype(name)
+        where = f"{self.directory}: tensor {name}"
+        if stored in _FLOATS:
+            return
+        if stored != "F8_E4M3":
+            raise CheckpointError(
+                f"{where} is {stored}: tandem's trainer reads float tensors (and block-FP8 e4m3 ones)"
+            )
+        if self.block is None:
+            raise CheckpointError(
+                f"{where} is FP8 (F8_E4M3) but config.json has no quantization_config with "
+                "quant_method 'fp8' and weight_block_size"
+            )
+        scale = name + SCALE_SUFFIX
+        if scale not in self.weight_map:
+            raise CheckpointError(f"{where} is FP8 (F8_E4M3) without its scales {scale}")
+        want = tuple(-(-size // block) for size, block in zip(shape, self.block, strict=False))
+        if len(shape) != 2 or self.shape(scale) != want or self.stored_dtype(scale) not in _FLOATS:
+            raise CheckpointError(
+                f"{self.directory}: tensor {scale} is {self.stored_dtype(scale)} {list(self.shape(scale))}, "
+                f"the scales of {name} {list(shape)} in blocks of {list(self.block)} must be float {list(want)}"
+            )
+
+
+def fp8_block(quantization: dict | None, directory: Path) -> tuple[int, int] | None:
+    """The (rows, columns) of a block-FP8 checkpoint's scale blocks; None when not quantized.
+    Any other quantization_config fails, naming its method."""
+    if quantization is None:
+        return None
+    if hasattr(quantization, "to_dict"):  # a transformers QuantizationConfig
+        quantization = quantization.to_dict()
+    method = quantization.get("quant_method")
+    if method != "fp8":
+        raise CheckpointError(
+            f"{directory}: quantization_config quant_method = {method!r} is not supported: tandem's "
+            "trainer loads unquantized checkpoints and block-FP8 ones (quant_method 'fp8')"
+        )
+    block = quantization.get("weight_block_size", [128, 128])  # transformers' default
+    fmt = quantization.get("fmt", "e4m3")
+    if fmt != "e4m3" or not (
+        isinstance(block, list | tuple)
+        and len(block) == 2
+        and all(isinstance(b, int) and b > 0 for b in block)
+    ):
+        raise CheckpointError(
+            f"{directory}: quantization_config fp8 with fmt = {fmt!r}, weight_block_size = {block!r} is not "
+            "supported: tandem's trainer dequantizes e4m3 weights with 2-D block scales"
+        )
+    return (block[0], block[1])
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
 }  # fmt: skip
+_FLOATS = ("F64", "F32", "F16", "BF16")
 
 
 def check_sources(
     reader: SafetensorsReader, layouts: dict[str, Layout], shapes: dict[str, tuple[int, ...]]
 ) -> None:
-    """Fail with one line on the first checkpoint tensor that is missing or has the wrong shape."""
+    """Fail with one line on the first checkpoint tensor that is missing, has the wrong shape or a
+    dtype the loader does not read (or on a checkpoint file that is missing or unreadable)."""
     for param, layout in layouts.items():
         for name, shape in expected_sources(layout, shapes[param]):
             if name not in reader.weight_map:
@@ -120,6 +235,12 @@ def check_sources(
                 raise CheckpointError(
                     f"{reader.directory}: tensor {name} has shape {list(found)}, the model needs {list(shape)}"
                 )
+            reader.check_dtype(name, shape)
+
+
+def sources_read(reader: SafetensorsReader, name: str) -> tuple[str, ...]:
+    """The checkpoint tensors reading tensor `name` takes: itself, and an FP8 tensor's scales."""
+    return (name, name + SCALE_SUFFIX) if reader.is_fp8(name) else (name,)
 
 
 def read_region(reader: SafetensorsReader, layout: Layout, region: Region) -> torch.Tensor:

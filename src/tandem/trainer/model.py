@@ -30,6 +30,7 @@ from tandem.models.hf_checkpoint import (
     check_sources,
     expected_sources,
     read_region,
+    sources_read,
 )
 from tandem.models.layers.attention import resolve_backend
 from tandem.models.layers.transformer import CausalLM
@@ -115,6 +116,12 @@ def build_trainer_model(
                 "trainer.parallel.reshard_after_forward = false needs tandem's model implementation "
                 "(model.impl = 'tandem')"
             )
+        if quantization(config) is not None:
+            raise UserError(
+                f"{cfg.name} is quantized (quantization_config quant_method = "
+                f"{quantization(config).get('quant_method')!r}): model.impl = 'hf' trains unquantized "
+                "checkpoints only; tandem's implementation (model.impl = 'tandem') dequantizes block-FP8 ones"
+            )
         model = load_model(
             cfg.model_copy(update={"dtype": str(weights).removeprefix("torch.")}), world.device
         )
@@ -162,7 +169,15 @@ def build_trainer_model(
     model.to_empty(device=world.device)
     model.reset_buffers()
     if load_weights:
-        load_hf_weights(model, layouts, local_checkpoint_dir(cfg.name), fam.hf_ignored(config), world)
+        load_hf_weights(
+            model,
+            layouts,
+            local_checkpoint_dir(cfg.name),
+            fam.hf_ignored(config),
+            world,
+            quantization(config),
+        )
+    _drop_quantization(config)  # the model holds dequantized weights: so do its exports
     if lora is not None:
         init_lora(model, seed, _fill_local)
     register_fsdp_forward_method(model, "sequence_logprobs")
@@ -228,27 +243,51 @@ def local_region(tensor: torch.Tensor) -> tuple[tuple[int, int], ...]:
     return tuple((o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
+def quantization(config: PretrainedConfig) -> dict | None:
+    """The checkpoint's quantization_config (config.json's), or None."""
+    found = getattr(config, "quantization_config", None)
+    return found.to_dict() if hasattr(found, "to_dict") else found
+
+
+def _drop_quantization(config: PretrainedConfig) -> None:
+    """Forget the checkpoint's quantization: the trainer's weights are not quantized, and a
+    config.json written with them must not say they are."""
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+
+
 @torch.no_grad()
 def load_hf_weights(
-    model: CausalLM, layouts: dict, directory: Path, ignored: tuple[str, ...], world: World
+    model: CausalLM,
+    layouts: dict,
+    directory: Path,
+    ignored: tuple[str, ...],
+    world: World,
+    quantization: dict | None = None,
 ) -> None:
-    """Fill every parameter shard of `model` from the checkpoint in `directory` (each rank reads its part)."""
+    """Fill every parameter shard of `model` from the checkpoint in `directory` (each rank reads its
+    part); `quantization` is its config's quantization_config (block-FP8 weights are dequantized)."""
     tensors = {n: t for n, t in persistent_tensors(model).items() if not is_adapter_tensor(n)}
     if set(layouts) != set(tensors):
         raise RuntimeError(
             f"state-dict adapter and model disagree: {sorted(set(layouts) ^ set(tensors))[:5]}"
         )
     try:
-        reader = SafetensorsReader(directory)
+        reader = SafetensorsReader(directory, quantization)
         check_sources(reader, layouts, {name: tuple(t.shape) for name, t in tensors.items()})
+        for name, tensor in tensors.items():
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            region = local_region(tensor)
+            local.copy_(read_region(reader, layouts[name], region))
     except CheckpointError as e:
         raise UserError(str(e)) from None
-    for name, tensor in tensors.items():
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        region = local_region(tensor)
-        local.copy_(read_region(reader, layouts[name], region))
     if world.is_main:
-        used = {s for name, t in tensors.items() for s, _ in expected_sources(layouts[name], tuple(t.shape))}
+        used = {
+            read
+            for name, t in tensors.items()
+            for s, _ in expected_sources(layouts[name], tuple(t.shape))
+            for read in sources_read(reader, s)
+        }
         unused = sorted(n for n in set(reader.weight_map) - used if not _is_ignored(n, ignored))
         if unused:
             print(
