@@ -8,21 +8,29 @@ published FP8 checkpoints are).
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
 
 from tandem.cli import UserError
 from tandem.config.base import ModelConfig
 from tandem.inference.engine.fp8 import E4M3_MAX
 from tandem.models.hf_checkpoint import SafetensorsReader
 from tandem.models.tiny import build_tiny_model
-from tandem.trainer.config import ParallelConfig
+from tandem.models.tokenizer import train_tokenizer
+from tandem.trainer.config import OptimConfig, ParallelConfig
+from tandem.trainer.hf_export import write_hf_model
 from tandem.trainer.model import build_trainer_model
+from tandem.trainer.optim import build_optimizer
 from tandem.trainer.parallel import init_distributed
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_families import CONFIGS  # noqa: E402
 
 BLOCK = [128, 128]
 
@@ -198,3 +206,61 @@ def test_fp8_checkpoint_reads_full_precision_bf16(
     got = full(model.layers[0].attention.wo.weight)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, dequantized["model.layers.0.self_attn.o_proj.weight"].bfloat16())
+
+
+ROUTERS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+
+
+@pytest.fixture(scope="module")
+def glm_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny GLM-4.5 saved by transformers in bf16, which keeps the routers' weight and
+    correction bias in fp32 (biases offset by 3, as trained ones are: bf16 keeps 2-3 digits there)."""
+    root = tmp_path_factory.mktemp("glm")
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(CONFIGS["glm4_moe"]())
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.normal_(0, 0.2)
+        for name, b in reference.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.2).add_(3.0)
+    reference.save_pretrained(root / "fp32")
+    AutoModelForCausalLM.from_pretrained(root / "fp32", dtype=torch.bfloat16).save_pretrained(root / "bf16")
+    return root / "bf16"
+
+
+@pytest.mark.parametrize("impl", ["tandem", "hf"])
+def test_bf16_model_keeps_fp32_routers_and_trains(glm_bf16: Path, impl: str, tmp_path: Path) -> None:
+    """model.dtype = bfloat16: the routers' weight and correction bias stay the checkpoint's fp32
+    tensors (as in transformers), exports write them as they were, and FSDP trains the block with
+    the router in its own unit (one unit of mixed dtypes fails: "FSDP expects uniform original
+    parameter dtype")."""
+    world = init_distributed("cpu")
+    source = load_file(glm_bf16 / "model.safetensors")
+    assert {source[f"model.layers.1.{r}"].dtype for r in ROUTERS} == {torch.float32}
+    model = build_trainer_model(
+        ModelConfig(name=str(glm_bf16), device="cpu", dtype="bfloat16", impl=impl), world, ParallelConfig()
+    )
+    if impl == "tandem":
+        router = model.layers[1].mlp.router
+        assert router.weight.dtype == router.e_score_correction_bias.dtype == torch.float32
+        assert torch.equal(full(router.weight), source["model.layers.1.mlp.gate.weight"])
+        assert torch.equal(
+            router.e_score_correction_bias, source["model.layers.1.mlp.gate.e_score_correction_bias"]
+        )
+        assert model.layers[1].attention.wo.weight.dtype == torch.bfloat16
+    write_hf_model(model, train_tokenizer(), tmp_path / "out", world)
+    written = load_file(tmp_path / "out/model.safetensors")
+    for name, tensor in source.items():
+        assert written[name].dtype == tensor.dtype and torch.equal(written[name], tensor), name
+    assert json.loads((tmp_path / "out/config.json").read_text())["dtype"] == "bfloat16"
+
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-2))
+    ids = torch.randint(0, 97, (1, 16), generator=torch.Generator().manual_seed(0))
+    loss = -model.sequence_logprobs(ids, torch.arange(16)[None])[0].mean()
+    loss.backward()
+    optimizer.step()
+    write_hf_model(model, train_tokenizer(), tmp_path / "step1", world)
+    stepped = load_file(tmp_path / "step1/model.safetensors")
+    gate = "model.layers.1.mlp.gate.weight"
+    assert stepped[gate].dtype == torch.float32 and not torch.equal(stepped[gate], source[gate])

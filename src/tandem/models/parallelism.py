@@ -176,6 +176,10 @@ def apply_fsdp(model: CausalLM, plan: ParallelPlan) -> None:
                 # gloo has no PREMUL_SUM: sum, then divide (on a group of one, torch 2.14 would
                 # then divide twice, so only where there is a reduction to make)
                 layer.mlp.experts.set_force_sum_reduction_for_comms(True)
+        for unit in own_dtype_units(layer):
+            fully_shard(
+                unit, mesh=plan.dp_mesh, mp_policy=OWN_DTYPE, reshard_after_forward=plan.reshard_after_forward
+            )
         fully_shard(
             layer,
             mesh=plan.dp_mesh,
@@ -186,6 +190,33 @@ def apply_fsdp(model: CausalLM, plan: ParallelPlan) -> None:
         model, mesh=plan.dp_mesh, mp_policy=plan.mp_policy, reshard_after_forward=plan.reshard_after_forward
     )
     model.keeps_gathered_weights = not plan.reshard_after_forward
+
+
+OWN_DTYPE = MixedPrecisionPolicy()
+"""The policy of an `own_dtype_units` unit: its parameters gathered, computed with and reduced in
+their own dtype (an fp32 router computes in fp32 anyway)."""
+
+
+def own_dtype_units(block: nn.Module) -> list[nn.Module]:
+    """The submodules of `block` whose own parameters are all of one dtype other than the block's
+    (that of most of its parameter elements): a router kept in float32 in a bf16 model, tandem's
+    (Router.keep_fp32) or transformers' (`_keep_in_fp32_modules_strict`). FSDP2 needs one dtype
+    among a unit's trainable parameters ("FSDP expects uniform original parameter dtype"), so each
+    becomes a unit of its own before the block's: one more (small) all-gather and reduce-scatter
+    per such router. A LoRA layer's fp32 adapters share their module with its base weight, and
+    stay in the block's unit, cast as before."""
+    sizes: dict[torch.dtype, int] = {}
+    for param in block.parameters():
+        sizes[param.dtype] = sizes.get(param.dtype, 0) + param.numel()
+    if len(sizes) < 2:
+        return []
+    dtype = max(sizes, key=sizes.get)
+    units = []
+    for module in block.modules():
+        own = {p.dtype for p in module.parameters(recurse=False)}
+        if module is not block and not isinstance(module, FSDPModule) and len(own) == 1 and dtype not in own:
+            units.append(module)
+    return units
 
 
 def drop_gathered_weights(model: nn.Module) -> None:

@@ -69,15 +69,15 @@ def write_hf_model(
             (tmp / ADAPTER_CONFIG).write_text(json.dumps(model.adapter_config, indent=2))
     elif isinstance(model, CausalLM) or lora:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes) if world.is_main else None
-        dtype = None
+        sizes: dict[torch.dtype, int] = {}  # bytes written per dtype
         for name, tensor in iter_hf_weights(model, of=_masters(optimizer)):
             if writer is not None:
                 writer.add(name, tensor)
-                dtype = tensor.dtype
+                sizes[tensor.dtype] = sizes.get(tensor.dtype, 0) + tensor.numel() * tensor.element_size()
         if world.is_main:
             writer.close()
             config = model.hf_config
-            config.dtype = dtype
+            config.dtype = max(sizes, key=sizes.get)  # the bulk's (routers may be kept in fp32)
             config.save_pretrained(tmp)
             save_tokenizer_files(tokenizer, tmp)
     else:

@@ -33,6 +33,7 @@ from tandem.models.hf_checkpoint import (
     sources_read,
 )
 from tandem.models.layers.attention import resolve_backend
+from tandem.models.layers.moe import Router
 from tandem.models.layers.transformer import CausalLM
 from tandem.models.loading import DTYPES, check_model_source, load_model
 from tandem.models.lora import Part, adapter_config, init_lora, inject_lora, is_adapter_tensor, linear_parts
@@ -141,6 +142,7 @@ def build_trainer_model(
     try:
         with torch.device("meta"):
             model = fam.build(config, resolve_backend(cfg.attention, world.device)).to(weights)
+        keep_fp32(model)
     except UnsupportedConfig as e:
         raise UserError(f"{cfg.name}: {e}; use model.impl = 'hf'") from None
     except ValueError as e:
@@ -202,6 +204,15 @@ def _check_master_in_optimizer(weights: torch.dtype, lora: LoRAConfig | None, im
         raise UserError(f"{key} does not support LoRA; use optim.master_weights = 'model'")
     if impl == "hf":
         raise UserError(f"{key} needs tandem's model implementation (model.impl = 'tandem')")
+
+
+def keep_fp32(model: nn.Module) -> None:
+    """The routers' correction biases (and the weights of those transformers keeps in fp32) back
+    to float32 after the model was cast to model.dtype: rounded to bf16 they chose other experts
+    than the checkpoint's fp32 values, and exports wrote them rounded."""
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.keep_fp32()
 
 
 def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:

@@ -27,6 +27,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from tandem.cli import UserError
 from tandem.models.loading import resolve_device
+from tandem.models.parallelism import OWN_DTYPE, own_dtype_units
 
 TIMEOUT = timedelta(minutes=10)
 """How long a collective may wait for the other ranks before the process fails."""
@@ -193,8 +194,11 @@ def master_in_optimizer_policy(world: World) -> MixedPrecisionPolicy:
 
 
 def apply_fsdp(model: nn.Module, policy: MixedPrecisionPolicy) -> nn.Module:
-    """Shard each decoder layer, then the root; returns the same (now sharded) module."""
+    """Shard each decoder layer (and first, its submodules of another dtype: a router that
+    transformers keeps in fp32), then the root; returns the same (now sharded) module."""
     for layer in decoder_layers(model):
+        for unit in own_dtype_units(layer):
+            fully_shard(unit, mp_policy=OWN_DTYPE)
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model

@@ -48,6 +48,7 @@ def router_spec(config: PretrainedConfig) -> RouterSpec:
         correction_bias=True,
         groups=config.n_group,
         top_groups=config.topk_group,
+        fp32_weight=True,  # as transformers keeps `gate.weight`
     )
 
 

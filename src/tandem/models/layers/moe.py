@@ -2,7 +2,8 @@
 
 Routing, per token x:  logits = x·Wᵀ (fp32),  s = softmax(logits) or sigmoid(logits);
 the top-k experts are chosen by s + b (b: the optional score-correction bias of aux-loss-free
-balancing, a buffer the optimizer never touches) and weighted by s itself, renormalised to sum
+balancing, a buffer the optimizer never touches, float32 whatever the model's dtype) and
+weighted by s itself, renormalised to sum
 to 1 if the config says so, times `routed_scaling`. With expert groups (DeepSeek-style grouped
 routing: `groups` > 1) the experts are split into equal groups, each group is scored by the sum
 of its two best s + b, and the top-k is taken only among the experts of the `top_groups` best
@@ -48,6 +49,9 @@ class RouterSpec:
     correction_bias: bool = False
     groups: int = 1
     top_groups: int = 1
+    # the router's weight stays float32 in a model cast to bf16, where transformers keeps it so
+    # (`_keep_in_fp32_modules_strict`: GLM-4.5, GLM-5); the correction bias always does
+    fp32_weight: bool = False
 
     def __post_init__(self) -> None:
         if self.num_experts % self.groups or not 1 <= self.top_groups <= self.groups:
@@ -66,6 +70,16 @@ class Router(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(spec.num_experts))
         else:
             self.e_score_correction_bias = None
+
+    def keep_fp32(self) -> None:
+        """Back to float32 after the model was cast: the correction bias, and the weight where the
+        spec says (`fp32_weight`). Routing then reads the checkpoint's fp32 values unrounded, and
+        exports write them as they were (the block's FSDP unit leaves such a router to a unit of
+        its own: models/parallelism.py `own_dtype_units`)."""
+        if self.e_score_correction_bias is not None:
+            self.e_score_correction_bias = self.e_score_correction_bias.float()
+        if self.spec.fp32_weight:
+            self.weight.data = self.weight.data.float()
 
     def init_weights(self, std: float) -> None:
         nn.init.normal_(self.weight, std=std)
