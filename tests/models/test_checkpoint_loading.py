@@ -264,3 +264,36 @@ def test_bf16_model_keeps_fp32_routers_and_trains(glm_bf16: Path, impl: str, tmp
     stepped = load_file(tmp_path / "step1/model.safetensors")
     gate = "model.layers.1.mlp.gate.weight"
     assert stepped[gate].dtype == torch.float32 and not torch.equal(stepped[gate], source[gate])
+
+
+@pytest.mark.parametrize("impl", ["tandem", "hf"])
+def test_exports_copy_the_generation_config(impl: str, tmp_path: Path) -> None:
+    """The source's generation_config.json (a published model's: two stop ids, sampling defaults)
+    is what exports carry; a source without one gets a greedy config ending at the EOS."""
+    from transformers import GenerationConfig
+
+    world = init_distributed("cpu")
+    source = build_tiny_model(out=tmp_path / "source", num_layers=1)
+    tokenizer = train_tokenizer()
+    published = GenerationConfig(
+        eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id],
+        do_sample=True,
+        temperature=0.6,
+        top_p=0.95,
+    )
+    published.save_pretrained(source)
+    model = build_trainer_model(
+        ModelConfig(name=str(source), device="cpu", impl=impl), world, ParallelConfig()
+    )
+    write_hf_model(model, tokenizer, tmp_path / "out", world)
+    assert (tmp_path / "out/generation_config.json").read_text() == (
+        source / "generation_config.json"
+    ).read_text()
+
+    (source / "generation_config.json").unlink()
+    model = build_trainer_model(
+        ModelConfig(name=str(source), device="cpu", impl=impl), world, ParallelConfig()
+    )
+    write_hf_model(model, tokenizer, tmp_path / "bare", world)
+    written = json.loads((tmp_path / "bare/generation_config.json").read_text())
+    assert written["eos_token_id"] == tokenizer.eos_token_id and not written.get("do_sample", False)

@@ -1,5 +1,6 @@
 """Load and save Hugging Face causal LMs (local directory or hub name)."""
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ from tandem.models.source import check_model_source
 hf_logging.disable_progress_bar()  # per-tensor loading bars drown tandem's own progress lines
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GENERATION_CONFIG = "generation_config.json"
 
 
 def resolve_device(device: str) -> torch.device:
@@ -62,22 +64,52 @@ def save_model(
     out_dir: Path,
     state_dict: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """Save model (safetensors + config), tokenizer with chat template and generation config.
+    """Save model (safetensors + config), tokenizer with chat template and generation config (the
+    one of the checkpoint `model` was loaded from: save_tokenizer_files).
 
     `state_dict` lets a sharded trainer pass gathered full weights for an unsharded `model`.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
-    save_tokenizer_files(tokenizer, out_dir)
+    save_tokenizer_files(tokenizer, out_dir, model.config.name_or_path)
 
 
-def save_tokenizer_files(tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> None:
-    """The tokenizer (with its chat template) and a greedy generation config ending at its EOS."""
+def save_tokenizer_files(
+    tokenizer: PreTrainedTokenizerBase, out_dir: Path, source: str | None = None
+) -> None:
+    """The tokenizer (with its chat template) and the generation config: the `source` model's
+    generation_config.json copied as it is (its stop ids and sampling defaults: Qwen3's ends at
+    two eos ids), or where it has none, a greedy one ending at the tokenizer's EOS."""
     tokenizer.save_pretrained(out_dir)
+    found = generation_config_file(source) if source else None
+    if found is not None:
+        shutil.copyfile(found, Path(out_dir) / GENERATION_CONFIG)
+        return
     generation = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         do_sample=False,
     )
     generation.save_pretrained(out_dir)
+
+
+def generation_config_file(source: str) -> Path | None:
+    """The generation_config.json of model `source` (a directory, or a hub name: from the cache,
+    downloaded if need be); None when it has none or it cannot be had."""
+    directory = Path(source).expanduser()
+    if directory.is_dir():
+        found = directory / GENERATION_CONFIG
+        return found if found.is_file() else None
+    from transformers.utils import cached_file
+
+    try:
+        found = cached_file(
+            source,
+            GENERATION_CONFIG,
+            _raise_exceptions_for_missing_entries=False,
+            _raise_exceptions_for_connection_errors=False,
+        )
+    except OSError:
+        return None
+    return None if found is None else Path(found)

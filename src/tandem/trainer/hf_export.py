@@ -1,7 +1,7 @@
 """Hugging Face checkpoints out of a sharded trainer: weights/step_N, final/, exports.
 
     out_dir/  config.json, model.safetensors (or model-0000i-of-0000n + index), tokenizer files,
-              generation_config.json
+              generation_config.json (the source checkpoint's, copied: models/loading.py)
 
 For tandem's models the full tensors are formed one parameter at a time (an all-gather of its
 shards, a collective every rank joins), split into the checkpoint's tensors by the family's
@@ -79,7 +79,7 @@ def write_hf_model(
             config = model.hf_config
             config.dtype = max(sizes, key=sizes.get)  # the bulk's (routers may be kept in fp32)
             config.save_pretrained(tmp)
-            save_tokenizer_files(tokenizer, tmp)
+            save_tokenizer_files(tokenizer, tmp, config.name_or_path)
     else:
         state = full_model_state(model)
         if world.is_main:
