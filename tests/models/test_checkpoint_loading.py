@@ -297,3 +297,24 @@ def test_exports_copy_the_generation_config(impl: str, tmp_path: Path) -> None:
     write_hf_model(model, tokenizer, tmp_path / "bare", world)
     written = json.loads((tmp_path / "bare/generation_config.json").read_text())
     assert written["eos_token_id"] == tokenizer.eos_token_id and not written.get("do_sample", False)
+
+
+@pytest.mark.parametrize("impl", ["tandem", "hf"])
+def test_missing_and_truncated_shards_fail_naming_the_file(impl: str, tmp_path: Path) -> None:
+    """An interrupted download: a shard the index lists is missing, or cut short."""
+    world = init_distributed("cpu")
+    source = build_tiny_model(out=tmp_path / "source", num_layers=2)
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(source).save_pretrained(sharded, max_shard_size="300KB")
+    files = sorted(sharded.glob("model-*.safetensors"))
+    assert len(files) > 2
+    config = ModelConfig(name=str(sharded), device="cpu", impl=impl)
+    data = files[1].read_bytes()
+    files[1].unlink()
+    with pytest.raises(UserError, match=f"{files[1]} is missing") as error:
+        build_trainer_model(config, world, ParallelConfig())
+    assert "\n" not in str(error.value)
+    files[1].write_bytes(data[: len(data) // 2])
+    with pytest.raises(UserError, match=rf"{files[1]} cannot be read \(.*\): a truncated file") as error:
+        build_trainer_model(config, world, ParallelConfig())
+    assert "\n" not in str(error.value)

@@ -110,6 +110,12 @@ class SafetensorsReader:
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{path} cannot be read ({_first_line(e)}): a truncated file?") from None
 
+    def check_files(self) -> None:
+        """Open every file of the checkpoint (their headers): a missing or truncated one fails."""
+        for filename in sorted(set(self.weight_map.values())):
+            if filename not in self._files:
+                self._files[filename] = self._open(filename)
+
     def _file(self, name: str) -> object:
         filename = self.weight_map[name]
         if filename not in self._files:

@@ -11,6 +11,11 @@ usual without reading its weights and loads model and optimizer from `dcp/`; DCP
 load, so a run can resume on a different number of ranks. Hugging Face exports of the model
 are written separately (trainer/hf_export.py). Frozen parameters (the base under LoRA) are not
 saved: they are the model's own checkpoint, which a resume loads first.
+
+Before loading, a resume compares the checkpoint's tensors (names and shapes, from DCP's
+metadata) with the model's and optimizer's, and a model that no longer matches (another model,
+LoRA switched on or off, another rank or targets) fails in one line naming the checkpoint and
+the first tensor that differs.
 """
 
 import shutil
@@ -20,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -28,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from tandem.cli import UserError
 from tandem.trainer.parallel import World, barrier
 from tandem.transport.layout import checkpoint_dir, checkpoint_steps
 
@@ -120,8 +127,10 @@ def load_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     world: World,
 ) -> tuple[int, dict[str, Any]]:
-    """Restore model, optimizer, scheduler and RNG from a checkpoint; returns (step, extra state)."""
+    """Restore model, optimizer, scheduler and RNG from a checkpoint; returns (step, extra state).
+    A checkpoint that does not fit the model fails first (UserError, one line)."""
     state = _sharded_state(model, optimizer)
+    check_fits(Path(path), state)
     dcp.load(state, checkpoint_id=Path(path) / SHARDS)
     set_model_state_dict(model, state["model"], options=_trained(model))
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optimizer"], options=_trained(model))
@@ -131,6 +140,48 @@ def load_checkpoint(
     if rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))
     return int(trainer_state["step"]), dict(trainer_state["extra"])
+
+
+CHANGED = "the model, LoRA (on or off, rank, targets) or optim.master_weights changed since it was written?"
+
+
+def check_fits(path: Path, state: dict[str, Any]) -> None:
+    """Fail (UserError) naming `path` and the first tensor of the model or optimizer `state` that
+    the checkpoint lacks or holds in another shape, or the first model tensor it holds that the
+    model has not. (DCP itself fails on these with a traceback per rank.)"""
+    try:
+        saved = dcp.FileSystemReader(path / SHARDS).read_metadata().state_dict_metadata
+    except Exception as e:  # a missing or unreadable .metadata: whatever the reader raises
+        line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"cannot resume from {path}: {path / SHARDS} cannot be read ({line})") from None
+    wanted = dict(_flat_tensors(state))
+    for key, tensor in wanted.items():
+        found = saved.get(key)
+        if found is None:
+            raise UserError(f"cannot resume from {path}: the checkpoint has no {key} ({CHANGED})")
+        if isinstance(found, TensorStorageMetadata) and tuple(found.size) != tuple(tensor.shape):
+            raise UserError(
+                f"cannot resume from {path}: {key} is {list(found.size)} in the checkpoint, "
+                f"{list(tensor.shape)} in the model ({CHANGED})"
+            )
+    extra = [key for key in saved if key.startswith("model.") and key not in wanted]
+    if extra:
+        raise UserError(
+            f"cannot resume from {path}: the checkpoint holds {extra[0]}, which the model has not ({CHANGED})"
+        )
+
+
+def _flat_tensors(state: dict[str, Any], prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a nested state dict under DCP's names (keys joined by "."), model first;
+    lists (the optimizer's param_groups) are not descended into."""
+    found = []
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            found.extend(_flat_tensors(value, f"{name}."))
+        elif isinstance(value, torch.Tensor):
+            found.append((name, value))
+    return found
 
 
 def _rng_state() -> dict[str, Any]:

@@ -123,6 +123,11 @@ def build_trainer_model(
                 f"{quantization(config).get('quant_method')!r}): model.impl = 'hf' trains unquantized "
                 "checkpoints only; tandem's implementation (model.impl = 'tandem') dequantizes block-FP8 ones"
             )
+        if Path(cfg.name).expanduser().is_dir():  # a missing or truncated file: one line naming it
+            try:
+                SafetensorsReader(Path(cfg.name).expanduser()).check_files()
+            except CheckpointError as e:
+                raise UserError(str(e)) from None
         model = load_model(
             cfg.model_copy(update={"dtype": str(weights).removeprefix("torch.")}), world.device
         )
