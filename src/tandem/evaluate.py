@@ -186,7 +186,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     async def play(url: str) -> tuple[list, float]:
         pool = ServerPool([url], cfg.client)
         try:
-            await pool.connect()
+            await pool.connect(cfg.seq_len)
             start = time.perf_counter()
             results = await run_eval(
                 members, pool, cfg.num_tasks, cfg.sampling, cfg.n, cfg.rollout_timeout, cfg.seq_len

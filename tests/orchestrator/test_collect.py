@@ -302,3 +302,20 @@ def test_cli_names_a_server_that_does_not_answer(tmp_path: Path) -> None:
     assert last.startswith(
         f"orchestrator: error: inference server {url} did not answer GET /v1/models after 2 attempts"
     )
+
+
+def test_a_server_with_a_shorter_context_than_seq_len_is_refused_at_connect(server: str) -> None:
+    """(Started separately, such a server failed every long sample with a 400, group by group.)"""
+
+    async def connect(seq_len: int) -> str:
+        pool = ServerPool([server], ClientConfig(max_retries=0))
+        try:
+            return await pool.connect(seq_len)
+        finally:
+            await pool.close()
+
+    assert asyncio.run(connect(256))  # the fixture's server: max_model_len 256
+    with pytest.raises(
+        UserError, match=r"serves a context of 256 tokens \(max_model_len\), less than seq_len 257"
+    ):
+        asyncio.run(connect(257))

@@ -149,6 +149,7 @@ class InferenceClient:
         self.base_url = base_url.rstrip("/")
         self.cfg = cfg
         self.model = model
+        self.max_model_len: int | None = None  # the server's context length, learned by connect()
         self.in_flight = 0
         self.retry_warnings = RepeatedWarnings(REPEAT_WINDOW)
         headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
@@ -218,16 +219,18 @@ class InferenceClient:
             raise
 
     async def connect(self) -> str:
-        """Check the server answers and learn the model name it serves; returns that name."""
+        """Check the server answers and learn the model name it serves (returned) and its context
+        length (`max_model_len`, where the server says: tandem's and vLLM's do)."""
 
-        async def call() -> str:
+        async def call() -> dict:
             response = await self.http.get("/v1/models")
             response.raise_for_status()
-            return response.json()["data"][0]["id"]
+            return response.json()["data"][0]
 
         served = await self.with_retries("GET /v1/models", call)
-        self.model = self.model or served
-        return served
+        self.model = self.model or served["id"]
+        self.max_model_len = served.get("max_model_len")
+        return served["id"]
 
     async def chat(
         self, messages: list[dict[str, Any]], sampling: SamplingConfig, n: int = 1, **extra: Any
@@ -312,8 +315,16 @@ class ServerPool:
         self.next = 0
         self.slots = asyncio.Semaphore(cfg.max_concurrent_groups)
 
-    async def connect(self) -> str:
+    async def connect(self, seq_len: int | None = None) -> str:
+        """Connect every server; with `seq_len`, refuse one whose context is shorter (its requests
+        would fail one by one with a 400 at the first long sample)."""
         names = await asyncio.gather(*(c.connect() for c in self.every))
+        for client in self.every:
+            if seq_len is not None and client.max_model_len is not None and client.max_model_len < seq_len:
+                raise UserError(
+                    f"{client.base_url} serves a context of {client.max_model_len} tokens (max_model_len), "
+                    f"less than seq_len {seq_len}: start it with a longer one or lower seq_len"
+                )
         return names[0]
 
     def pick(self) -> InferenceClient:

@@ -147,7 +147,7 @@ class Orchestrator:
             for member in self.members:
                 member.env.setup(tokenizer, cfg.seq_len)
                 check_prompt_lengths(member.env, cfg, lambda m: prompt_tokens(tokenizer, m))
-            served = await self.pool.connect()
+            served = await self.pool.connect(cfg.seq_len)
             log.info("%d server(s) serving %s: %s", len(cfg.servers), served, ", ".join(cfg.servers))
             if cfg.prefill_servers:
                 log.info("their prompts computed by: %s", ", ".join(cfg.prefill_servers))
