@@ -157,3 +157,53 @@ def test_targets_that_match_nothing_or_the_head_stop_at_start(
             ParallelConfig(),
             lora=lora,
         )
+
+
+def test_a_transformers_moe_model_merges_into_the_checkpoints_own_tensors(tmp_path: Path, capsys) -> None:
+    """model.impl = 'hf' on a MoE family: transformers' loader fuses the experts, so the merged
+    export and the weight streams put the checkpoint's names and shapes back (they wrote the fused
+    names, which transformers' loader dropped), and keep the router's score-correction bias (a
+    buffer: it was left out, and a reload routed with zeros)."""
+    from safetensors.torch import save_file
+
+    from tandem.models.tiny import build_tiny_model
+    from tandem.trainer.weight_stream import hf_weight_specs, iter_hf_weights
+
+    base = build_tiny_model(
+        out=tmp_path / "glm", family="glm4_moe", num_experts=4, num_layers=2, hidden_size=64,
+        head_dim=16, intermediate_size=128,
+    )  # fmt: skip
+    tensors = load_file(base / "model.safetensors")
+    biases = [n for n in tensors if n.endswith("e_score_correction_bias")]
+    assert biases
+    for name in biases:
+        tensors[name] = torch.randn_like(tensors[name])  # (a real checkpoint's are not zero)
+    save_file(tensors, base / "model.safetensors", {"format": "pt"})
+    world = init_distributed("cpu")
+    lora = LoRAConfig(rank=2, alpha=4.0, target_modules=["q_proj", "v_proj"])
+    model = build_trainer_model(
+        ModelConfig(name=str(base), device="cpu", impl="hf"), world, ParallelConfig(), lora=lora
+    )
+    for name, param in model.named_parameters():
+        if name.endswith(".lora_b"):
+            param.data.normal_()  # (a trained adapter)
+    streamed = dict(iter_hf_weights(model))
+    assert set(streamed) == set(tensors)  # what a weight update sends: the checkpoint's names
+    assert [(s.name, s.shape) for s in hf_weight_specs(model, torch.float32)] == [
+        (n, tuple(t.shape)) for n, t in streamed.items()
+    ]
+    write_hf_model(model, load_tokenizer(str(base)), tmp_path / "merged", world, merged=True)
+    written = load_file(tmp_path / "merged" / "model.safetensors")
+    assert set(written) == set(tensors)
+    for name in tensors:
+        changed = not torch.equal(written[name].float(), tensors[name].float())
+        assert changed == name.endswith(("q_proj.weight", "v_proj.weight")), name
+    ids = torch.randint(0, 400, (2, 16))
+    with torch.no_grad():
+        trained, _ = model.sequence_logprobs(ids, torch.arange(16).expand(2, 16))
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    torch.testing.assert_close(trained[:, 1:], reference_logprobs(reloaded, ids), rtol=0, atol=2e-5)
+    assert "warning" not in capsys.readouterr().out  # attention targets: peft loads them as they are
+    mlp = LoRAConfig(rank=2, alpha=4.0, target_modules=["gate_proj", "up_proj"])
+    build_trainer_model(ModelConfig(name=str(base), device="cpu"), world, ParallelConfig(), lora=mlp)
+    assert "trainer: warning: LoRA on gate_proj, up_proj of a MoE model" in capsys.readouterr().out

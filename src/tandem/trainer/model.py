@@ -133,7 +133,7 @@ def build_trainer_model(
         )
         model.config.use_cache = False
         if lora is not None:
-            _inject(model, linear_parts(None, model), lora, cfg.name)
+            _inject(model, linear_parts(None, model), lora, cfg.name, world)
         apply_fsdp(model, policy)
         if lora is not None:
             init_lora(model, seed, _fill_local)
@@ -156,7 +156,7 @@ def build_trainer_model(
         _cast_parameters(model, compute_dtype_of(world.device, weights, compute_dtype))
     layouts = fam.hf_layout(config)
     if lora is not None:
-        _inject(model, linear_parts(layouts, model), lora, cfg.name)
+        _inject(model, linear_parts(layouts, model), lora, cfg.name, world)
     compile_blocks = parallel.compile == "on" or (parallel.compile == "auto" and world.device.type == "cuda")
     plan = ParallelPlan(
         build_mesh(world, parallel.ep),
@@ -226,13 +226,25 @@ def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
         param.data = param.data.to(dtype)
 
 
-def _inject(model: nn.Module, parts: dict[str, list[Part]], lora: LoRAConfig, base: str) -> None:
+def _inject(
+    model: nn.Module, parts: dict[str, list[Part]], lora: LoRAConfig, base: str, world: World
+) -> None:
     """Adapters on the targeted linear layers; `model.adapter_config` is their adapter_config.json."""
     try:
-        inject_lora(model, parts, lora.target_modules, lora.rank, lora.alpha, lora.dropout, "lm_head")
+        adapted = inject_lora(
+            model, parts, lora.target_modules, lora.rank, lora.alpha, lora.dropout, "lm_head"
+        )
     except ValueError as e:
         raise UserError(str(e)) from None
     model.adapter_config = adapter_config(base, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+    mlp = sorted({m.rsplit(".", 1)[-1] for m in adapted} & {"gate_proj", "up_proj", "down_proj"})
+    if world.is_main and mlp and any(name.endswith(".experts") for name, _ in model.named_modules()):
+        print(
+            f"trainer: warning: LoRA on {', '.join(mlp)} of a MoE model: peft maps those targets onto "
+            "the fused experts and drops these adapters when it loads the PEFT export (docs/trainer.md, "
+            "LoRA); final-merged/, tandem's engine and vLLM apply them",
+            flush=True,
+        )
 
 
 def _fill_local(param: torch.Tensor, full: torch.Tensor) -> None:

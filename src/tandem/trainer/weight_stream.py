@@ -10,8 +10,11 @@ them on all ranks); a rank that sends nothing drops them at once.
 For tandem's own models the family's state-dict adapter splits each parameter into the
 checkpoint's tensors (fused q/k/v into q_proj, k_proj, v_proj; stacked experts into one tensor
 per expert), so the names and shapes are those of a published checkpoint. For transformers'
-models (model.impl = "hf") the parameter names are Hugging Face names already; copies of tied
-weights (the output head when it shares the embedding) are skipped: servers tie them themselves.
+models (model.impl = "hf") the parameters and persistent buffers (a router's score-correction
+bias) go by their module names, except where transformers' loader converted the checkpoint's
+tensors (its MoE models fuse the experts): those are gathered whole, then put back into the
+checkpoint's names and shapes by transformers' own reverse conversion. Copies of tied weights
+(the output head when it shares the embedding) are skipped: servers tie them themselves.
 
 `hf_weight_specs(model, dtype)` lists the same names, shapes and dtype without gathering anything
 (the transports send it ahead of the tensors). The two agree tensor for tensor; the sender
@@ -52,12 +55,23 @@ def hf_layouts(model: CausalLM) -> dict[str, Layout]:
 def _base_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of the checkpoint's model, by the trainer's names (no adapters). A transformers
     model's shared parameters come once, under their first name, and tied copies not at all."""
-    if isinstance(model, CausalLM):
-        named = persistent_tensors(model).items()
-    else:
+    named = persistent_tensors(model).items()  # (a shared parameter: one entry)
+    if not isinstance(model, CausalLM):
         tied = set(getattr(model, "all_tied_weights_keys", None) or {})
-        named = ((n, p) for n, p in model.named_parameters() if n not in tied)
+        named = [(n, t) for n, t in named if n not in tied]
     return ((n, t) for n, t in named if not is_adapter_tensor(n))
+
+
+def _converted(model: nn.Module) -> bool:
+    """A transformers model whose loader changed the checkpoint's tensors (fused its experts)."""
+    return not isinstance(model, CausalLM) and bool(getattr(model, "_weight_conversions", None))
+
+
+def _as_checkpoint(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A converted transformers model's tensors under the checkpoint's names and shapes."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, tensors)
 
 
 def _specs(
@@ -73,6 +87,9 @@ def _specs(
 
 
 def hf_weight_specs(model: nn.Module, dtype: torch.dtype) -> list[TensorSpec]:
+    if _converted(model):
+        shapes = {n: torch.empty(t.shape, device="meta") for n, t in _base_tensors(model)}
+        return _specs(iter(_as_checkpoint(model, shapes).items()), None, dtype)
     layouts = hf_layouts(model) if isinstance(model, CausalLM) else None
     return _specs(_base_tensors(model), layouts, dtype)
 
@@ -107,6 +124,7 @@ def iter_hf_weights(
     each tensor instead of the tensor itself (its gradient, say; None skips it; nothing is merged)."""
     layouts = hf_layouts(model) if isinstance(model, CausalLM) else None
     merged = {f"{name}.weight": layer for name, layer in lora_layers(model).items()} if of is None else {}
+    converted: dict[str, torch.Tensor] | None = {} if _converted(model) else None
     for name, tensor in _base_tensors(model):
         picked = tensor if of is None else of(tensor)
         if picked is None:
@@ -116,7 +134,12 @@ def iter_hf_weights(
             layer = merged[name]
             full = layer.merged_weight(full, layer.delta_weight(_full(layer.lora_a), _full(layer.lora_b)))
         full = full if dtype is None else full.to(dtype)
-        yield from _split(layouts, name, full)
+        if converted is not None:
+            converted[name] = full  # (converted back all together, below)
+        else:
+            yield from _split(layouts, name, full)
+    if converted is not None:
+        yield from _as_checkpoint(model, converted).items()
 
 
 def _split(layouts: dict | None, name: str, full: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
