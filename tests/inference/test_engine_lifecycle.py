@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine import AsyncEngine
-from tandem.inference.engine.api import SampleUpdate, SamplingParams, WeightLoadError
+from tandem.inference.engine.api import SampleUpdate, SamplingParams, WeightLoadError, WeightUpdateConflict
 from tandem.inference.engine.core import EngineCore
 from tandem.inference.engine.model_runner import kv_bytes_per_block
 from tandem.models.tiny import build_tiny_model
@@ -222,6 +222,32 @@ def test_weight_update_wait_mode_lets_running_requests_finish(tiny_model: Path, 
             assert {v for u in old_updates[0] for v in u.weight_versions} == {0}
             new_updates = await asyncio.wait_for(later, 60)
             assert {v for u in new_updates[0] for v in u.weight_versions} == {3}
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_a_wait_mode_update_while_paused_with_requests_running_is_refused(
+    tiny_model: Path, other_model: Path
+) -> None:
+    """It would wait for requests a paused engine never finishes (the caller hung, and the update
+    landed later on its own); refused at once, the old weights live, and accepted once resumed."""
+
+    async def main() -> None:
+        engine = AsyncEngine(config(tiny_model, weight_update_mode="wait"))
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+            running = asyncio.create_task(collect(engine, "r", [7, 8, 9], params))
+            await wait_until(lambda: engine.stats().generated_tokens_total > 0)
+            await engine.pause()
+            with pytest.raises(WeightUpdateConflict, match=r"paused with 1 running request\(s\)"):
+                await asyncio.wait_for(engine.update_weights(other_model, version=3), 30)
+            assert engine.weight_version == 0
+            await engine.resume()
+            assert await asyncio.wait_for(engine.update_weights(other_model, version=3), 60) == 3
+            updates = await asyncio.wait_for(running, 60)
+            assert {v for u in updates[0] for v in u.weight_versions} == {0}
         finally:
             await engine.shutdown()
 

@@ -439,6 +439,20 @@ def test_bad_chat_requests(server: Any, body: dict) -> None:
     assert response.json()["error"]["type"] == "BadRequestError"
 
 
+def test_context_errors_name_the_field_the_client_sent(server: Any) -> None:
+    """(A chat without a limit printed a negative completion; max_completion_tokens was named max_tokens.)"""
+    chat = server.base_url + "/chat/completions"
+    short = [{"role": "user", "content": "x"}]
+    body = {"messages": short, "max_completion_tokens": MAX_MODEL_LEN}
+    assert httpx.post(chat, json=body, timeout=30).json()["error"]["param"] == "max_completion_tokens"
+    body = {"messages": short, "max_tokens": MAX_MODEL_LEN}
+    assert httpx.post(chat, json=body, timeout=30).json()["error"]["param"] == "max_tokens"
+    long = [{"role": "user", "content": "x " * MAX_MODEL_LEN}]
+    error = httpx.post(chat, json={"messages": long}, timeout=30).json()["error"]
+    assert error["param"] == "prompt" and "which leaves none for the completion" in error["message"], error
+    assert "-" not in error["message"].split("However")[1]  # no negative count
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_chat_template_that_renders_nothing_is_a_400_naming_messages(server: Any, stream: bool) -> None:
     """Refused before a stream begins, not by the engine as an error event after a 200."""

@@ -24,6 +24,7 @@ ERROR_TYPES = {
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     408: "TimeoutError",
+    409: "ConflictError",
     413: "RequestTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",

@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from tandem.inference.config import InferenceConfig
-from tandem.inference.engine.api import Engine, SamplingParams, WeightLoadError
+from tandem.inference.engine.api import Engine, SamplingParams, WeightLoadError, WeightUpdateConflict
 from tandem.inference.engine.streams import RequestTimes, request_times
 from tandem.inference.errors import APIError, error_body
 from tandem.inference.generation import Choice, PromptJob, collect, merge, run_prompt, sampling_params
@@ -123,19 +123,31 @@ class Server:
                 400, f"prompt: token id {bad} is outside the vocabulary (size {self.vocab_size})", "prompt"
             )
 
-    def resolve_max_tokens(self, prompt_len: int, requested: int | None, default: int | None) -> int:
-        """The completion budget; prompt + budget must fit the context, as vLLM requires."""
+    def resolve_max_tokens(
+        self, prompt_len: int, requested: int | None, default: int | None, field: str = "max_tokens"
+    ) -> int:
+        """The completion budget; prompt + budget must fit the context, as vLLM requires. `field`
+        names the request field `requested` came from."""
         limit = self.engine.max_model_len
+        if requested is None and default is None:  # the rest of the context, if any is left
+            if prompt_len >= limit:
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                    f"{prompt_len} tokens, which leaves none for the completion. Please reduce the length "
+                    "of the prompt.",
+                    "prompt",
+                )
+            return limit - prompt_len
         max_tokens = requested if requested is not None else default
-        if max_tokens is None:
-            max_tokens = limit - prompt_len
+        assert max_tokens is not None
         if prompt_len + max_tokens > limit or max_tokens < 1:
             raise APIError(
                 400,
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
                 "completion). Please reduce the length of the prompt or of the completion.",
-                "max_tokens" if requested is not None else "prompt",
+                field if requested is not None else "prompt",
             )
         return max_tokens
 
@@ -278,6 +290,8 @@ class Server:
 
         try:
             return await self.engine.receive_weights(version)
+        except WeightUpdateConflict as e:
+            raise APIError(409, f"{e}; the old weights stay live", "step") from None
         except TransferRefused as e:
             raise APIError(400, f"{e}; the old weights stay live", "step") from None
         except (TransferError, LinkError) as e:
@@ -319,7 +333,8 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
         req = await read_body(request, ChatCompletionRequest)
         server.check_common(req)
         prompt = server.chat_prompt(req)
-        max_tokens = server.resolve_max_tokens(len(prompt), req.completion_limit, None)
+        field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        max_tokens = server.resolve_max_tokens(len(prompt), req.completion_limit, None, field)
         await server.wait_until_resumed()
         builder = ResponseBuilder(
             chat=True,
@@ -397,6 +412,8 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
                     version = await engine.update_weights(path)
                 else:
                     version = await engine.update_weights(path, version=req.version)  # type: ignore[call-arg]
+            except WeightUpdateConflict as e:
+                raise APIError(409, f"{e}; the old weights stay live", "path") from None
             except WeightLoadError as e:
                 raise APIError(
                     400, f"cannot load weights from {path}: {e}; the old weights stay live", "path"

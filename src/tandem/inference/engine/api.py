@@ -116,6 +116,11 @@ class WeightLoadError(ValueError):
     """A checkpoint that cannot be loaded (missing, corrupt, wrong shapes); the old weights stay live."""
 
 
+class WeightUpdateConflict(WeightLoadError):
+    """An update the engine's state forbids now (paused with running requests that
+    weight_update_mode = "wait" must let finish first); nothing changed (the server answers 409)."""
+
+
 class Engine(Protocol):
     max_model_len: int
     weight_version: int

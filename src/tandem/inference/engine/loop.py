@@ -24,7 +24,13 @@ from typing import Any
 
 from tandem.cli import UserError
 from tandem.inference.config import InferenceConfig
-from tandem.inference.engine.api import EngineDeadError, EngineStats, SampleUpdate, WeightLoadError
+from tandem.inference.engine.api import (
+    EngineDeadError,
+    EngineStats,
+    SampleUpdate,
+    WeightLoadError,
+    WeightUpdateConflict,
+)
 from tandem.inference.engine.core import EngineCore
 from tandem.inference.engine.lora import LoRAMerger, is_adapter_dir, read_adapter
 from tandem.inference.engine.weights import parameter_specs, read_checkpoint, version_from_path
@@ -194,6 +200,15 @@ class CoreLoop:
         return lambda: self.lora.merged(config, adapter.items())
 
     def _queue_update(self, tensors: Callable[[], Any], version: int, done: Future) -> None:
+        running = self.core.num_active_requests
+        if self.weight_update_mode == "wait" and self.paused and running:
+            done.set_exception(  # (it would wait for requests that a paused engine never finishes)
+                WeightUpdateConflict(
+                    f"the engine is paused with {running} running request(s), which weight_update_mode = "
+                    "'wait' lets finish before an update: resume first (or update before pausing)"
+                )
+            )
+            return
         if self._pending_update is not None:  # a newer checkpoint replaces one not yet applied
             replaced = WeightLoadError(f"replaced by version {version} before it was applied")
             self._pending_update[2].set_exception(replaced)
