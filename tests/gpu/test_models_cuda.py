@@ -402,3 +402,38 @@ def test_glm5_sparse_scores_stay_fp32_on_cuda(compiled: bool) -> None:
     for got, want in ((q.grad, torch.bmm(g, k.double())), (k.grad, torch.bmm(g.transpose(1, 2), q.double()))):
         assert got.dtype == torch.bfloat16
         assert (got.double() - want).abs().max() < 1e-2 * want.abs().max()
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "selective"])
+def test_bf16_glm_keeps_its_router_in_fp32_and_trains(tmp_path: Path, checkpointing: str) -> None:
+    """model.dtype = bfloat16 on GLM-4.5: the router weight and its score-correction bias stay fp32
+    (as transformers keeps them), the router an FSDP unit of its own inside the compiled block;
+    the logprobs follow transformers' and five AdamW steps lower the loss."""
+    path = build_tiny_model(
+        out=tmp_path / "glm", family="glm4_moe", num_experts=8, moe_intermediate_size=64, num_layers=2,
+    )  # fmt: skip
+    world = init_distributed("cuda")
+    model = build_trainer_model(
+        ModelConfig(name=str(path), dtype="bfloat16"),
+        world,
+        ParallelConfig(activation_checkpointing=checkpointing),
+    )
+    routers = [m for n, m in model.named_modules() if n.endswith(".router")]
+    assert routers and all(local(r.weight).dtype == torch.float32 for r in routers)
+    assert all(r.e_score_correction_bias.dtype == torch.float32 for r in routers)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(CUDA)
+    positions = packed_positions([[60, 68], [128]])
+    ids = torch.randint(0, 500, positions.shape, device=CUDA, generator=torch.Generator(CUDA).manual_seed(0))
+    logprobs, _ = model.sequence_logprobs(ids, positions)
+    with torch.no_grad():
+        want = reference(input_ids=ids[1:2]).logits.log_softmax(-1)[0, :-1].gather(1, ids[1, 1:, None])[:, 0]
+    assert float((logprobs[1, 1:] - want).abs().mean()) < 0.05  # bf16 weights against fp32
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-3))
+    losses = []
+    for _ in range(5):
+        loss = -model.sequence_logprobs(ids, positions)[0].mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0], losses
