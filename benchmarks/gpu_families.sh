@@ -22,7 +22,7 @@ if [ "$PART" = trainer ] || [ "$PART" = all ]; then
   start=$(date +%s)
   part families_trainer 470 python3 benchmarks/trainer_mfu.py --variants families --steps 4 --warmup 2 \
     --out "$OUT/families_trainer.jsonl"
-  part family_gpu_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider -k "glm5 or glm_and_minimax" \
+  part family_gpu_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider -k "glm5 or glm_and_minimax or glm_keeps_its_router" \
     tests/gpu/test_models_cuda.py tests/gpu/test_engine_cuda.py
   tail -n 3 "$OUT/family_gpu_tests.log" 2>/dev/null
   sed -n '/^variant/,$p' "$OUT/families_trainer.log"
