@@ -3,6 +3,7 @@ every source under `<source>/<key>`, a resumed run continuing the same W&B run w
 records it had not sent, and a bounded wait for the trainer's last step."""
 
 import asyncio
+import json
 import logging
 from pathlib import Path
 
@@ -66,3 +67,25 @@ def test_the_forwarder_skips_a_bad_line_naming_it_and_waits_for_a_torn_one(
     (offline,) = offline_runs(run_dir)
     rows = [{k: v for k, v in h.items() if not k.startswith("_")} for h in history(records(offline))]
     assert rows == [{"trainer/step": 0, "trainer/loss": 1.0}, {"trainer/step": 1, "trainer/loss": 0.4}]
+
+
+def test_after_a_kill_a_resume_sends_the_last_poll_again_rather_than_lose_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """forwarded.json lags one poll behind what was handed to W&B (whose process writes it a
+    moment later) until the run finishes: records handed over just before a kill were skipped by
+    the resumed forwarder, and W&B never had them."""
+    keep_wandb_home_in(tmp_path / "home", monkeypatch)
+    run_dir = tmp_path / "run"
+    trainer = MetricsWriter(run_dir / "metrics.jsonl", "trainer")
+    state = run_dir / "wandb" / "forwarded.json"
+    run = WandbRun(WandbConfig(mode="offline", project="p"), run_dir, resume=False, config={}, poll_s=0.01)
+    trainer.log(0, loss=1.0)
+    run.forward_new()
+    after_first = (run_dir / "metrics.jsonl").stat().st_size
+    assert json.loads(state.read_text())["offset"] == 0  # handed over, maybe not yet written
+    trainer.log(1, loss=0.5)
+    run.forward_new()
+    assert json.loads(state.read_text())["offset"] == after_first
+    run.finish(failed=False)
+    assert json.loads(state.read_text())["offset"] == (run_dir / "metrics.jsonl").stat().st_size

@@ -4,6 +4,7 @@ crash handling, the sample format, trajectory stitching, server selection and st
 import asyncio
 import contextlib
 import logging
+import signal
 import socket
 import subprocess
 import sys
@@ -319,3 +320,27 @@ def test_a_server_with_a_shorter_context_than_seq_len_is_refused_at_connect(serv
         UserError, match=r"serves a context of 256 tokens \(max_model_len\), less than seq_len 257"
     ):
         asyncio.run(connect(257))
+
+
+def test_sigterm_lets_the_orchestrator_clean_up_then_exits_143(tmp_path: Path) -> None:
+    """rl stops its processes with SIGTERM; the orchestrator died at once, before finishing its W&B
+    run (whose last records were lost)."""
+    marker = tmp_path / "cleaned"
+    script = (
+        "import asyncio, pathlib\n"
+        "from tandem.orchestrator.cli import until_sigterm\n"
+        "async def work():\n"
+        "    try:\n"
+        "        print('running', flush=True)\n"
+        "        await asyncio.sleep(60)\n"
+        "    finally:\n"
+        f"        pathlib.Path({str(marker)!r}).write_text('yes')\n"
+        "asyncio.run(until_sigterm(work()))\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert process.stdout is not None and process.stdout.readline() == "running\n"
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 143
+    assert marker.read_text() == "yes"

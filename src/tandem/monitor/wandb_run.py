@@ -13,8 +13,10 @@ launcher started the orchestrator and named it in TANDEM_RUN_CONFIG; else the or
 own), and every `sample_interval` steps a table of that step's rollouts.
 
 A resumed run continues the same W&B run: run_dir/wandb/forwarded.json keeps the run id and how
-many bytes of metrics.jsonl were forwarded, so no record is sent twice or skipped. A line that is
-not a record is skipped with a warning naming the file and line (the run goes on).
+many bytes of metrics.jsonl were forwarded, so no record is skipped. The offset saved lags one poll
+behind the records handed to W&B (whose own process writes them a moment later) until the run
+finishes: after a kill, a resume sends the last poll's records again rather than lose them. A line
+that is not a record is skipped with a warning naming the file and line (the run goes on).
 """
 
 import asyncio
@@ -73,7 +75,8 @@ class WandbRun:
         self.state_path = Path(run_dir) / "wandb" / STATE_FILE
         self.poll_s = poll_s
         state = json.loads(self.state_path.read_text()) if resume and self.state_path.is_file() else {}
-        self.offset: int = state.get("offset", 0)
+        self.offset: int = state.get("offset", 0)  # of metrics.jsonl handed to W&B
+        self.saved: int = self.offset  # what forwarded.json says: one poll behind until finish()
         self.lines = self._lines_before(self.offset)
         self.last_step: dict[str, int] = {}
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
@@ -107,7 +110,7 @@ class WandbRun:
 
     def save_state(self) -> None:
         tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"run_id": self.run.id, "offset": self.offset}))
+        tmp.write_text(json.dumps({"run_id": self.run.id, "offset": self.saved}))
         tmp.replace(self.state_path)
 
     def define(self, source: str) -> None:
@@ -143,7 +146,7 @@ class WandbRun:
                 continue
             if record is not None:
                 self.log_record(record)
-        self.offset += end
+        self.saved, self.offset = self.offset, self.offset + end  # (the previous poll's are on disk)
         self.save_state()
 
     async def forward(self) -> None:
@@ -187,4 +190,6 @@ class WandbRun:
 
     def finish(self, failed: bool) -> None:
         self.forward_new()
-        self.run.finish(exit_code=1 if failed else 0)
+        self.run.finish(exit_code=1 if failed else 0)  # (returns once W&B has written everything)
+        self.saved = self.offset
+        self.save_state()
