@@ -3,6 +3,7 @@
 python children.py service PORT            serve GET /health on 127.0.0.1:PORT until SIGTERM
 python children.py job NAME LINES CODE S   print LINES numbered lines, sleep S seconds, exit CODE
 python children.py stubborn PIDFILE        ignore SIGTERM, write own pid, sleep forever
+python children.py tidy FILE S             on SIGTERM take S seconds to clean up, write FILE, exit 0
 python children.py spawner PIDFILE         start a grandchild in the same group, write both pids
 """
 
@@ -38,6 +39,16 @@ def main(mode: str, *args: str) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         Path(args[0]).write_text(str(os.getpid()))
         print("ignoring SIGTERM", flush=True)
+        time.sleep(3600)
+    elif mode == "tidy":
+
+        def clean_up(*_: object) -> None:
+            time.sleep(float(args[1]))
+            Path(args[0]).write_text("cleaned up")
+            sys.exit(0)
+
+        signal.signal(signal.SIGTERM, clean_up)
+        print("running", flush=True)
         time.sleep(3600)
     elif mode == "spawner":
         grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from launch_helpers import alive, child, free_port, wait_for
 
-from tandem.launch.supervisor import Console, ProcessSpec, Supervisor
+from tandem.launch.supervisor import REPEAT_S, Console, ProcessSpec, Supervisor
 
 RUNNER = str(Path(__file__).with_name("supervise_json.py"))
 
@@ -184,6 +184,20 @@ def test_sigint_to_launcher_stops_all_children(tmp_path: Path) -> None:
     wait_for(lambda: not any(alive(p) for p in pids.values()), 5, "every child to be gone")
 
 
+def test_one_signal_delivered_twice_keeps_the_grace_period(tmp_path: Path) -> None:
+    """`uv run` passes on a SIGTERM/SIGINT its child's group already had (stdin not a terminal):
+    that repeat is not a second signal, and a child that cleans up gets its grace period (it was
+    SIGKILLed at once, its shared-memory segments left behind)."""
+    specs = [{"name": "tidy", "argv": child("tidy", tmp_path / "cleaned", 1.0)}]
+    launcher, pids = start_launcher(tmp_path, specs, grace_s=20)
+    launcher.send_signal(signal.SIGTERM)
+    launcher.send_signal(signal.SIGTERM)
+    rest, _ = launcher.communicate(timeout=20)
+    assert launcher.returncode == 128 + signal.SIGTERM
+    assert "SIGKILL" not in rest and rest.count("stopping tidy") == 1, rest
+    assert (tmp_path / "cleaned").read_text() == "cleaned up"
+
+
 def test_second_signal_skips_the_grace_period(tmp_path: Path) -> None:
     specs = [{"name": "stubborn", "argv": child("stubborn", tmp_path / "pid")}]
     launcher, pids = start_launcher(tmp_path, specs, grace_s=25)
@@ -194,6 +208,7 @@ def test_second_signal_skips_the_grace_period(tmp_path: Path) -> None:
     for line in launcher.stdout:
         if "stopping stubborn" in line:
             break
+    time.sleep(REPEAT_S)  # (sooner, the same signal counts as the first one delivered twice)
     start = time.monotonic()
     launcher.send_signal(signal.SIGTERM)
     rest, _ = launcher.communicate(timeout=10)

@@ -5,7 +5,8 @@ trainer and the orchestrator) start, each once the URLs it waits for (servers on
 answer. The run succeeds when every job exits 0; services are then
 stopped. Any process that exits non-zero, a service that exits at all, a health check that times
 out, a failure on another node (`peer_event`), or SIGINT/SIGTERM to the launcher stops everything: SIGTERM to each process group, then
-SIGKILL after the grace period (at once on a second Ctrl-C). Each child leads its own process
+SIGKILL after the grace period (at once on a second Ctrl-C; the same signal again within REPEAT_S is
+the first one delivered twice, as `uv run` does). Each child leads its own process
 group (so torchrun's workers die with it) and gets SIGTERM from the kernel if the launcher dies.
 A launcher with services but no jobs (a node that only serves) runs until `peer_event` says the
 run is done.
@@ -30,6 +31,7 @@ from typing import IO, Literal
 TAIL_LINES = 20
 FAILED_FILE = "FAILED"  # in log_dir: the one-line failure, for what reports a whole job (sbatch)
 POLL_S = 0.1
+REPEAT_S = 0.5  # a stop signal repeated within this is one signal delivered twice (Supervisor._on_signal)
 COLOURS = ("36", "35", "33", "32", "34", "31")  # cyan, magenta, yellow, green, blue, red
 
 PR_SET_PDEATHSIG = 1
@@ -131,7 +133,9 @@ class Supervisor:
         self.stopped_by_peer = False
         self.children: list[Child] = []
         self.stop_signal: int | None = None
+        self.signalled_at = 0.0  # (monotonic) when the first stop signal came
         self.hurry = False  # a second SIGINT/SIGTERM: skip the grace period
+        self.stopped_all = False  # _stop_all ran to its end: nothing is left to stop
         self.failure: str | None = None  # what went wrong, one line naming the process (after run())
 
     # ---- public ------------------------------------------------------------------------------
@@ -297,7 +301,7 @@ class Supervisor:
     def _stop_all(self) -> None:
         """SIGTERM every process group still alive, SIGKILL what is left after the grace period."""
         live = [c for c in self.children if _group_alive(c.popen.pid)]
-        if not live:
+        if not live or self.stopped_all:  # (SIGKILLed descendants may linger unreaped a moment)
             return
         self.say(f"stopping {', '.join(c.name for c in live)}")
         for child in live:
@@ -319,6 +323,7 @@ class Supervisor:
                 child.popen.wait(timeout=10)  # (run() then waits for their logs: _drain_logs)
             except subprocess.TimeoutExpired:  # stuck in the kernel after SIGKILL (a GPU driver's teardown)
                 self.say(f"{child.name} (pid {child.popen.pid}) did not exit 10 s after SIGKILL; leaving it")
+        self.stopped_all = True
 
     # ---- outcomes ----------------------------------------------------------------------------
 
@@ -355,8 +360,14 @@ class Supervisor:
         return 128 + self.stop_signal
 
     def _on_signal(self, signum: int, _frame: object) -> None:
-        self.hurry = self.stop_signal is not None
-        self.stop_signal = signum
+        """The first stop signal stops the run with a grace period; a second one skips it. The same
+        signal again within REPEAT_S is the first one forwarded (`uv run` passes on a signal its
+        child's group already had, when stdin is not a terminal), not a second."""
+        now = time.monotonic()
+        if self.stop_signal is None:
+            self.stop_signal, self.signalled_at = signum, now
+        elif signum != self.stop_signal or now - self.signalled_at > REPEAT_S:
+            self.hurry = True
 
     def _age(self, child: Child) -> float:
         return time.monotonic() - child.started
