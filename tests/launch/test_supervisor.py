@@ -191,6 +191,7 @@ def test_one_signal_delivered_twice_keeps_the_grace_period(tmp_path: Path) -> No
     specs = [{"name": "tidy", "argv": child("tidy", tmp_path / "cleaned", 1.0)}]
     launcher, pids = start_launcher(tmp_path, specs, grace_s=20)
     launcher.send_signal(signal.SIGTERM)
+    time.sleep(0.05)  # two deliveries (sent together, the kernel would merge them into one)
     launcher.send_signal(signal.SIGTERM)
     rest, _ = launcher.communicate(timeout=20)
     assert launcher.returncode == 128 + signal.SIGTERM
