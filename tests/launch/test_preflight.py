@@ -2,6 +2,7 @@
 command line answers without importing torch."""
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -184,3 +185,21 @@ def test_cudnn_attention_without_its_package_is_one_line(model: Path, tmp_path: 
         "nvidia-cudnn-frontend (or another model.attention)",
         "exit 2",
     ], lines
+
+
+def test_a_run_dir_another_launcher_runs_is_refused_before_it_is_touched(
+    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """(Two launchers on one run_dir overwrote each other's configs and both failed; a --resume
+    deleted a live run's rollouts and weights.)"""
+    from tandem.transport.layout import run_dir_lock
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with run_dir_lock(run_dir):
+        err = rl_error(["--model.name", str(model), "--run_dir", str(run_dir), "--resume"], capsys)
+    assert err == (
+        f"rl: error: run_dir {run_dir} is in use by another rl launcher (pid {os.getpid()}); wait for it "
+        "or choose another run_dir\n"
+    )
+    assert sorted(p.name for p in run_dir.iterdir()) == ["rl.lock"]  # no configs written

@@ -23,6 +23,7 @@ from tandem.launch.devices import visible_gpus
 from tandem.launch.plan import RunPlan, plan_run
 from tandem.launch.preflight import preflight
 from tandem.launch.supervisor import Console
+from tandem.transport.layout import run_dir_lock
 from tandem.transport.resume import orchestrator_start
 from tandem.transport.weights import clear_offer, latest_version, weights_dir
 
@@ -63,11 +64,12 @@ def prepare_resume(plan: RunPlan) -> None:
 
 def launch(plan: RunPlan) -> int:
     preflight(plan, create=True)
-    plan.write_configs()
-    prepare_resume(plan)
-    supervisor = plan.supervisor(Console(), PROG)
-    supervisor.say(f"run_dir {plan.config.run_dir}; configs in {plan.config_dir}")
-    code = supervisor.run()
+    with run_dir_lock(plan.config.run_dir):  # (before anything in run_dir is written or deleted)
+        plan.write_configs()
+        prepare_resume(plan)
+        supervisor = plan.supervisor(Console(), PROG)
+        supervisor.say(f"run_dir {plan.config.run_dir}; configs in {plan.config_dir}")
+        code = supervisor.run()
     if code == 0:
         weights = latest_weights(plan.config.run_dir)
         supervisor.say(

@@ -4,17 +4,48 @@
     run_dir/weights/step_N/ + STABLE             published policies (transport/weights.py)
     run_dir/checkpoints/step_N/                  the trainer's resumable state (trainer/checkpoint.py)
 
+    run_dir/rl.lock                              held by the `rl` launcher running the run
+
 A step folder counts once its marker exists (READY, STABLE) or, for checkpoints, once it has its
 final name (it is written under a temporary one and renamed).
 """
 
+import contextlib
+import fcntl
+import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
+from tandem.cli import UserError
 from tandem.transport.weights import STEP_DIR
 
 CHECKPOINTS = "checkpoints"
 READY = "READY"
+LOCK = "rl.lock"
+
+
+@contextlib.contextmanager
+def run_dir_lock(run_dir: Path) -> Iterator[None]:
+    """Hold run_dir/rl.lock (an flock, gone with the process however it ends) for the block;
+    UserError naming the holder's pid when another launcher runs the same run_dir (the two
+    overwrote each other's configs, and a --resume deleted a live run's steps)."""
+    path = Path(run_dir) / LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise UserError(
+                f"run_dir {run_dir} is in use by another rl launcher (pid {holder}); wait for it or "
+                "choose another run_dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
