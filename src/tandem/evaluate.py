@@ -176,9 +176,11 @@ def evaluate(cfg: EvalConfig) -> dict:
     members = load_mixture(chosen_environments(cfg.env, cfg.envs))  # a wrong name fails before torch loads
     from tandem.client.inference import ServerPool
     from tandem.models.loading import check_model_source, load_tokenizer
+    from tandem.models.source import check_local_checkpoint
     from tandem.orchestrator.evaluation import eval_stats, run_eval
 
     check_model_source(cfg.model.name)
+    check_local_checkpoint(cfg.model.name, weights=cfg.server is None)  # (a server of its own: the tokenizer)
     tokenizer = load_tokenizer(cfg.model.name)
     for member in members:
         member.env.setup(tokenizer, cfg.seq_len)

@@ -38,10 +38,25 @@ def bad_inputs(tmp_path: Path, model: Path) -> dict[str, tuple[list[str], str]]:
     a_file.write_text("")
     moe = tmp_path / "moe"  # what preflight reads of a mixture-of-experts checkpoint: its config.json
     shutil.copytree(model, moe)
+    no_tokenizer_config = tmp_path / "no_tokenizer_config"  # (ran with a default tokenizer class)
+    shutil.copytree(model, no_tokenizer_config)
+    (no_tokenizer_config / "tokenizer_config.json").unlink()
+    no_weights = tmp_path / "no_weights"
+    shutil.copytree(model, no_weights)
+    for weights in no_weights.glob("*.safetensors"):
+        weights.unlink()
     config = json.loads((moe / "config.json").read_text())
     (moe / "config.json").write_text(json.dumps(config | {"model_type": "qwen3_moe", "num_experts": 4}))
     return {
         "config file not UTF-8": (["@", str(not_utf8)], f"{not_utf8} is not UTF-8 text"),
+        "model without tokenizer_config.json": (
+            ["--model.name", str(no_tokenizer_config)],
+            f"model directory {no_tokenizer_config} lacks tokenizer_config.json",
+        ),
+        "model without weights": (
+            ["--model.name", str(no_weights)],
+            f"model directory {no_weights} lacks weights (*.safetensors)",
+        ),
         "run_dir cannot be created": (
             ["--run_dir", str(a_file / "run")],
             f"run_dir {a_file / 'run'} cannot be created: {a_file} is a file",

@@ -17,7 +17,7 @@ from pathlib import Path
 from tandem.cli import UserError
 from tandem.envs.mixture import load_mixture
 from tandem.launch.plan import RunPlan
-from tandem.models.source import check_expert_parallel, check_model_source
+from tandem.models.source import check_expert_parallel, check_local_checkpoint, check_model_source
 from tandem.monitor.wandb_run import require_wandb
 from tandem.orchestrator.prompt_check import check_prompt_lengths, local_token_counters
 from tandem.trainer.rl.config import CustomLoss
@@ -29,6 +29,7 @@ def preflight(plan: RunPlan, create: bool) -> None:
     last, so that a failed check leaves no empty run directory behind."""
     config = plan.config
     check_model_source(plan.orchestrator.model.name)
+    check_local_checkpoint(plan.orchestrator.model.name)
     if plan.orchestrator.monitor.wandb_enabled:
         require_wandb()
     if plan.runs_trainer:

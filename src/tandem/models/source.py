@@ -15,6 +15,28 @@ def check_model_source(name: str) -> None:
         raise UserError(f"model path '{name}' does not exist or has no config.json")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # fast, sentencepiece, BPE vocab
+
+
+def check_local_checkpoint(name: str, weights: bool = True) -> None:
+    """A local model directory must hold a tokenizer and (`weights`) weights: without tokenizer_config.json
+    transformers silently falls back to a default tokenizer class (another end-of-turn token:
+    rewards computed on wrongly decoded text), and missing files failed only after the server
+    started. A hub name is checked where it is downloaded."""
+    directory = Path(name).expanduser()
+    if not (directory / "config.json").is_file():
+        return
+    missing = []
+    if not (directory / "tokenizer_config.json").is_file():
+        missing.append("tokenizer_config.json")
+    if not any((directory / f).is_file() for f in TOKENIZER_FILES):
+        missing.append(" or ".join(TOKENIZER_FILES))
+    if weights and not any(directory.glob("*.safetensors")) and not any(directory.glob("*.bin")):
+        missing.append("weights (*.safetensors)")
+    if missing:
+        raise UserError(f"model directory {name} lacks {'; '.join(missing)}")
+
+
 EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")  # qwen3_moe; GLM; MiniMax
 
 
