@@ -81,7 +81,9 @@ def metrics(server: Any) -> dict[str, float]:
 
 def test_health_and_models(server: Any, client: openai.OpenAI, tiny_model: Path) -> None:
     health = httpx.get(server.url + "/health", timeout=10).json()
-    assert health == {"status": "ok", "weight_version": 0, "paused": False, "weights": "filesystem"}
+    assert health == {
+        "status": "ok", "weight_version": 0, "paused": False, "weights": "filesystem", "pid": server.process.pid
+    }  # fmt: skip
     models = client.models.list().data
     assert [m.id for m in models] == [str(tiny_model)]
     assert models[0].model_extra["max_model_len"] == MAX_MODEL_LEN

@@ -47,6 +47,34 @@ def test_jobs_finish_then_services_stop(tmp_path: Path) -> None:
     assert "service listening" in (tmp_path / "logs" / "inference.log").read_text()
 
 
+def test_a_server_of_another_launcher_on_the_port_is_not_taken_for_its_own(tmp_path: Path) -> None:
+    """Two launchers started together both pass the port check; the second took the first's server
+    for its own (its trainer and orchestrator started against it) while its own server failed to bind."""
+    import http.server
+    import threading
+
+    class Other(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            body = json.dumps({"status": "ok", "pid": 1}).encode()
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    other = http.server.HTTPServer(("127.0.0.1", 0), Other)
+    port = other.server_address[1]
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        specs = [service(port), ProcessSpec("trainer", child("job", "trainer", 1, 0, 0))]
+        code, out, _ = supervise(specs, tmp_path)
+    finally:
+        other.shutdown()
+    assert code != 0 and "inference failed: exited before it became healthy" in out, out
+    assert "started trainer" not in out and "is healthy" not in out
+
+
 @pytest.mark.timeout(60)  # a pump that stopped draining would block the child forever
 def test_output_keeps_draining_when_the_console_is_gone(tmp_path: Path) -> None:
     closed = io.StringIO()

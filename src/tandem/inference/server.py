@@ -369,6 +369,7 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
             "weight_version": engine.weight_version,
             "paused": not server.resumed.is_set(),
             "weights": await engine.weight_transport(),
+            "pid": os.getpid(),  # (the launcher checks it answers for its own server)
         }
 
     def model_card() -> dict:

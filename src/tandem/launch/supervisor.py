@@ -14,6 +14,7 @@ run is done.
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -190,7 +191,7 @@ class Supervisor:
                 return code
             if child.popen.poll() is not None:
                 return self._failed(child, "exited before it became healthy")
-            if _healthy(spec.health_url):
+            if _healthy(spec.health_url, child.popen.pid):
                 self.say(f"{spec.name} is healthy ({spec.health_url}) after {self._age(child):.1f} s")
                 return None
             time.sleep(0.25)
@@ -380,12 +381,24 @@ def record_failure(log_dir: Path, line: str) -> None:
         (log_dir / FAILED_FILE).write_text(line + "\n")
 
 
-def _healthy(url: str) -> bool:
+def _healthy(url: str, pid: int | None = None) -> bool:
+    """`url` answers 200, and with `pid`, from that process where the body says its pid: another
+    launcher's server on the same port (both passed the port check before either bound it) is not
+    this launcher's."""
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
+            if response.status != 200:
+                return False
+            body = response.read()
     except (urllib.error.URLError, OSError, ValueError):
         return False
+    if pid is None:
+        return True
+    try:
+        answered = json.loads(body).get("pid", pid)
+    except (ValueError, AttributeError):
+        return True  # (a health URL of another kind: its status is the answer)
+    return answered == pid
 
 
 def _signal_group(pgid: int, sig: int) -> None:

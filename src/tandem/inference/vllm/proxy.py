@@ -365,6 +365,7 @@ def build_front(config: InferenceConfig, upstream: str, upstream_key: str) -> Fa
             "weight_version": front.versions.current,
             "paused": not front.resumed.is_set(),
             "backend": "vllm",
+            "pid": os.getpid(),  # (the launcher checks it answers for its own server)
         }
 
     @app.get("/v1/models")
