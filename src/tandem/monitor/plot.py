@@ -1,9 +1,9 @@
 """`uv run plot RUN_DIR`: draw a run's reward curve into RUN_DIR/reward.png.
 
 Reads RUN_DIR/metrics.jsonl and plots, against the trainer step: the orchestrator's mean reward
-of the training rollouts, the held-out evaluation reward (and exact match where the environment
-logs it), and, when present, the seconds each step took on the wall clock. Several runs can be
-overlaid: `uv run plot RUN_A RUN_B --out compare.png`.
+of the training rollouts and the held-out evaluation reward (and exact match where the
+environment logs it), on an axis from 0 (or the lowest reward) to the highest reward (Wordle's
+reach 2). Several runs can be overlaid: `uv run plot RUN_A RUN_B --out compare.png`.
 """
 
 import argparse
@@ -49,7 +49,8 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
             )
     ax.set_xlabel("trainer step (policy version)")
     ax.set_ylabel("reward")
-    ax.set_ylim(0, 1.02)
+    low, high = ax.get_ylim()  # (matplotlib's fit of every line drawn)
+    ax.set_ylim(min(0.0, low), max(1.02, high))
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     ax.set_title("reward" if len(run_dirs) > 1 else f"reward — {run_dirs[0]}")
