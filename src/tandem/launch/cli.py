@@ -23,7 +23,7 @@ from tandem.launch.devices import visible_gpus
 from tandem.launch.plan import RunPlan, plan_run
 from tandem.launch.preflight import preflight
 from tandem.launch.supervisor import Console
-from tandem.transport.layout import run_dir_lock
+from tandem.transport.layout import CHECKPOINTS, checkpoint_steps, run_dir_lock
 from tandem.transport.resume import orchestrator_start
 from tandem.transport.weights import clear_offer, latest_version, weights_dir
 
@@ -70,6 +70,10 @@ def launch(plan: RunPlan) -> int:
         supervisor = plan.supervisor(Console(), PROG)
         supervisor.say(f"run_dir {plan.config.run_dir}; configs in {plan.config_dir}")
         code = supervisor.run()
+    if supervisor.stop_signal is not None:  # (the last line of a stopped run says how to go on)
+        latest = checkpoint_steps(plan.config.run_dir / CHECKPOINTS)
+        where = f"its checkpoint of step {latest[-1]}" if latest else "step 0 (no checkpoint yet)"
+        supervisor.say(f"stopped; `rl ... --resume` continues this run_dir from {where}")
     if code == 0:
         weights = latest_weights(plan.config.run_dir)
         supervisor.say(
