@@ -41,6 +41,21 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
 
 
+def assert_training_lowers_the_loss(
+    model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """Five AdamW steps on one batch lower its loss."""
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-3))
+    losses = []
+    for _ in range(5):
+        loss = -model.sequence_logprobs(ids, positions)[0].mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0], losses
+
+
 def packed_positions(lengths: list[list[int]]) -> torch.Tensor:
     return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths]).to(CUDA)
 
@@ -342,15 +357,7 @@ def test_glm5_sparse_attention_follows_the_dense_mask_and_trains(tiny_glm5: Path
         assert model.layers[0].attention.sparse == (attention == "flex")
         results[attention] = model.sequence_logprobs(ids, positions)[0].detach()
     assert rel(results["flex"], results["sdpa"]) < 2e-2
-    optimizer = build_optimizer(model, OptimConfig(lr=1e-3))
-    losses = []
-    for _ in range(5):
-        loss = -model.sequence_logprobs(ids, positions)[0].mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss))
-    assert losses[-1] < losses[0], losses
+    assert_training_lowers_the_loss(model, ids, positions)
 
 
 def test_glm5_sparse_attention_memory_grows_linearly() -> None:
@@ -428,12 +435,4 @@ def test_bf16_glm_keeps_its_router_in_fp32_and_trains(tmp_path: Path, checkpoint
     with torch.no_grad():
         want = reference(input_ids=ids[1:2]).logits.log_softmax(-1)[0, :-1].gather(1, ids[1, 1:, None])[:, 0]
     assert float((logprobs[1, 1:] - want).abs().mean()) < 0.05  # bf16 weights against fp32
-    optimizer = build_optimizer(model, OptimConfig(lr=1e-3))
-    losses = []
-    for _ in range(5):
-        loss = -model.sequence_logprobs(ids, positions)[0].mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss))
-    assert losses[-1] < losses[0], losses
+    assert_training_lowers_the_loss(model, ids, positions)
