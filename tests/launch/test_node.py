@@ -15,7 +15,8 @@ from tandem.transport.weights import offered_version, write_offer
 
 def node_launcher(tmp_path: Path, capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
     """`python -m tandem.launch.node @ rl.toml ARGS` (in this process); exit code and stderr."""
-    (tmp_path / "config.json").write_text("{}")  # enough for the model check; nothing loads it
+    for name in ("config.json", "tokenizer_config.json", "tokenizer.json", "model.safetensors"):
+        (tmp_path / name).write_text("{}")  # enough for the model checks; nothing loads them
     config = tmp_path / "rl.toml"
     config.write_text(
         f"""
