@@ -123,7 +123,7 @@ def test_a_run_stopped_before_its_first_checkpoint_resumes_from_step_0(
         write_rollouts(
             tmp_path, step, sample_reverse_text(base, tokenizer, 2, 2, TEMPERATURE, 8, seed=step), TEMPERATURE
         )
-    cfg = trainer_config(model_dir, tmp_path, max_steps=2, **{"ckpt.interval": 5})
+    cfg = trainer_config(model_dir, tmp_path, max_steps=2, **{"ckpt.interval": 5, "ckpt.final": False})
     first = train(cfg)
     first_weights = AutoModelForCausalLM.from_pretrained(weights_dir(tmp_path, 2)).state_dict()
     again = train(cfg.model_copy(update={"resume": True}))
@@ -144,9 +144,10 @@ def test_a_run_stopped_before_its_first_checkpoint_resumes_from_step_0(
     ("overrides", "left"),
     [
         (
-            {"ckpt.interval": 2},
+            {"ckpt.interval": 2, "ckpt.final": False},
             [3, 4],
         ),  # checkpoint 4 resumes at step 4: 3 (last trained before it) and 4 stay
+        ({"ckpt.interval": 2}, [4]),  # the final checkpoint (5) resumes after step 4: only it stays
         ({"ckpt.interval": 0}, [4]),  # no resume possible: only the last trained step stays
         ({"ckpt.interval": 0, "prune_rollouts": False}, [0, 1, 2, 3, 4]),
     ],
@@ -161,4 +162,6 @@ def test_trained_rollouts_are_pruned_unless_a_resume_needs_them(
     train(trainer_config(model_dir, tmp_path, max_steps=5, **overrides))
     kept = sorted(int(p.name[5:]) for p in (tmp_path / "rollouts").glob("step_*"))
     assert kept == left
+    final = bool(overrides["ckpt.interval"]) and overrides.get("ckpt.final", True)
+    assert (tmp_path / "checkpoints" / "step_5").is_dir() == final  # (5 steps: not a multiple of 2)
     assert len(read_metrics(tmp_path / "metrics.jsonl", "trainer")) == 5

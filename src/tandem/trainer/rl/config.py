@@ -93,6 +93,11 @@ LossConfig = Annotated[
 class CheckpointConfig(Section):
     interval: int = Field(0, ge=0, description="Save a resumable checkpoint every N steps; 0 = never.")
     keep: int = Field(2, ge=0, description="Keep the newest N checkpoints; 0 = keep all.")
+    final: bool = Field(
+        True,
+        description="With interval > 0, also checkpoint after the last step, so that --resume with a larger "
+        "max_steps continues the run instead of training again from the last interval's checkpoint.",
+    )
 
 
 class RLOptimConfig(OptimConfig):

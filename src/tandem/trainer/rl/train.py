@@ -199,7 +199,8 @@ def _train(cfg: RLTrainerConfig, world: World) -> dict[str, Any]:
             scheduler.step()
             compute_s = time.monotonic() - compute_start
             publisher.publish(model, step + 1)
-            checkpoint_now = bool(cfg.ckpt.interval) and (step + 1) % cfg.ckpt.interval == 0
+            last = step + 1 == cfg.max_steps and cfg.ckpt.final
+            checkpoint_now = bool(cfg.ckpt.interval) and ((step + 1) % cfg.ckpt.interval == 0 or last)
             if checkpoint_now:
                 save_checkpoint(ckpt_root, step + 1, model, optimizer, scheduler, world, keep=cfg.ckpt.keep)
             if cfg.prune_rollouts and world.is_main and (checkpoint_now or not cfg.ckpt.interval):
