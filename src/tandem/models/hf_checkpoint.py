@@ -33,7 +33,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from tandem.inference.engine.fp8 import dequantize_blocks
+from tandem.models.fp8_blocks import dequantize_blocks
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

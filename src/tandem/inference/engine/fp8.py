@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.cli import UserError
+from tandem.models.fp8_blocks import dequantize_blocks
 
 BLOCK = 128
 E4M3_MAX = 448.0
@@ -101,28 +102,6 @@ def quantize_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale_inv = (blocks.abs().amax(dim=(1, 3)) / E4M3_MAX).clamp(min=1e-12)
     q = (blocks / scale_inv[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q.reshape(n, k), scale_inv
-
-
-def dequantize_blocks(
-    q: torch.Tensor,
-    scale_inv: torch.Tensor,
-    dtype: torch.dtype = torch.float32,
-    block: tuple[int, int] = (BLOCK, BLOCK),
-    offset: tuple[int, int] = (0, 0),
-) -> torch.Tensor:
-    """e4m3 `q` [n, k] times the scale of each element's block, in fp32, then cast to `dtype`.
-
-    `q` may be a region of a larger weight: the one starting at element `offset` (row, column),
-    `scale_inv` then holding the scales of the blocks that region touches (from block
-    offset // `block` on). Blocks at the weight's end may be partial (published checkpoints
-    crop them: a [300, 200] weight has [3, 2] scales of 128×128 blocks)."""
-    n, k = q.shape
-    (bn, bk), (r0, c0) = block, (offset[0] % block[0], offset[1] % block[1])
-    if (r0, c0) == (0, 0) and (n % bn, k % bk) == (0, 0):  # whole blocks: one broadcast
-        blocks = q.float().reshape(n // bn, bn, k // bk, bk) * scale_inv[:, None, :, None].float()
-        return blocks.reshape(n, k).to(dtype)
-    scale = scale_inv.float().repeat_interleave(bn, 0)[r0 : r0 + n].repeat_interleave(bk, 1)[:, c0 : c0 + k]
-    return (q.float() * scale).to(dtype)
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
