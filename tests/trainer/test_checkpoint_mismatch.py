@@ -42,6 +42,11 @@ def test_a_model_that_no_longer_fits_fails_in_one_line(tmp_path: Path) -> None:
         with pytest.raises(UserError, match=f"cannot resume from {path}: {message}") as error:
             load_checkpoint(path, *trainer(model, lora))
         assert "\n" not in str(error.value)
+    other_alpha = LoRAConfig(rank=2, alpha=8.0, target_modules=["q_proj"])  # (same shapes, another scale)
+    with pytest.raises(
+        UserError, match=f"cannot resume from {path}: it was trained with lora.alpha = 4, the run sets 8"
+    ):
+        load_checkpoint(path, *trainer(one, other_alpha))
     full = save_checkpoint(tmp_path / "full", 1, *trainer(one, None))
     with pytest.raises(UserError, match=f"cannot resume from {full}: the checkpoint has no .*lora_a"):
         load_checkpoint(full, *trainer(one, LORA))

@@ -89,6 +89,7 @@ def save_checkpoint(
     dcp.save(_sharded_state(model, optimizer), checkpoint_id=tmp / SHARDS)
     if world.is_main:
         trainer_state = {"step": step, "scheduler": scheduler.state_dict(), "extra": extra or {}}
+        trainer_state["lora_alpha"] = getattr(model, "adapter_config", {}).get("lora_alpha")
         torch.save(trainer_state, tmp / TRAINER_STATE)
     torch.save(_rng_state(), tmp / f"rng_rank_{world.rank}.pt")
     barrier()
@@ -135,6 +136,14 @@ def load_checkpoint(
     set_model_state_dict(model, state["model"], options=_trained(model))
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optimizer"], options=_trained(model))
     trainer_state = torch.load(Path(path) / TRAINER_STATE, map_location="cpu", weights_only=False)
+    alpha, saved_alpha = (
+        getattr(model, "adapter_config", {}).get("lora_alpha"),
+        trainer_state.get("lora_alpha"),
+    )
+    if saved_alpha is not None and alpha != saved_alpha:  # (same shapes: the adapters' scale would change)
+        raise UserError(
+            f"cannot resume from {path}: it was trained with lora.alpha = {saved_alpha:g}, the run sets {alpha:g}"
+        )
     scheduler.load_state_dict(trainer_state["scheduler"])
     rng_file = Path(path) / f"rng_rank_{world.rank}.pt"
     if rng_file.is_file():
