@@ -218,6 +218,8 @@ def test_one_signal_delivered_twice_keeps_the_grace_period(tmp_path: Path) -> No
     SIGKILLed at once, its shared-memory segments left behind)."""
     specs = [{"name": "tidy", "argv": child("tidy", tmp_path / "cleaned", 1.0)}]
     launcher, pids = start_launcher(tmp_path, specs, grace_s=20)
+    log = tmp_path / "logs" / "tidy.log"
+    wait_for(lambda: log.is_file() and "running" in log.read_text(), 10, "the child to set its handler")
     launcher.send_signal(signal.SIGTERM)
     time.sleep(0.05)  # two deliveries (sent together, the kernel would merge them into one)
     launcher.send_signal(signal.SIGTERM)
