@@ -132,9 +132,6 @@ def load_checkpoint(
     A checkpoint that does not fit the model fails first (UserError, one line)."""
     state = _sharded_state(model, optimizer)
     check_fits(Path(path), state)
-    dcp.load(state, checkpoint_id=Path(path) / SHARDS)
-    set_model_state_dict(model, state["model"], options=_trained(model))
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optimizer"], options=_trained(model))
     trainer_state = torch.load(Path(path) / TRAINER_STATE, map_location="cpu", weights_only=False)
     alpha, saved_alpha = (
         getattr(model, "adapter_config", {}).get("lora_alpha"),
@@ -144,6 +141,9 @@ def load_checkpoint(
         raise UserError(
             f"cannot resume from {path}: it was trained with lora.alpha = {saved_alpha:g}, the run sets {alpha:g}"
         )
+    dcp.load(state, checkpoint_id=Path(path) / SHARDS)
+    set_model_state_dict(model, state["model"], options=_trained(model))
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optimizer"], options=_trained(model))
     scheduler.load_state_dict(trainer_state["scheduler"])
     rng_file = Path(path) / f"rng_rank_{world.rank}.pt"
     if rng_file.is_file():
