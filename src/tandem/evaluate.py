@@ -175,8 +175,8 @@ def evaluate(cfg: EvalConfig) -> dict:
 
     members = load_mixture(chosen_environments(cfg.env, cfg.envs))  # a wrong name fails before torch loads
     from tandem.client.inference import ServerPool
-    from tandem.models.loading import check_model_source, load_tokenizer
-    from tandem.models.source import check_local_checkpoint
+    from tandem.models.loading import load_tokenizer
+    from tandem.models.source import check_local_checkpoint, check_model_source
     from tandem.orchestrator.evaluation import eval_stats, run_eval
 
     check_model_source(cfg.model.name)

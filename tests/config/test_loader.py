@@ -149,7 +149,7 @@ def test_split_args_separates_files_overrides_and_flags() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--model.name", "/no/such/model"], "model path '/no/such/model' does not exist"),
+        (["--model.name", "/no/such/model"], "model.name = '/no/such/model': no such directory"),
         (["--bogus", "1"], "unknown key 'bogus'"),
         (["@", "/no/such.toml"], "config file not found"),
     ],

@@ -15,7 +15,10 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path: Path) -> None:
     cases = {
         "data.num_examples is 0: the training dataset is empty": ["--data.num-examples", "0"],
         "seq_len 16 is too small: an example of 16 letters takes": ["--seq-len", "16"],
-        f"model path '{tmp_path / 'missing'}' does not exist": ["--model.name", str(tmp_path / "missing")],
+        f"model.name = '{tmp_path / 'missing'}': no such directory": [
+            "--model.name",
+            str(tmp_path / "missing"),
+        ],
     }
     procs = {
         expected: subprocess.Popen(

@@ -1,6 +1,7 @@
 """Everything the launcher checks before it starts a process, also under `--dry-run`.
 
-Each failure is one line naming the key or file (UserError / ConfigError): the model source, the
+Each failure is one line naming the key or file (UserError / ConfigError): the model source (a
+local directory; a hub name, last, in the Hugging Face cache or on a hub that answers), the
 run directory (creatable, writable, and not a finished or running run unless --resume), every
 environment (its name, its args, and for the code environment the sandbox's isolation, which is
 logged), the longest prompt plus max_tokens against seq_len, a custom loss's import path, the
@@ -17,7 +18,12 @@ from pathlib import Path
 from tandem.cli import UserError
 from tandem.envs.mixture import load_mixture
 from tandem.launch.plan import RunPlan
-from tandem.models.source import check_expert_parallel, check_local_checkpoint, check_model_source
+from tandem.models.source import (
+    check_expert_parallel,
+    check_hub_model,
+    check_local_checkpoint,
+    check_model_source,
+)
 from tandem.monitor.wandb_run import require_wandb
 from tandem.orchestrator.prompt_check import check_prompt_lengths, local_token_counters
 from tandem.trainer.rl.config import CustomLoss
@@ -46,6 +52,7 @@ def preflight(plan: RunPlan, create: bool) -> None:
     if counters is not None:
         for member in members:
             check_prompt_lengths(member.env, plan.orchestrator, *counters)
+    check_hub_model(plan.orchestrator.model.name)  # last: the one check that may wait on the network
     if create:
         make_run_dir(config.run_dir)
 

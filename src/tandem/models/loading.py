@@ -10,7 +10,7 @@ from transformers.utils import logging as hf_logging
 
 from tandem.cli import UserError
 from tandem.config.base import ModelConfig
-from tandem.models.source import check_model_source
+from tandem.models.source import model_source
 
 hf_logging.disable_progress_bar()  # per-tensor loading bars drown tandem's own progress lines
 
@@ -33,19 +33,18 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
-    check_model_source(name)
+    source = model_source(name)
     try:
-        return AutoTokenizer.from_pretrained(str(Path(name).expanduser()) if Path(name).exists() else name)
+        return AutoTokenizer.from_pretrained(source)
     except OSError as e:
         raise UserError(f"cannot load tokenizer '{name}': {str(e).splitlines()[0]}") from None
 
 
 def load_model(cfg: ModelConfig, device: torch.device | None = None) -> PreTrainedModel:
     """Load `cfg.name` with the configured dtype and attention implementation onto `device`."""
-    check_model_source(cfg.name)
+    source = model_source(cfg.name)
     device = device or resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    source = str(Path(cfg.name).expanduser()) if Path(cfg.name).exists() else cfg.name
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source,

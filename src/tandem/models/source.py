@@ -6,13 +6,80 @@ from pathlib import Path
 from tandem.cli import UserError
 
 
+def is_local_path(name: str) -> bool:
+    """Whether `name` means a local directory rather than a hub repo id ("org/name"): it starts
+    with ".", "/" or "~", has more than one "/", or its first component is a local directory."""
+    first = name.split("/", 1)[0]
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(first).is_dir()
+
+
 def check_model_source(name: str) -> None:
-    """Fail clearly on an empty name or a path-looking name that does not exist."""
+    """Fail at once on an empty name or a local path (is_local_path) that is not a model directory;
+    a hub name is checked by check_hub_model."""
     if not name:
         raise UserError("model.name is empty: give a local directory or a hub name")
-    looks_local = name.startswith((".", "/", "~")) or Path(name).exists() or name.count("/") > 1
-    if looks_local and not (Path(name).expanduser() / "config.json").is_file():
-        raise UserError(f"model path '{name}' does not exist or has no config.json")
+    if not is_local_path(name):
+        return
+    directory = Path(name).expanduser()
+    if not directory.is_dir():
+        raise UserError(f"model.name = '{name}': no such directory")
+    if not (directory / "config.json").is_file():
+        raise UserError(f"model.name = '{name}': the directory has no config.json")
+
+
+def check_hub_model(name: str) -> None:
+    """A hub name must be in the Hugging Face cache or on a hub that answers: checked with one
+    request, as huggingface_hub retries an uncached file for about a minute before it gives up.
+    Nothing to check for a local path (check_model_source)."""
+    if not name or is_local_path(name):
+        return
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    neither = f"model.name = '{name}' is neither a local directory nor"
+    try:
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return
+    except HFValidationError:
+        raise UserError(f"{neither} a valid hub name (org/name)") from None
+    if constants.is_offline_mode():
+        raise UserError(f"{neither} a model in the Hugging Face cache (HF_HUB_OFFLINE is set)")
+    try:
+        get_hf_file_metadata(hf_hub_url(name, "config.json"), timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except GatedRepoError:
+        raise UserError(
+            f"model.name = '{name}' is a gated hub model: accept its terms on the hub and log in (hf auth login)"
+        ) from None
+    except RepositoryNotFoundError:
+        raise UserError(
+            f"{neither} a hub model on {constants.ENDPOINT} (or one that needs a login: hf auth login)"
+        ) from None
+    except RemoteEntryNotFoundError:
+        raise UserError(f"model.name = '{name}': the hub model has no config.json") from None
+    except HfHubHTTPError as e:
+        status = e.response.status_code if e.response is not None else "?"
+        raise UserError(
+            f"{neither} a reachable hub model ({constants.ENDPOINT} answered HTTP {status})"
+        ) from None
+    except Exception as e:  # no network, DNS, proxy, timeout (httpx's errors)
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(
+            f"{neither} a reachable hub model ({constants.ENDPOINT} cannot be reached: {reason})"
+        ) from None
+
+
+def model_source(name: str) -> str:
+    """What from_pretrained is given for model.name, once both checks pass: the local directory
+    (with ~ expanded) or the hub name."""
+    check_model_source(name)
+    check_hub_model(name)
+    return str(Path(name).expanduser()) if is_local_path(name) else name
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # fast, sentencepiece, BPE vocab

@@ -35,10 +35,11 @@ from tandem.models.hf_checkpoint import (
 from tandem.models.layers.attention import resolve_backend
 from tandem.models.layers.moe import Router
 from tandem.models.layers.transformer import CausalLM
-from tandem.models.loading import DTYPES, check_model_source, load_model
+from tandem.models.loading import DTYPES, load_model
 from tandem.models.lora import Part, adapter_config, init_lora, inject_lora, is_adapter_tensor, linear_parts
 from tandem.models.parallelism import ParallelPlan
 from tandem.models.registry import FAMILIES, UnsupportedConfig, family
+from tandem.models.source import model_source
 from tandem.trainer.config import LoRAConfig, MasterWeights, ParallelConfig
 from tandem.trainer.logprobs import attach_sequence_logprobs
 from tandem.trainer.parallel import (
@@ -54,9 +55,8 @@ from tandem.trainer.weight_stream import persistent_tensors
 
 
 def load_hf_config(name: str) -> PretrainedConfig:
-    check_model_source(name)
     try:
-        return AutoConfig.from_pretrained(str(Path(name).expanduser()) if Path(name).exists() else name)
+        return AutoConfig.from_pretrained(model_source(name))
     except (OSError, ValueError) as e:
         raise UserError(f"cannot load the config of model '{name}': {str(e).splitlines()[0]}") from None
 
