@@ -108,11 +108,30 @@ class EvalConfig(Section):
             )
         return self
 
+    @classmethod
+    def effective_defaults(cls) -> "EvalConfig":
+        """The defaults `--help` and the config reference show (tandem.config.fields): the started
+        server's section as evaluate fills it in (its context length is seq_len)."""
+        cfg = cls()
+        return cfg.model_copy(update={"inference": server_section(cfg)})
+
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def server_section(cfg: EvalConfig) -> InferenceConfig:
+    """The started server's section but its address: [inference] serving `model` (unless it names
+    its own), with seq_len as its context length (unless it sets one)."""
+    engine = {"max_model_len": cfg.inference.engine.max_model_len or cfg.seq_len}
+    return cfg.inference.model_copy(
+        update={
+            "model": cfg.inference.model if cfg.inference.model.name else cfg.model,
+            "engine": cfg.inference.engine.model_copy(update=engine),
+        }
+    )
 
 
 @contextlib.contextmanager
@@ -122,15 +141,7 @@ def inference_server(cfg: EvalConfig, scratch: Path) -> Iterator[str]:
         yield cfg.server.rstrip("/")
         return
     port = free_port()
-    engine = {"max_model_len": cfg.inference.engine.max_model_len or cfg.seq_len}
-    server_cfg = cfg.inference.model_copy(
-        update={
-            "model": cfg.inference.model if cfg.inference.model.name else cfg.model,
-            "host": "127.0.0.1",
-            "port": port,
-            "engine": cfg.inference.engine.model_copy(update=engine),
-        }
-    )
+    server_cfg = server_section(cfg).model_copy(update={"host": "127.0.0.1", "port": port})
     (scratch / "inference.toml").write_text(to_toml(server_cfg))
     log_path = scratch / "inference.log"
     with log_path.open("w") as log:

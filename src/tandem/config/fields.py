@@ -5,6 +5,8 @@ Sections are walked into, optional ones (`X | None`) too; a union of sections (t
 `loss`) lists its `type` key and then each member's keys, naming the types each belongs to.
 A default comes from the enclosing section's default instance when it has one
 (`weights: WeightsConfig = WeightsConfig(transport="auto")` makes weights.transport's "auto").
+A config whose command fills in some keys itself (rl: each process's section from the top-level
+keys) gives the instance a run gets with nothing set through a classmethod `effective_defaults()`.
 """
 
 from dataclasses import dataclass, replace
@@ -74,7 +76,10 @@ def _tag_field(members: list[tuple[str, type[BaseModel]]]) -> str | None:
 
 def walk_keys(cls: type[BaseModel], prefix: str = "", value: BaseModel | None = None) -> list[Key]:
     """`cls`'s keys: its own values first, then each section's key followed by that section's keys.
-    `value` is the section's default instance, whose values are the defaults."""
+    `value` is the section's default instance, whose values are the defaults (at the top: the
+    class's effective_defaults(), when it has one)."""
+    if value is None and not prefix and hasattr(cls, "effective_defaults"):
+        value = cls.effective_defaults()
     own: list[Key] = []
     nested: list[Key] = []
     for name, field in cls.model_fields.items():

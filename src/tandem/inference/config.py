@@ -15,7 +15,9 @@ class EngineConfig(Section):
 
     max_num_seqs: int = Field(256, gt=0, description="Most sequences in the running batch.")
     max_num_batched_tokens: int = Field(8192, gt=0, description="Token budget of one engine step.")
-    max_model_len: int | None = Field(None, gt=0, description="Context length; default: the model's.")
+    max_model_len: int | None = Field(
+        None, gt=0, description="Context length; default: the model's (under rl and evaluate: their seq_len)."
+    )
     block_size: int = Field(16, gt=0, description="Tokens per KV-cache block.")
     prefix_caching: bool = Field(
         True,
@@ -25,7 +27,14 @@ class EngineConfig(Section):
     kv_cache_memory_gb: float | None = Field(
         None, gt=0, description="KV-cache budget in GiB; default: a fraction of free device memory."
     )
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    gpu_memory_utilization: float = Field(
+        0.85,
+        gt=0,
+        le=1,
+        description="Share of the GPU's memory in use once the KV cache is allocated (unless "
+        "kv_cache_memory_gb is set); under rl, a server sharing its GPU with the trainer gets "
+        "deployment.colocated_gpu_memory_utilization.",
+    )
     max_n: int = Field(64, gt=0, description="Largest `n` one request may ask for.")
     weight_update_mode: Literal["finish_old", "wait"] = Field(
         "finish_old",

@@ -262,3 +262,12 @@ class RLConfig(Section):
     inference: InferenceConfig = InferenceConfig()
     orchestrator: OrchestratorConfig = OrchestratorConfig()
     trainer: RLTrainerConfig = RLTrainerConfig()
+
+    @classmethod
+    def effective_defaults(cls) -> "RLConfig":
+        """The defaults `--help` and the config reference show (tandem.config.fields): the
+        per-process sections as the launcher fills them in, not each section's own defaults
+        (orchestrator.max_steps is the top-level max_steps, not the orchestrator's 100)."""
+        from tandem.launch.sections import effective_defaults  # (sections imports this module)
+
+        return effective_defaults(cls())

@@ -84,6 +84,21 @@ def process_sections(
     return resolved, orchestrator, trainer
 
 
+def effective_defaults(config: RLConfig) -> RLConfig:
+    """`config` with each process's section as rl fills it in where the section leaves a key unset
+    (the shared top-level keys, the top-level [weights], run_dir, the servers' context length):
+    what `rl --help` and docs/config-reference.md give as the per-process keys' defaults. What
+    depends on the machine (ports, server URLs, ranks, a GPU shared with the trainer) is left as
+    the section has it."""
+    shared, owned = _shared(config), {"run_dir": config.run_dir, "resume": config.resume}
+    sections = {
+        "inference": inference_section(config, colocated=False),
+        "orchestrator": _fill(config.orchestrator, "orchestrator", shared, owned),
+        "trainer": _fill(config.trainer, "trainer", shared, owned),
+    }
+    return updated("", config, {k: with_weights(k, v, config, {}) for k, v in sections.items()})
+
+
 def _shared(config: RLConfig) -> dict[str, Any]:
     return {
         "model": config.model,

@@ -16,8 +16,16 @@ class VLLMConfig(Section):
     port: int = Field(
         0, ge=0, le=65535, description="Port of the vLLM subprocess on 127.0.0.1; 0 = a free one."
     )
-    max_model_len: int | None = Field(None, gt=0, description="Context length; default: the model's.")
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    max_model_len: int | None = Field(
+        None, gt=0, description="Context length; default: the model's (under rl: its seq_len)."
+    )
+    gpu_memory_utilization: float = Field(
+        0.85,
+        gt=0,
+        le=1,
+        description="vLLM's --gpu-memory-utilization; under rl, a server sharing its GPU with the trainer "
+        "gets deployment.colocated_gpu_memory_utilization.",
+    )
     enforce_eager: bool = Field(False, description="Skip torch.compile and CUDA graphs (faster start-up).")
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
         "processed_logprobs",
