@@ -49,9 +49,11 @@ def test_rl_runs_two_steps_on_cpu(tmp_path: Path) -> None:
     out, run = run_rl(tmp_path)
     assert (
         "[rl] inference is healthy" in out
-        and "[trainer] step 2/2" in out
-        and "[orchestrator] step 2/2" in out
+        and "[trainer] step 1 (2/2)" in out
+        and "[orchestrator] step 1 (2/2)" in out
     )
+    # the console's last line names the last record's step; what it produced is named by steps done
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl", "trainer")] == [0, 1]
     assert "trainer: weights by auto (server 0: colocated from rank 0" in out
     assert f"final weights: {run / 'weights' / 'step_2'}" in out
     assert (run / "weights" / "step_2" / "STABLE").is_file()
@@ -61,7 +63,7 @@ def test_rl_runs_two_steps_on_cpu(tmp_path: Path) -> None:
         "rl.toml",
         "trainer.toml",
     ]
-    assert "step 2/2" in (run / "logs" / "trainer.log").read_text()
+    assert "step 1 (2/2)" in (run / "logs" / "trainer.log").read_text()
     assert "Uvicorn running" in (run / "logs" / "inference.log").read_text()
     pids = [int(p) for p in re.findall(r"started \w+ \(pid (\d+)\)", out)]
     assert len(pids) == 3 and not any(alive(p) for p in pids)
@@ -74,7 +76,7 @@ def test_rl_runs_two_steps_on_cpu(tmp_path: Path) -> None:
     resumed = subprocess.run([*launch, "--resume"], capture_output=True, text=True, timeout=480, env=ENV)
     out = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, out[-4000:]
-    assert "training again from step 0" in out and "[trainer] step 3/3" in out
+    assert "training again from step 0" in out and "[trainer] step 2 (3/3)" in out
     trainer = read_metrics(run / "metrics.jsonl", "trainer")
     assert [(r["step"], r.get("attempt", 1)) for r in trainer] == [(0, 1), (1, 1), (0, 2), (1, 2), (2, 1)]
 
@@ -90,7 +92,7 @@ def test_a_resume_with_every_step_written_retrains_them_and_finishes(tmp_path: P
         shutil.rmtree(run / kind / "step_4")
     out = launch_rl(tmp_path, *keep, "--resume")
     assert "all 4 steps are already written; the trainer retrains them from step 2" in out
-    assert "[trainer] step 4/4" in out and (run / "weights" / "step_4" / "STABLE").is_file()
+    assert "[trainer] step 3 (4/4)" in out and (run / "weights" / "step_4" / "STABLE").is_file()
     assert "received policy version 4" in (run / "logs" / "inference.log").read_text()
 
 

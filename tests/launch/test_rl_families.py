@@ -39,7 +39,7 @@ def test_the_glm5_example_trains_a_step(tmp_path: Path) -> None:
     )
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
-    assert "[trainer] step 1/1" in out
+    assert "[trainer] step 0 (1/1)" in out
     (record,) = read_metrics(run / "metrics.jsonl", "trainer")
     # the engine's logprobs are the trainer's (fp32, CPU), but for the keys the indexer keeps: a
     # near-tie between two keys' index scores can be broken differently by the trainer's dense

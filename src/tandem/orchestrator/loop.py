@@ -234,7 +234,7 @@ class Orchestrator:
                 slots.release()
 
         try:
-            with TrainingProgress(cfg.max_steps, start=start, log_interval=1) as progress:
+            with TrainingProgress(cfg.max_steps, start=start, log_interval=1, index_steps=True) as progress:
                 await supervise(write(progress), launch())
         finally:
             for item in launched:

@@ -183,7 +183,7 @@ def _train(cfg: RLTrainerConfig, world: World) -> dict[str, Any]:
     publisher = PolicyPublisher(cfg.weights, cfg.run_dir, tokenizer, world, cfg.max_steps)
     publisher.start(model, start)
     metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl", "trainer", enabled=world.is_main)
-    progress = TrainingProgress(cfg.max_steps, start, log_interval=1, enabled=world.is_main)
+    progress = TrainingProgress(cfg.max_steps, start, log_interval=1, enabled=world.is_main, index_steps=True)
     stats: dict[str, Any] = {}
     with metrics, progress, contextlib.closing(publisher):
         for step in range(start, cfg.max_steps):
