@@ -15,7 +15,9 @@ saved: they are the model's own checkpoint, which a resume loads first.
 Before loading, a resume compares the checkpoint's tensors (names and shapes, from DCP's
 metadata) with the model's and optimizer's, and a model that no longer matches (another model,
 LoRA switched on or off, another rank or targets) fails in one line naming the checkpoint and
-the first tensor that differs.
+the first tensor that differs. Same shapes are not enough under LoRA: trainer_state.pt records the
+adapters' lora.alpha and the base model they were trained on (trainer/base_identity.py), and a
+resume with another alpha or another base is refused in one line as well, before the shards load.
 """
 
 import shutil
@@ -35,6 +37,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tandem.cli import UserError
+from tandem.trainer.base_identity import RECORD as BASE_RECORD
+from tandem.trainer.base_identity import check_base
 from tandem.trainer.parallel import World, barrier
 from tandem.transport.layout import checkpoint_dir, checkpoint_steps
 
@@ -90,6 +94,7 @@ def save_checkpoint(
     if world.is_main:
         trainer_state = {"step": step, "scheduler": scheduler.state_dict(), "extra": extra or {}}
         trainer_state["lora_alpha"] = getattr(model, "adapter_config", {}).get("lora_alpha")
+        trainer_state[BASE_RECORD] = getattr(model, "base_identity", None)  # (LoRA: the base it trains on)
         torch.save(trainer_state, tmp / TRAINER_STATE)
     torch.save(_rng_state(), tmp / f"rng_rank_{world.rank}.pt")
     barrier()
@@ -133,6 +138,7 @@ def load_checkpoint(
     state = _sharded_state(model, optimizer)
     check_fits(Path(path), state)
     trainer_state = torch.load(Path(path) / TRAINER_STATE, map_location="cpu", weights_only=False)
+    check_base(Path(path), trainer_state.get(BASE_RECORD), getattr(model, "base_identity", None), world)
     alpha, saved_alpha = (
         getattr(model, "adapter_config", {}).get("lora_alpha"),
         trainer_state.get("lora_alpha"),

@@ -40,6 +40,7 @@ from tandem.models.lora import Part, adapter_config, init_lora, inject_lora, is_
 from tandem.models.parallelism import ParallelPlan
 from tandem.models.registry import FAMILIES, UnsupportedConfig, family
 from tandem.models.source import model_source
+from tandem.trainer.base_identity import base_identity
 from tandem.trainer.config import LoRAConfig, MasterWeights, ParallelConfig
 from tandem.trainer.logprobs import attach_sequence_logprobs
 from tandem.trainer.parallel import (
@@ -229,7 +230,8 @@ def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
 def _inject(
     model: nn.Module, parts: dict[str, list[Part]], lora: LoRAConfig, base: str, world: World
 ) -> None:
-    """Adapters on the targeted linear layers; `model.adapter_config` is their adapter_config.json."""
+    """Adapters on the targeted linear layers; `model.adapter_config` is their adapter_config.json,
+    `model.base_identity` the record of `base` that checkpoints keep (trainer/base_identity.py)."""
     try:
         adapted = inject_lora(
             model, parts, lora.target_modules, lora.rank, lora.alpha, lora.dropout, "lm_head"
@@ -237,6 +239,7 @@ def _inject(
     except ValueError as e:
         raise UserError(str(e)) from None
     model.adapter_config = adapter_config(base, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+    model.base_identity = base_identity(base, local_checkpoint_dir, world)
     mlp = sorted({m.rsplit(".", 1)[-1] for m in adapted} & {"gate_proj", "up_proj", "down_proj"})
     if world.is_main and mlp and any(name.endswith(".experts") for name, _ in model.named_modules()):
         print(
