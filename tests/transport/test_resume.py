@@ -6,6 +6,10 @@ from pathlib import Path
 import pytest
 
 from tandem.cli import UserError
+from tandem.config import build_config
+from tandem.launch.cli import prepare_resume
+from tandem.launch.config import RLConfig
+from tandem.launch.plan import plan_run
 from tandem.monitor.metrics import MetricsWriter, read_metrics
 from tandem.transport.layout import written_steps
 from tandem.transport.resume import check_fresh_start, orchestrator_start, trainer_start
@@ -61,6 +65,24 @@ def test_steps_packed_for_another_trainer_shape_are_collected_again(
     assert orchestrator_start(run_dir, (1, 1)) == 4  # now one rank: steps 4 and 5 again
     assert written_steps(run_dir) == [3] and stable_versions(run_dir) == [4]  # (step 3 is never read again)
     assert "rollouts of steps 4.. were packed for (data-parallel groups, cp) = (2, 1)" in caplog.text
+
+
+def test_the_launcher_deletes_the_weights_the_resumed_trainer_publishes_again(tmp_path: Path) -> None:
+    """Checkpoint 4, rollouts of steps 4 and 5 kept: the orchestrator starts at 6, and its first sync
+    hands the servers the newest STABLE version. That was the stopped run's step_6 (or step_5),
+    which the new trainer, retraining steps 4 and 5, then rewrote in place while the servers read
+    it (some shards of each version). Before any process starts, `rl` deletes every version past
+    the checkpoint: the servers start from step_4, which nobody writes again."""
+    run_dir = stopped_run(tmp_path / "run", rollouts=[3, 4, 5], weights=[3, 4, 5, 6], checkpoints=[4])
+    for step in (3, 4, 5):  # packed for the one trainer rank the plan has
+        (run_dir / "rollouts" / f"step_{step}" / "READY").write_text('{"num_ranks": 1, "cp": 1}')
+    overrides = [("model.name", "tiny"), ("run_dir", str(run_dir)), ("resume", True)]
+    prepare_resume(plan_run(build_config(RLConfig, overrides=overrides), []))
+    assert stable_versions(run_dir) == [3, 4] and sorted(p.name for p in (run_dir / "weights").iterdir()) == [
+        "step_3",
+        "step_4",
+    ]
+    assert written_steps(run_dir) == [3, 4, 5] and orchestrator_start(run_dir) == 6  # the kept rollouts stay
 
 
 def test_metrics_of_repeated_steps_are_marked_per_attempt(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from tandem.launch.plan import RunPlan, plan_run
 from tandem.launch.preflight import preflight
 from tandem.launch.supervisor import Console
 from tandem.transport.layout import CHECKPOINTS, checkpoint_steps, run_dir_lock
-from tandem.transport.resume import orchestrator_start
+from tandem.transport.resume import drop_weights_to_republish, orchestrator_start
 from tandem.transport.weights import clear_offer, latest_version, weights_dir
 
 PROG = "rl"
@@ -56,10 +56,13 @@ def prepare_resume(plan: RunPlan) -> None:
     """Before any process starts: an earlier run's in-memory offer is void (its trainer is gone),
     and a resumed orchestrator's deletions (rollouts past a gap or packed for another number of
     trainer ranks, weights past its start: transport/resume.py) are done now, so that no trainer
-    reads a step that is about to go. Idempotent: the orchestrator repeats them at its start."""
+    reads a step that is about to go; the orchestrator repeats them at its start. The weights
+    the resumed trainer will publish again (past its checkpoint) go too, so that no server is
+    told to load a directory the trainer then rewrites (this one only here, before the trainer)."""
     clear_offer(plan.config.run_dir)
     if plan.runs_orchestrator and plan.orchestrator.resume:
         orchestrator_start(plan.config.run_dir, plan.orchestrator.trainer_shape)
+        drop_weights_to_republish(plan.config.run_dir)
 
 
 def launch(plan: RunPlan) -> int:

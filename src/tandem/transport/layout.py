@@ -8,6 +8,23 @@
 
 A step folder counts once its marker exists (READY, STABLE) or, for checkpoints, once it has its
 final name (it is written under a temporary one and renamed).
+
+A server loads only complete weights. The orchestrator hands a server weights/step_N (its path)
+once it has seen step_N/STABLE, and the server then reads the files one by one for as long as that
+takes, without looking at STABLE again; so a STABLE directory must not change while a server may
+read it. The invariant: **a published directory is written once and only removed, STABLE first,
+once no server can be told to load it.** What keeps it:
+
+- publishing (transport/weights.py) writes step_N under a temporary name, renames it into place
+  and adds STABLE last: a STABLE directory is complete;
+- a trainer publishes each version once, in increasing order; a resumed run's launcher deletes
+  every version past the checkpoint the trainer resumes from before it starts any process
+  (transport/resume.py, `drop_weights_to_republish`), so the versions the new trainer publishes
+  again are new directories, never rewrites of one that the orchestrator's first sync may have
+  handed a server (it takes the newest STABLE version);
+- the trainer prunes (weights.keep > max_async_level, STABLE first) only versions older than any
+  the servers can be moving to: it runs at most max_async_level + 1 versions ahead of what they
+  serve. The orchestrator's own resume deletions come before it tells any server anything.
 """
 
 import contextlib

@@ -12,7 +12,14 @@ accident). With --resume:
   trainer ranks: resumed on other ranks, those are collected again). Rollouts after a gap, and weights
   newer than the step the orchestrator starts at, came from the stopped run's later policies and
   are deleted before anything is written (`orchestrator_start`), so no server is ever handed a
-  policy the new trainer has not produced. Weights the trainer publishes again replace the old ones.
+  policy the new trainer has not produced;
+- the launcher, before it starts any process, also deletes every published version newer than
+  the trainer's checkpoint (`drop_weights_to_republish`): the new trainer publishes each of them
+  again, and rewriting weights/step_N in place while a server loads it (the orchestrator's first
+  sync takes the newest STABLE one) gave that server some files of the old directory and some of
+  the new. So a published directory is never written twice (transport/layout.py). The
+  orchestrator cannot repeat this deletion at its own start: by then the new trainer may have
+  published the first of them.
 
 Metrics of retrained steps are marked in metrics.jsonl (monitor/metrics.py).
 """
@@ -82,3 +89,15 @@ def orchestrator_start(run_dir: Path, shape: tuple[int, int] | None = None) -> i
             (weights_dir(run_dir, version) / STABLE).unlink(missing_ok=True)  # STABLE first, as pruning does
             shutil.rmtree(weights_dir(run_dir, version), ignore_errors=True)
     return start
+
+
+def drop_weights_to_republish(run_dir: Path) -> list[int]:
+    """Delete weights/step_N (STABLE first) for every N past the trainer's start: the versions a
+    resumed trainer publishes again. Only before any process of the resumed run starts (a trainer
+    already running may have published the first of them). Returns the versions deleted."""
+    start = trainer_start(run_dir)
+    dropped = [version for version in stable_versions(run_dir) if version > start]
+    for version in dropped:
+        (weights_dir(run_dir, version) / STABLE).unlink(missing_ok=True)
+        shutil.rmtree(weights_dir(run_dir, version), ignore_errors=True)
+    return dropped

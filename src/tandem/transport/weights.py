@@ -9,7 +9,10 @@
 `step_N` holds policy version N, the weights after N optimizer steps. Version 0 is the
 configured base model itself and is not published. The directory is written under a temporary
 name and renamed into place; STABLE is added after the rename, so a reader that sees STABLE sees
-a complete model. Old versions are pruned STABLE-first for the same reason.
+a complete model. Old versions are pruned STABLE-first for the same reason. A version is published
+once (transport/layout.py says why a server must never see one rewritten); publishing a version
+that exists (a trainer resumed without the `rl` launcher, which deletes those first) unlinks its
+STABLE first and swaps the directory, so no reader that looks afterwards takes it half-written.
 """
 
 import json
