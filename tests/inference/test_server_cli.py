@@ -32,7 +32,7 @@ def test_user_errors_are_one_line_with_exit_code_2(tmp_path: Path) -> None:
     for args, expected in [
         (["--engine.max-n", "0"], "engine.max_n"),
         (["--nonsense", "1"], "unknown key 'nonsense'"),
-        (["--model", str(tmp_path / "missing"), "--backend", "native"], "does not exist"),
+        (["--model", str(tmp_path / "missing"), "--backend", "native"], "no such directory"),
     ]:
         result = run_cli(*args)
         assert result.returncode == 2, (args, result.stderr)

@@ -65,7 +65,7 @@ def test_same_seed_same_weights_other_seed_differs(tmp_path: Path) -> None:
 
 
 def test_missing_model_path_is_a_user_error(tmp_path: Path) -> None:
-    with pytest.raises(UserError, match="does not exist"):
+    with pytest.raises(UserError, match="no such directory"):
         load_model(ModelConfig(name=str(tmp_path / "nope")))
     with pytest.raises(UserError, match="empty"):
         load_model(ModelConfig(name=""))
