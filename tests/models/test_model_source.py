@@ -56,10 +56,13 @@ def test_which_names_are_local_paths(tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert is_local_path(name), name
     for name in ("Qwen/Qwen3-0.6B", "gpt2", "checkpoints/step_5"):  # (no ./checkpoints here)
         assert not is_local_path(name), name
-    for name in ("./ckpt/step_5", "models/qwen3-tiny", "runs/a/step_5"):
+    for name in ("./ckpt/step_5", "runs/a/step_5"):
         with pytest.raises(UserError) as raised:
             check_model_source(name)
         assert str(raised.value) == f"model.name = '{name}': no such directory"
+    with pytest.raises(UserError) as raised:  # an "org/name" read as a path because ./org exists: said
+        check_model_source("models/qwen3-tiny")
+    assert "no such directory (a local path because ./models is a directory here" in str(raised.value)
     with pytest.raises(UserError, match="'models': the directory has no config.json"):
         check_model_source("models")
     check_model_source("Qwen/Qwen3-0.6B")  # a hub name: checked where it is loaded (no network here)

@@ -22,7 +22,13 @@ def check_model_source(name: str) -> None:
         return
     directory = Path(name).expanduser()
     if not directory.is_dir():
-        raise UserError(f"model.name = '{name}': no such directory")
+        first = name.split("/", 1)[0]
+        shadow = ""
+        if name.count("/") == 1 and not name.startswith((".", "/", "~")):  # an "org/name" under ./org
+            shadow = (
+                f" (a local path because ./{first} is a directory here; for the hub model, run elsewhere)"
+            )
+        raise UserError(f"model.name = '{name}': no such directory{shadow}")
     if not (directory / "config.json").is_file():
         raise UserError(f"model.name = '{name}': the directory has no config.json")
 
