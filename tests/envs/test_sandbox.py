@@ -7,12 +7,14 @@ no guard inside the interpreter is assumed.
 """
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -339,6 +341,33 @@ def test_the_program_dies_with_its_caller(mode: str) -> None:
     while marked(marker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert marked(marker) == []
+
+
+@pytest.mark.parametrize("isolation", [*AVAILABLE, "unsafe-local"])
+def test_a_cancelled_run_leaves_no_process_descriptor_or_directory_behind(isolation: str) -> None:
+    """A rollout timeout cancels the runs in flight: their programs die and the pipes and job
+    directories they had are released (each cancelled run kept its status pipe open, until a long
+    run's timeouts had used up the process's descriptors and every later rollout failed)."""
+    marker = uuid.uuid4().hex
+    sleeper = f"import os, sys\nos.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])"
+    scratch = set(Path(tempfile.gettempdir()).glob("tandem-sandbox-*"))
+
+    async def main() -> int:
+        sandbox = Sandbox(Limits(wall_seconds=60), isolation=isolation)  # type: ignore[arg-type]
+        assert (await sandbox.run("pass")).ok  # what the first run opens for good is no leak
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(5):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(sandbox.run(sleeper), 1.0)
+        await asyncio.sleep(0.3)
+        return len(os.listdir("/proc/self/fd")) - before
+
+    assert asyncio.run(main()) == 0
+    deadline = time.monotonic() + 3
+    while marked(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert marked(marker) == []
+    assert set(Path(tempfile.gettempdir()).glob("tandem-sandbox-*")) <= scratch
 
 
 def test_memory_no_process_maps_is_refused(mode: str) -> None:

@@ -198,21 +198,24 @@ async def run_job(
 ) -> SandboxResult:
     # The runner reports its set-up on its own pipe, which the program never holds: a program
     # cannot pass itself off as a set-up failure (which would fail the rollout instead of scoring it).
+    # Everything made here is undone however the run ends, cancelled (a rollout timeout) included.
     status_r, status_w = os.pipe()
-    workdir = tempfile.mkdtemp(prefix="tandem-sandbox-") if mode == "unsafe-local" else None
-    config = job_config(mode, limits, files, socket_families, status_w, workdir)
-    start = time.perf_counter()
+    workdir = None
     try:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-S", "-B", str(RUNNER), cwd="/", env={},
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True, pass_fds=(status_w,),
-        )  # fmt: skip
-    finally:
-        os.close(status_w)
-    try:
+        workdir = tempfile.mkdtemp(prefix="tandem-sandbox-") if mode == "unsafe-local" else None
+        config = job_config(mode, limits, files, socket_families, status_w, workdir)
+        start = time.perf_counter()
+        try:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-I", "-S", "-B", str(RUNNER), cwd="/", env={},
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True, pass_fds=(status_w,),
+            )  # fmt: skip
+        finally:
+            os.close(status_w)
         return await supervise(process, config, limits, status_r, start)
     finally:
+        os.close(status_r)
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
 
@@ -221,25 +224,27 @@ async def supervise(
     process: asyncio.subprocess.Process, config: dict[str, Any], limits: Limits, status_r: int, start: float
 ) -> SandboxResult:
     assert process.stdin is not None
-    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-        process.stdin.write(marshal.dumps(config))
-        await process.stdin.drain()
-    process.stdin.close()
     cap = limits.output_bytes
     readers = [asyncio.ensure_future(read_capped(s, cap)) for s in (process.stdout, process.stderr)]
     timed_out = False
     try:
-        await asyncio.wait_for(process.wait(), limits.wall_seconds)
-    except TimeoutError:
-        timed_out = True
+        try:
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                process.stdin.write(marshal.dumps(config))
+                await process.stdin.drain()
+            process.stdin.close()
+            await asyncio.wait_for(process.wait(), limits.wall_seconds)
+        except TimeoutError:
+            timed_out = True
+        finally:
+            kill(process.pid)  # and with the runner everything inside (PDEATHSIG, PID namespace)
+        if process.returncode is None:  # wait() also waits for the pipes (below): not past the grace
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(process.wait(), KILL_GRACE_S)
+        done, _ = await asyncio.wait(readers, timeout=KILL_GRACE_S)
     finally:
-        kill(process.pid)  # and with the runner everything inside (PDEATHSIG, PID namespace)
-    if process.returncode is None:  # wait() also waits for the pipes (below): not past the grace
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(process.wait(), KILL_GRACE_S)
-    done, pending = await asyncio.wait(readers, timeout=KILL_GRACE_S)
-    for reader in pending:  # something still holds the pipe open: stop listening
-        reader.cancel()
+        for reader in readers:  # something still holds the pipe open, or the run was cancelled
+            reader.cancel()
     (out, out_cut), (err, err_cut) = (r.result() if r in done else (b"", True) for r in readers)
     status = read_status(status_r)
     code = process.returncode
@@ -256,14 +261,12 @@ async def supervise(
 
 
 def read_status(fd: int) -> str:
-    """What the runner wrote on its status pipe ('ok' or why its set-up failed); closes `fd`."""
+    """What the runner wrote on its status pipe ('ok' or why its set-up failed)."""
     os.set_blocking(fd, False)
     try:
         return os.read(fd, 65536).decode(errors="replace")
     except BlockingIOError:  # nothing written, and somebody still holds the pipe
         return ""
-    finally:
-        os.close(fd)
 
 
 async def read_capped(stream: asyncio.StreamReader | None, cap: int) -> tuple[bytes, bool]:
