@@ -1,12 +1,13 @@
 """Bad input from environments, against a real inference server: a rollout that raises, hangs past
-`rollout_timeout`, or returns a malformed trajectory fails its group with a logged reason and task
-id; the step (and an evaluation) goes on with other tasks."""
+`rollout_timeout` (in a reward function too), or returns a malformed trajectory fails its group
+with a logged reason and task id; the step (and an evaluation) goes on with other tasks."""
 
 import asyncio
 import logging
 import math
 import re
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from orchestrator_helpers import serve_base_model
 
 from tandem.client.config import SamplingConfig
 from tandem.client.inference import InferenceClient, ServerPool, ServerUnavailable
+from tandem.envs.base import RewardFunction
 from tandem.envs.mixture import Member
 from tandem.envs.reverse_text_env import ReverseTextEnv
 from tandem.orchestrator.config import OrchestratorConfig
@@ -42,6 +44,14 @@ MORE_FAULTS = {  # kinds that passed the checks before and crashed the whole run
     "turns": "MalformedTrajectory: turns must be a list of dicts with a finish_reason",
 }
 
+SCORE_FAULTS = {  # in reward functions: a hang froze every rollout for as long as it ran
+    "reward_none": "RewardError: reward function 'faulty' returned None, not a number",
+    "reward_raises": "RewardError: reward function 'faulty' raised KeyError: 'answer'",
+    "reward_hangs": "RolloutTimeout: no result within rollout_timeout (8s)",
+}
+RELEASE = threading.Event()
+"""Set when a test ends: a reward function hanging on it returns (its thread is a daemon anyway)."""
+
 
 class FaultyEnv(ReverseTextEnv):
     """Real reverse-text rollouts, broken on purpose for the tasks listed in `faults`."""
@@ -51,6 +61,20 @@ class FaultyEnv(ReverseTextEnv):
     def __init__(self, faults: dict[str, str]) -> None:
         super().__init__(self.Args(num_train_tasks=40, num_eval_tasks=6, max_len=6))
         self.faults = faults
+
+    @property
+    def reward_functions(self) -> list[RewardFunction]:
+        def faulty(task: Any, messages: list) -> Any:
+            fault = self.faults.get(task.task_id)
+            if fault == "reward_none":
+                return None
+            if fault == "reward_raises":
+                raise KeyError("answer")
+            if fault == "reward_hangs":  # a verifier stuck in a loop: holds its thread, not the others
+                RELEASE.wait(60)
+            return 0.0
+
+        return [*super().reward_functions, RewardFunction("faulty", faulty, 0.0)]
 
     async def rollout_group(
         self, task: Any, client: InferenceClient, sampling: SamplingConfig, n: int
@@ -107,7 +131,9 @@ def config(server: str, tmp_path: Path, **overrides: object) -> OrchestratorConf
     )
 
 
-@pytest.mark.parametrize("table", [FAULTS, MORE_FAULTS], ids=["faults", "more_faults"])
+@pytest.mark.parametrize(
+    "table", [FAULTS, MORE_FAULTS, SCORE_FAULTS], ids=["faults", "more_faults", "score_faults"]
+)
 def test_broken_rollouts_fail_their_group_with_task_and_reason_and_the_step_goes_on(
     table: dict[str, str], server: str, tiny_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -127,8 +153,12 @@ def test_broken_rollouts_fail_their_group_with_task_and_reason_and_the_step_goes
         finally:
             await pool.close()
 
+    RELEASE.clear()
     with caplog.at_level(logging.ERROR):
-        batch = asyncio.run(collect())
+        try:
+            batch = asyncio.run(collect())
+        finally:
+            RELEASE.set()
     assert batch.failed_groups == len(table) and len(batch.errors) == len(table)
     assert sorted(g.task_id for g in batch.groups) == sorted(drawn[-2:])  # the next two tasks
     logged = "\n".join(r.message for r in caplog.records)

@@ -12,6 +12,9 @@ loss mask 0. Only the tokens the model sampled have mask 1 and carry the sampler
 """
 
 import asyncio
+import contextlib
+import math
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,11 +43,46 @@ async def gather_or_cancel(*awaitables: Awaitable[T]) -> list[T]:
         raise
 
 
+def in_daemon_thread(call: Callable[[], T], name: str) -> "asyncio.Future[T]":
+    """Run `call` on a daemon thread of its own and await its result: the event loop stays free
+    while it runs, and unlike the loop's default executor a call that never returns holds up
+    neither the loop's shutdown nor the process's exit (its answer is abandoned once nobody
+    awaits it; the thread cannot be killed). SystemExit and the like end only the call."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def deliver(result: Any, error: BaseException | None) -> None:
+        if future.done():  # timed out and cancelled meanwhile
+            return
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+    def target() -> None:
+        result, error = None, None
+        try:
+            result = call()
+        except Exception as e:
+            error = e
+        except BaseException as e:  # noqa: BLE001 — e.g. sys.exit() in a tool or a reward function
+            error = RuntimeError(f"{type(e).__name__} raised: {e}")
+        with contextlib.suppress(RuntimeError):  # the loop closed while the call ran
+            loop.call_soon_threadsafe(deliver, result, error)
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return future
+
+
 class Task(Protocol):
     """Anything with a stable id; the environment decides the rest."""
 
     @property
     def task_id(self) -> str: ...
+
+
+class RewardError(ValueError):
+    """A reward function raised, or returned something other than a finite number."""
 
 
 class StitchError(ValueError):
@@ -201,10 +239,37 @@ class Environment(ABC):
         return await gather_or_cancel(*(self.rollout(task, client, sampling.for_part(i)) for i in range(n)))
 
     def score(self, task: Any, messages: list[Message]) -> tuple[float, dict[str, float]]:
-        """Weighted reward and every reward function's value (as metrics)."""
-        values = {rf.name: float(rf.fn(task, messages)) for rf in self.reward_functions}
+        """Weighted reward and every reward function's value (as metrics). RewardError names the
+        function that raised or returned something other than a finite number (None, a string)."""
+        values: dict[str, float] = {}
+        for rf in self.reward_functions:
+            try:
+                value = rf.fn(task, messages)
+            except Exception as e:
+                raise RewardError(f"reward function {rf.name!r} raised {type(e).__name__}: {e}") from e
+            try:
+                if value is None or isinstance(value, str | bytes):
+                    raise TypeError
+                values[rf.name] = float(value)
+            except (TypeError, ValueError):
+                raise RewardError(
+                    f"reward function {rf.name!r} returned {value!r:.100}, not a number"
+                ) from None
+            if not math.isfinite(values[rf.name]):
+                raise RewardError(f"reward function {rf.name!r} returned {value!r}, not a finite number")
         reward = sum(rf.weight * values[rf.name] for rf in self.reward_functions)
         return reward, values
+
+    async def score_in_thread(
+        self, task: Any, conversations: Sequence[list[Message]]
+    ) -> list[tuple[float, dict[str, float]]]:
+        """`score` of each conversation, run on a thread of its own: a slow or hanging reward
+        function holds up only its rollout, which `rollout_timeout` then fails, instead of the
+        event loop that every other rollout and the weight updates run on. Reward functions may
+        therefore run on several threads at once."""
+        return await in_daemon_thread(
+            lambda: [self.score(task, messages) for messages in conversations], f"score-{self.name}"
+        )
 
 
 class SingleTurnEnv(Environment):
@@ -221,10 +286,10 @@ class SingleTurnEnv(Environment):
         self, task: Any, client: InferenceClient, sampling: SamplingConfig, n: int
     ) -> list[Trajectory]:
         result = await client.chat(self.prompt(task), sampling, n=n)
+        conversations = [[{"role": "assistant", "content": choice.text}] for choice in result.choices]
+        scores = await self.score_in_thread(task, conversations)
         trajectories = []
-        for choice in result.choices:
-            messages: list[Message] = [{"role": "assistant", "content": choice.text}]
-            reward, metrics = self.score(task, messages)
+        for choice, messages, (reward, metrics) in zip(result.choices, conversations, scores, strict=True):
             turn = Turn(
                 prompt_ids=result.prompt_token_ids,
                 completion_ids=choice.token_ids,

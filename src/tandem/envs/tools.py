@@ -27,10 +27,8 @@
 """
 
 import asyncio
-import contextlib
 import json
 import re
-import threading
 from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +36,7 @@ from typing import Any
 
 from pydantic import Field
 
-from tandem.envs.base import Message
+from tandem.envs.base import Message, in_daemon_thread
 from tandem.envs.multi_turn import MultiTurnEnv
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
@@ -152,40 +150,13 @@ async def execute(
             if asyncio.iscoroutinefunction(tool.fn):
                 result = await tool.fn(**arguments)
             else:
-                result = await in_daemon_thread(tool.fn, arguments)
+                result = await in_daemon_thread(lambda: tool.fn(**arguments), f"tool-{tool.name}")
     except Exception as e:  # a TimeoutError of the tool's own (deadline not expired) keeps its message
         if isinstance(e, TimeoutError) and deadline.expired():
             return f"Error: tool '{tool.name}' did not finish within {timeout_s:g} s"
         return f"Error: {type(e).__name__}: {e}"
     text = result if isinstance(result, str) else json.dumps(result, default=str)
     return text if len(text) <= max_chars else text[:max_chars] + " [truncated]"
-
-
-def in_daemon_thread(fn: Callable[..., Any], arguments: dict[str, Any]) -> asyncio.Future:
-    """Run a sync tool on its own daemon thread: unlike the loop's default executor, a tool that
-    never returns does not hold up the event loop's shutdown (or the process's exit)."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future = loop.create_future()
-
-    def deliver(result: Any, error: Exception | None) -> None:
-        if future.done():  # timed out and cancelled meanwhile
-            return
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-
-    def target() -> None:
-        result, error = None, None
-        try:
-            result = fn(**arguments)
-        except Exception as e:
-            error = e
-        with contextlib.suppress(RuntimeError):  # the loop closed while the tool ran
-            loop.call_soon_threadsafe(deliver, result, error)
-
-    threading.Thread(target=target, name=f"tool-{getattr(fn, '__name__', 'fn')}", daemon=True).start()
-    return future
 
 
 def count_tool_calls(task: Any, messages: list[Message]) -> float:
