@@ -22,7 +22,7 @@ from tandem.envs.reverse_text_env import ReverseTextEnv
 from tandem.orchestrator.config import OrchestratorConfig
 from tandem.orchestrator.evaluation import eval_stats, run_eval
 from tandem.orchestrator.loop import step_metrics
-from tandem.orchestrator.rollouts import RolloutCollector
+from tandem.orchestrator.rollouts import RolloutCollector, play_group
 from tandem.orchestrator.tasks import step_task_order
 from tandem.transport.rollouts import pack_samples, write_step
 
@@ -44,10 +44,11 @@ MORE_FAULTS = {  # kinds that passed the checks before and crashed the whole run
     "turns": "MalformedTrajectory: turns must be a list of dicts with a finish_reason",
 }
 
-SCORE_FAULTS = {  # in reward functions: a hang froze every rollout for as long as it ran
+SCORE_FAULTS = {  # a hang in a reward function froze every rollout; a stray CancelledError ended the run
     "reward_none": "RewardError: reward function 'faulty' returned None, not a number",
     "reward_raises": "RewardError: reward function 'faulty' raised KeyError: 'answer'",
     "reward_hangs": "RolloutTimeout: no result within rollout_timeout (8s)",
+    "cancelled": "EnvironmentCancelled: the environment raised CancelledError without being cancelled",
 }
 RELEASE = threading.Event()
 """Set when a test ends: a reward function hanging on it returns (its thread is a daemon anyway)."""
@@ -84,6 +85,10 @@ class FaultyEnv(ReverseTextEnv):
             raise RuntimeError("broken environment")
         if fault == "hang":
             await asyncio.sleep(3600)
+        if fault == "cancelled":  # awaits something cancelled elsewhere (its group was not)
+            cancelled = asyncio.get_running_loop().create_future()
+            cancelled.cancel()
+            await cancelled
         if fault == "own_timeout":  # a timeout of the environment's own, well inside rollout_timeout
             try:
                 await asyncio.wait_for(asyncio.Event().wait(), 0.05)
@@ -167,6 +172,23 @@ def test_broken_rollouts_fail_their_group_with_task_and_reason_and_the_step_goes
     assert batch.seconds < 30
     write_step(tmp_path, 0, pack_samples(batch.samples(), cfg.seq_len, 1, cfg.micro_batch_tokens))
     assert step_metrics(batch, 0.0, 1.0)["groups_failed"] == len(table)
+
+
+def test_a_group_that_is_cancelled_stays_cancelled() -> None:
+    """Only an environment's own CancelledError fails its group: cancelling the group (the step
+    ending, SIGTERM) still cancels it."""
+    env = FaultyEnv({"train-0-0": "hang"})
+
+    async def main() -> None:
+        group = asyncio.ensure_future(
+            play_group(env, env.dataset("train")[0], None, SamplingConfig(max_tokens=8), 2, 60.0, 96)  # type: ignore[arg-type]
+        )
+        await asyncio.sleep(0.1)
+        group.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await group
+
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize("job", ["step", "eval"])

@@ -2,12 +2,13 @@
 
 A step needs `batch_size / group_size` groups, split between the run's environments by weight
 (`mixture.allocate`). All of them are requested at once, each from the least-loaded server. A
-group fails when its environment raises, takes longer than `rollout_timeout`, or returns a
-malformed trajectory (`check_trajectory`); it is logged with its environment, task id and reason
-and replaced by the next task of the same environment, and so is a zero-advantage group when
-filtering is on. The tasks of step N come from `step_task_order(seed, N)`, one stream per
-environment; with `seeded_sampling` each group's requests carry a seed of that same place
-(seeds.py), so neither depends on timing.
+group fails when its environment raises (CancelledError too, unless the group itself was
+cancelled), takes longer than `rollout_timeout`, or returns a malformed trajectory
+(`check_trajectory`); it is logged with its environment, task id and reason and replaced by the
+next task of the same environment, and so is a zero-advantage group when filtering is on. The
+tasks of step N come from `step_task_order(seed, N)`, one stream per environment; with
+`seeded_sampling` each group's requests carry a seed of that same place (seeds.py), so neither
+depends on timing.
 """
 
 import asyncio
@@ -42,6 +43,10 @@ class MalformedTrajectory(ValueError):
 
 class RolloutTimeout(TimeoutError):
     """A group's rollouts did not finish within `rollout_timeout`."""
+
+
+class EnvironmentCancelled(RuntimeError):
+    """An environment raised CancelledError while nothing cancelled its group."""
 
 
 def check_trajectory(t: Trajectory, task_id: str, seq_len: int) -> None:
@@ -91,7 +96,8 @@ async def play_group(
     timeout: float,
     seq_len: int,
 ) -> list[Trajectory]:
-    """`n` checked trajectories of one task; raises RolloutTimeout or MalformedTrajectory."""
+    """`n` checked trajectories of one task; raises RolloutTimeout, MalformedTrajectory,
+    EnvironmentCancelled or what the environment raised."""
     deadline = asyncio.timeout(timeout)
     try:
         async with deadline:
@@ -100,6 +106,16 @@ async def play_group(
         if not deadline.expired():
             raise  # the environment's own timeout: its message says what it waited for
         raise RolloutTimeout(f"no result within rollout_timeout ({timeout:g}s)") from None
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is None or current.cancelling():
+            raise  # this group was cancelled: pass it on
+        # the environment's own (it awaited something cancelled elsewhere): a failure of this group,
+        # not a cancellation of the step that would end the run
+        raise EnvironmentCancelled(
+            "the environment raised CancelledError without being cancelled "
+            "(it awaited a task or future that was cancelled)"
+        ) from None
     if len(trajectories) != n:
         raise MalformedTrajectory(f"returned {len(trajectories)} trajectories, expected {n}")
     for t in trajectories:
