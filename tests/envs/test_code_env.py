@@ -230,6 +230,47 @@ def test_problem_files_and_args_are_checked(tmp_path: Path) -> None:
         load_environment("code", {"timeout_s": 0})
 
 
+GOOD = json.loads(PROBLEMS_FILE.read_text().split("\n")[0])
+
+
+@pytest.mark.parametrize(
+    ("row", "problem"),
+    [
+        (
+            {**GOOD, "tests": [{"args": [1]}]},
+            "test 0 must be an object with an 'args' list and an 'expected' value",
+        ),
+        (
+            {**GOOD, "tests": [*GOOD["tests"], {"expected": 1}]},
+            "test 6 must be an object with an 'args' list",
+        ),
+        ({**GOOD, "tests": [{"args": 5, "expected": 1}]}, "test 0 must be an object with an 'args' list"),
+        ({**GOOD, "tests": "abc"}, "'tests' is missing or not a non-empty list"),
+        ({**GOOD, "tests": []}, "'tests' is missing or not a non-empty list"),
+        ({**GOOD, "id": 5}, "'id' is missing or not a non-empty string"),
+        ([GOOD], "not a JSON object"),
+    ],
+)
+def test_a_malformed_problem_stops_the_start_naming_its_file_and_line(
+    row: object, problem: str, tmp_path: Path
+) -> None:
+    """Each line is checked when the environment is built: a test without `expected` or `args`
+    loaded before and failed every rollout of its problem (KeyError, no file or line named)."""
+    path = tmp_path / "problems.jsonl"
+    lines = [json.dumps(GOOD | {"id": f"p{i}"}) for i in range(6)]
+    path.write_text("\n".join([*lines[:2], "", json.dumps(row), *lines[2:]]) + "\n")
+    with pytest.raises(ConfigError) as raised:
+        load_environment("code", {"problems_file": str(path)})
+    assert str(raised.value).startswith(f"{path}:4: not a code problem: {problem}")
+
+
+def test_a_missing_problems_file_stops_the_start_in_one_line(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere.jsonl"
+    with pytest.raises(ConfigError) as raised:
+        load_environment("code", {"problems_file": str(missing)})
+    assert str(raised.value) == f"env.args.problems_file: cannot read {missing}: No such file or directory"
+
+
 def test_rollouts_against_a_real_server(env: CodeEnv, server: str, model: Path) -> None:
     """A random tiny model writes no code block: reward 0 with every metric present, tokens intact."""
     url = server

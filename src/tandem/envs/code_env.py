@@ -96,28 +96,46 @@ class CodeTask:
         return [{"role": "user", "content": text}]
 
 
+PROBLEM_TEXT_FIELDS = ("id", "signature", "description", "entry_point", "solution")
+
+
+def parse_problem(line: str) -> CodeTask:
+    """One line of a problems file; ValueError says what is wrong with it."""
+    try:
+        p = json.loads(line)
+    except ValueError as e:
+        raise ValueError(f"not JSON ({e})") from None
+    if not isinstance(p, dict):
+        raise ValueError("not a JSON object")
+    for key in PROBLEM_TEXT_FIELDS:
+        if not isinstance(p.get(key), str) or not p[key]:
+            raise ValueError(f"'{key}' is missing or not a non-empty string")
+    tests = p.get("tests")
+    if not isinstance(tests, list) or not tests:
+        raise ValueError("'tests' is missing or not a non-empty list")
+    for i, test in enumerate(tests):
+        if not (isinstance(test, dict) and isinstance(test.get("args"), list) and "expected" in test):
+            raise ValueError(f"test {i} must be an object with an 'args' list and an 'expected' value")
+    return CodeTask(p["id"], p["signature"], p["description"], p["entry_point"], tuple(tests), p["solution"])
+
+
 def load_problems(path: Path) -> list[CodeTask]:
+    """Every problem of a JSONL file, each line checked here, at start: a bad line is a ValueError
+    naming the file and line (which the registry reports as a configuration error)."""
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")  # (not splitlines: JSON may hold U+2028)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(
+            f"env.args.problems_file: cannot read {path}: {getattr(e, 'strerror', None) or e}"
+        ) from None
     tasks = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                p = json.loads(line)
-                tasks.append(
-                    CodeTask(
-                        p["id"],
-                        p["signature"],
-                        p["description"],
-                        p["entry_point"],
-                        tuple(p["tests"]),
-                        p["solution"],
-                    )
-                )
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{number}: not a code problem ({type(e).__name__}: {e})") from None
-            if not tasks[-1].tests:
-                raise ValueError(f"{path}:{number}: problem {p['id']!r} has no tests")
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            tasks.append(parse_problem(line))
+        except ValueError as e:
+            raise ValueError(f"{path}:{number}: not a code problem: {e}") from None
     return tasks
 
 
