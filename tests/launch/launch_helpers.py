@@ -1,4 +1,5 @@
-"""Shared helpers of the launcher tests: free ports, stand-in processes, pid checks."""
+"""Shared helpers of the launcher tests: free ports, stand-in processes, pid checks, environments
+whose training split the launcher must refuse."""
 
 import socket
 import sys
@@ -6,6 +7,9 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tandem.envs.reverse_text_env import ReverseTextEnv
+from tandem.envs.wordle import WordleEnv
 
 CHILDREN = str(Path(__file__).with_name("children.py"))
 
@@ -61,3 +65,21 @@ def wait_for(predicate, timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.05)
+
+
+class NoTrainingTasksEnv(ReverseTextEnv):
+    """Single-turn, with an empty training split (as an import path: launch_helpers:NoTrainingTasksEnv)."""
+
+    name = "no_tasks"
+
+    def dataset(self, split):  # type: ignore[no-untyped-def]
+        return [] if split == "train" else super().dataset(split)
+
+
+class UnreadableTasksEnv(WordleEnv):
+    """Multi-turn, whose training split's data file is missing."""
+
+    name = "unreadable"
+
+    def dataset(self, split):  # type: ignore[no-untyped-def]
+        raise FileNotFoundError(2, "No such file or directory", "data/train.jsonl")

@@ -73,6 +73,19 @@ def bad_inputs(tmp_path: Path, model: Path) -> dict[str, tuple[list[str], str]]:
             ["--orchestrator.env.args.max_lenn", "3"],
             "'env.args.max_lenn': Extra inputs are not permitted",
         ),
+        "code problems file missing": (
+            ["--orchestrator.env.name", "code", "--orchestrator.env.args.problems_file", str(a_file / "x")],
+            f"env.args.problems_file: cannot read {a_file / 'x'}: Not a directory",
+        ),
+        "empty training split": (
+            ["--orchestrator.env.name", "launch_helpers:NoTrainingTasksEnv"],
+            "env no_tasks: its training split is empty",
+        ),
+        "training split that cannot be read": (
+            ["--orchestrator.env.name", "launch_helpers:UnreadableTasksEnv"],
+            "env unreadable: cannot load its training split: FileNotFoundError: [Errno 2] No such file "
+            "or directory: 'data/train.jsonl'",
+        ),
         "custom loss that does not import": (
             ["--trainer.loss.type", "custom", "--trainer.loss.import_path", "my_losses:ratio"],
             "trainer.loss.import_path 'my_losses:ratio' cannot be imported: no module named 'my_losses'",

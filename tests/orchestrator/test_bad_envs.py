@@ -16,6 +16,7 @@ from orchestrator_helpers import serve_base_model
 
 from tandem.client.config import SamplingConfig
 from tandem.client.inference import InferenceClient, ServerPool, ServerUnavailable
+from tandem.config.loader import ConfigError
 from tandem.envs.base import RewardFunction
 from tandem.envs.mixture import Member
 from tandem.envs.reverse_text_env import ReverseTextEnv
@@ -189,6 +190,31 @@ def test_a_group_that_is_cancelled_stays_cancelled() -> None:
             await group
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("fault", ["empty", "unreadable"])
+def test_a_training_split_that_is_empty_or_cannot_load_stops_the_orchestrator_at_start(
+    fault: str, tmp_path: Path
+) -> None:
+    """Before, an empty split passed the start and stopped the run at step 0's first group with
+    'ValueError: the training split is empty' (no environment named); a dataset that raised was a
+    traceback."""
+
+    class NoTasks(FaultyEnv):
+        def dataset(self, split: str) -> list:  # type: ignore[override]
+            if fault == "unreadable":
+                raise FileNotFoundError(2, "No such file or directory", "data/train.jsonl")
+            return []
+
+    reason = {
+        "empty": "its training split is empty",
+        "unreadable": "cannot load its training split: FileNotFoundError: [Errno 2] No such file or "
+        "directory: 'data/train.jsonl'",
+    }[fault]
+    members = [Member("reverse_text", FaultyEnv({})), Member("faulty", NoTasks({}))]
+    with pytest.raises(ConfigError) as raised:
+        RolloutCollector(members, None, config("http://127.0.0.1:9", tmp_path))  # type: ignore[arg-type]
+    assert str(raised.value) == f"env faulty: {reason}"
 
 
 @pytest.mark.parametrize("job", ["step", "eval"])

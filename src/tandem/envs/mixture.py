@@ -7,15 +7,19 @@ sampling). Over many steps each environment's share of groups therefore matches 
 expectation, and rounding never favours one environment.
 """
 
+import logging
 import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tandem.config.loader import ConfigError
 from tandem.envs.base import Environment
 from tandem.envs.config import EnvConfig
 from tandem.envs.registry import load_environment
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,6 +44,24 @@ def load_mixture(configs: Sequence[EnvConfig]) -> list[Member]:
     if not members:
         raise ConfigError("envs: no environment given")
     return members
+
+
+def training_tasks(member: Member) -> Sequence[Any]:
+    """The member's training split, read at start: a split that cannot be read (a data file
+    missing, a malformed row) or is empty is a ConfigError naming the environment, in one line."""
+    try:
+        tasks = member.env.dataset("train")
+        count = len(tasks)
+    except ConfigError:
+        raise
+    except Exception as e:
+        log.debug("traceback of env %s's training split", member.name, exc_info=e)
+        raise ConfigError(
+            f"env {member.name}: cannot load its training split: {type(e).__name__}: {e}"
+        ) from None
+    if count == 0:
+        raise ConfigError(f"env {member.name}: its training split is empty")
+    return tasks
 
 
 def allocate(weights: Sequence[float], total: int, seed: int, step: int) -> list[int]:

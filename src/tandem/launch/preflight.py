@@ -3,11 +3,11 @@
 Each failure is one line naming the key or file (UserError / ConfigError): the model source (a
 local directory; a hub name, last, in the Hugging Face cache or on a hub that answers), the
 run directory (creatable, writable, and not a finished or running run unless --resume), every
-environment (its name, its args, and for the code environment the sandbox's isolation, which is
-logged), the longest prompt plus max_tokens against seq_len, a custom loss's import path, the
-servers' ports and trainer.parallel.ep against the checkpoint's experts; with [monitor.wandb],
-that the wandb package is installed, and with model.attention = "cudnn", the cuDNN frontend
-package. Nothing here imports torch unless the configured custom loss does.
+environment (its name, its args, a training split that loads and is not empty, and for the code
+environment the sandbox's isolation, which is logged), the longest prompt plus max_tokens
+against seq_len, a custom loss's import path, the servers' ports and trainer.parallel.ep against
+the checkpoint's experts; with [monitor.wandb], that the wandb package is installed, and with
+model.attention = "cudnn", the cuDNN frontend package. Nothing here imports torch unless the configured custom loss does.
 """
 
 import importlib.util
@@ -16,7 +16,7 @@ import socket
 from pathlib import Path
 
 from tandem.cli import UserError
-from tandem.envs.mixture import load_mixture
+from tandem.envs.mixture import load_mixture, training_tasks
 from tandem.launch.plan import RunPlan
 from tandem.models.source import (
     check_expert_parallel,
@@ -48,6 +48,8 @@ def preflight(plan: RunPlan, create: bool) -> None:
     if isinstance(plan.trainer.loss, CustomLoss):
         check_loss_import(plan.trainer.loss.import_path)
     members = load_mixture(plan.orchestrator.environments)
+    for member in members:
+        training_tasks(member)
     counters = local_token_counters(plan.orchestrator.model.name)
     if counters is not None:
         for member in members:
