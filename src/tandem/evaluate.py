@@ -182,9 +182,11 @@ def healthy(url: str) -> bool:
 
 def evaluate(cfg: EvalConfig) -> dict:
     """Run the evaluation; returns what `out` gets (summary per environment, stats, tasks)."""
-    from tandem.envs.mixture import load_mixture
+    from tandem.envs.mixture import load_mixture, split_tasks
 
     members = load_mixture(chosen_environments(cfg.env, cfg.envs))  # a wrong name fails before torch loads
+    for member in members:
+        split_tasks(member, "eval")
     from tandem.client.inference import ServerPool
     from tandem.models.loading import load_tokenizer
     from tandem.models.source import check_local_checkpoint, check_model_source

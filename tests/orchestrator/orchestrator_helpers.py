@@ -97,3 +97,12 @@ class ParityEnv(SingleTurnEnv):
 
     def prompt(self, task: ParityTask) -> list[dict]:
         return [{"role": "user", "content": f"Write something ({task.task_id})."}]
+
+
+class NoHeldOutTasksEnv(ParityEnv):
+    """Parity with an empty held-out split (`evaluate` must refuse it before starting a server)."""
+
+    name = "no_held_out"
+
+    def dataset(self, split: str) -> list[ParityTask]:
+        return [] if split == "eval" else super().dataset(split)

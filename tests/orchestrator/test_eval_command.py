@@ -105,6 +105,10 @@ def test_eval_on_a_running_server_mixes_environments_and_reports_pass_at_k(
         (["--env.name", "no_such_env"], "unknown environment 'no_such_env'"),
         (["--n", "4"], "n > 1 needs sampling.temperature > 0"),
         (["--out", "/"], "out: / is a directory; give a file path"),  # before the run, not after it
+        (
+            ["--env.name", "orchestrator_helpers:NoHeldOutTasksEnv"],
+            "env no_held_out: its held-out split is empty",
+        ),
         # (it served inference.model while prompts were tokenized for model.name)
         (["--inference.model.name", "Qwen/Qwen3-0.6B"], "differs from model.name"),
     ],

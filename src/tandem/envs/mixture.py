@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.config.loader import ConfigError
-from tandem.envs.base import Environment
+from tandem.envs.base import Environment, Split
 from tandem.envs.config import EnvConfig
 from tandem.envs.registry import load_environment
 
@@ -46,21 +46,23 @@ def load_mixture(configs: Sequence[EnvConfig]) -> list[Member]:
     return members
 
 
-def training_tasks(member: Member) -> Sequence[Any]:
-    """The member's training split, read at start: a split that cannot be read (a data file
+SPLIT_NAMES = {"train": "training split", "eval": "held-out split"}
+
+
+def split_tasks(member: Member, split: Split = "train") -> Sequence[Any]:
+    """The member's tasks of `split`, read at start: a split that cannot be read (a data file
     missing, a malformed row) or is empty is a ConfigError naming the environment, in one line."""
+    what = SPLIT_NAMES[split]
     try:
-        tasks = member.env.dataset("train")
+        tasks = member.env.dataset(split)
         count = len(tasks)
     except ConfigError:
         raise
     except Exception as e:
-        log.debug("traceback of env %s's training split", member.name, exc_info=e)
-        raise ConfigError(
-            f"env {member.name}: cannot load its training split: {type(e).__name__}: {e}"
-        ) from None
+        log.debug("traceback of env %s's %s", member.name, what, exc_info=e)
+        raise ConfigError(f"env {member.name}: cannot load its {what}: {type(e).__name__}: {e}") from None
     if count == 0:
-        raise ConfigError(f"env {member.name}: its training split is empty")
+        raise ConfigError(f"env {member.name}: its {what} is empty")
     return tasks
 
 

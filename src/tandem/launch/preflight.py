@@ -3,11 +3,12 @@
 Each failure is one line naming the key or file (UserError / ConfigError): the model source (a
 local directory; a hub name, last, in the Hugging Face cache or on a hub that answers), the
 run directory (creatable, writable, and not a finished or running run unless --resume), every
-environment (its name, its args, a training split that loads and is not empty, and for the code
-environment the sandbox's isolation, which is logged), the longest prompt plus max_tokens
-against seq_len, a custom loss's import path, the servers' ports and trainer.parallel.ep against
-the checkpoint's experts; with [monitor.wandb], that the wandb package is installed, and with
-model.attention = "cudnn", the cuDNN frontend package. Nothing here imports torch unless the configured custom loss does.
+environment (its name, its args, a training split that loads and is not empty, the held-out one
+too with evaluation on, and for the code environment the sandbox's isolation, which is logged),
+the longest prompt plus max_tokens against seq_len, a custom loss's import path, the servers'
+ports and trainer.parallel.ep against the checkpoint's experts; with [monitor.wandb], that the
+wandb package is installed, and with model.attention = "cudnn", the cuDNN frontend package.
+Nothing here imports torch unless the configured custom loss does.
 """
 
 import importlib.util
@@ -16,7 +17,7 @@ import socket
 from pathlib import Path
 
 from tandem.cli import UserError
-from tandem.envs.mixture import load_mixture, training_tasks
+from tandem.envs.mixture import load_mixture, split_tasks
 from tandem.launch.plan import RunPlan
 from tandem.models.source import (
     check_expert_parallel,
@@ -49,7 +50,9 @@ def preflight(plan: RunPlan, create: bool) -> None:
         check_loss_import(plan.trainer.loss.import_path)
     members = load_mixture(plan.orchestrator.environments)
     for member in members:
-        training_tasks(member)
+        split_tasks(member, "train")
+        if plan.orchestrator.eval.interval:
+            split_tasks(member, "eval")
     counters = local_token_counters(plan.orchestrator.model.name)
     if counters is not None:
         for member in members:

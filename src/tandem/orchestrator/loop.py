@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from tandem.client.inference import ServerPool
 from tandem.envs.base import Message
-from tandem.envs.mixture import load_mixture
+from tandem.envs.mixture import load_mixture, split_tasks
 from tandem.models.loading import load_tokenizer
 from tandem.monitor.metrics import MetricsWriter
 from tandem.monitor.progress import TrainingProgress
@@ -127,6 +127,9 @@ class Orchestrator:
         self.pool = ServerPool(cfg.servers, cfg.client, weight_only=cfg.prefill_servers)
         self.policy = PolicySync(cfg.run_dir, self.pool, cfg.weights)
         self.collector = RolloutCollector(self.members, self.pool, cfg)
+        if cfg.eval.interval > 0:
+            for member in self.members:
+                split_tasks(member, "eval")
         self.metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl", source="orchestrator")
         self.wandb: WandbRun | None = None
         self.tokenizer: Any = None

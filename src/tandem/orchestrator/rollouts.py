@@ -24,7 +24,7 @@ from tandem.client.config import SamplingConfig
 from tandem.client.inference import InferenceClient, ServerPool, ServerUnavailable
 from tandem.client.seeds import group_seed
 from tandem.envs.base import Environment, Trajectory
-from tandem.envs.mixture import Member, allocate, training_tasks
+from tandem.envs.mixture import Member, allocate, split_tasks
 from tandem.orchestrator.advantages import group_advantages, is_zero_advantage
 from tandem.orchestrator.config import OrchestratorConfig
 from tandem.orchestrator.tasks import step_task_order
@@ -189,7 +189,7 @@ class RolloutCollector:
         self.members = as_members(envs)
         self.pool = pool
         self.cfg = cfg
-        self.tasks = [training_tasks(m) for m in self.members]
+        self.tasks = [split_tasks(m, "train") for m in self.members]
 
     def sampling(self, step: int, order: tuple[int, int], member: Member, task: Any) -> SamplingConfig:
         """The group's sampling: with seeded_sampling, seeded by where the group sits in the run."""
