@@ -175,6 +175,32 @@ def test_broken_rollouts_fail_their_group_with_task_and_reason_and_the_step_goes
     assert step_metrics(batch, 0.0, 1.0)["groups_failed"] == len(table)
 
 
+def test_reward_functions_run_on_a_thread_of_their_own_unless_the_environment_asks_for_the_main_one() -> None:
+    """Off the event loop by default (a stuck one holds up only its rollout); on the main thread
+    for reward functions that need it (signal-based timeouts, as math_verify's)."""
+    threads: list[threading.Thread] = []
+
+    class Recording(FaultyEnv):
+        @property
+        def reward_functions(self) -> list[RewardFunction]:
+            return [
+                RewardFunction(
+                    "where", lambda task, messages: threads.append(threading.current_thread()) or 1.0
+                )
+            ]
+
+    env = Recording({})
+    task = env.dataset("train")[0]
+    conversations = [[{"role": "assistant", "content": "x"}]] * 2
+
+    assert asyncio.run(env.score_all(task, conversations)) == [(1.0, {"where": 1.0})] * 2
+    assert len(threads) == 2 and threading.main_thread() not in threads
+    threads.clear()
+    env.score_on_main_thread = True
+    assert asyncio.run(env.score_all(task, conversations)) == [(1.0, {"where": 1.0})] * 2
+    assert threads == [threading.main_thread()] * 2
+
+
 def test_a_group_that_is_cancelled_stays_cancelled() -> None:
     """Only an environment's own CancelledError fails its group: cancelling the group (the step
     ending, SIGTERM) still cancels it."""

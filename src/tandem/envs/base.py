@@ -205,6 +205,11 @@ class Environment(ABC):
     """The policy's tokenizer, once `setup` ran (multi-turn environments render turns with it)."""
     seq_len: int | None = None
     """The longest sample (prompt + all turns) the orchestrator accepts, once `setup` ran."""
+    score_on_main_thread: bool = False
+    """Run the reward functions on the event loop's (main) thread rather than a thread of their
+    own (`score_all`): for reward functions that need the main thread, such as those using
+    signal-based timeouts (math_verify's default `parsing_timeout`/`timeout_seconds`). Then a
+    reward function that hangs stops every rollout, and `rollout_timeout` cannot end it."""
 
     class Args(Section):
         """The environment's own settings (`[env.args]` in the orchestrator's config)."""
@@ -260,13 +265,16 @@ class Environment(ABC):
         reward = sum(rf.weight * values[rf.name] for rf in self.reward_functions)
         return reward, values
 
-    async def score_in_thread(
+    async def score_all(
         self, task: Any, conversations: Sequence[list[Message]]
     ) -> list[tuple[float, dict[str, float]]]:
-        """`score` of each conversation, run on a thread of its own: a slow or hanging reward
-        function holds up only its rollout, which `rollout_timeout` then fails, instead of the
-        event loop that every other rollout and the weight updates run on. Reward functions may
-        therefore run on several threads at once."""
+        """`score` of each conversation, on a thread of its own: a slow or hanging reward function
+        (a synchronous call to a judge, a verifier stuck in a loop) holds up only its rollout,
+        which `rollout_timeout` then fails, instead of the event loop that every other rollout
+        and the weight updates run on. Reward functions may therefore run on several threads at
+        once. With `score_on_main_thread`, on the event loop's (main) thread instead."""
+        if self.score_on_main_thread:
+            return [self.score(task, messages) for messages in conversations]
         return await in_daemon_thread(
             lambda: [self.score(task, messages) for messages in conversations], f"score-{self.name}"
         )
@@ -287,7 +295,7 @@ class SingleTurnEnv(Environment):
     ) -> list[Trajectory]:
         result = await client.chat(self.prompt(task), sampling, n=n)
         conversations = [[{"role": "assistant", "content": choice.text}] for choice in result.choices]
-        scores = await self.score_in_thread(task, conversations)
+        scores = await self.score_all(task, conversations)
         trajectories = []
         for choice, messages, (reward, metrics) in zip(result.choices, conversations, scores, strict=True):
             turn = Turn(

@@ -219,7 +219,7 @@ class MultiTurnEnv(Environment):
             turn = sampling.for_part(len(turns)).model_copy(update={"max_tokens": max_tokens})
             result = await client.complete(prompt_ids, turn, **extra)
             generation = result.choices[0]
-        [(reward, metrics)] = await self.score_in_thread(task, [messages])
+        [(reward, metrics)] = await self.score_all(task, [messages])
         metrics["turns"] = float(len(turns))
         metrics["out_of_budget"] = float(out_of_budget)
         trajectory = stitch(task.task_id, turns, messages, reward, metrics)
