@@ -384,8 +384,16 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "stop": [""]}, 400, "stop"),
     ({"prompt": "x", "stop_token_ids": [-3]}, 400, "stop_token_ids"),
     ({"prompt": "x", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
-    ({"prompt": "x", "presence_penalty": 0.5}, 400, None),
-    ({"prompt": "x", "echo": True}, 400, None),
+    # (refusals that depend on other fields, or of unimplemented features, name their field too)
+    ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -1}, 400, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ({"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ({"prompt": "x", "prompt_logprobs": 0}, 400, "prompt_logprobs"),
+    ({"prompt": "x", "best_of": 2}, 400, "best_of"),
+    ({"prompt": "x", "echo": True}, 400, "echo"),
+    ({"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": ""}, 400, "prompt"),
     ({"prompt": []}, 400, "prompt"),
     ({"prompt": [1, 10**6]}, 400, "prompt"),
@@ -404,41 +412,55 @@ BAD_COMPLETIONS = [
 ]
 
 
+def assert_names(error: dict, param: str) -> None:
+    """`error` names the request field `param` (or a part of it: `messages.0.role`)."""
+    assert error["param"] == param or str(error["param"]).startswith(param + "."), error
+
+
 @pytest.mark.parametrize(("body", "status", "param"), BAD_COMPLETIONS)
-def test_bad_completion_requests(server: Any, body: dict, status: int, param: str | None) -> None:
+def test_bad_completion_requests(server: Any, body: dict, status: int, param: str) -> None:
     response = httpx.post(server.base_url + "/completions", json=body, timeout=30)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["code"] == status
-    if param is not None:
-        assert error["param"] == param or param in error["message"], error
+    assert_names(error, param)
 
 
+USER_X = [{"role": "user", "content": "x"}]
 BAD_CHATS = [
-    {"messages": []},
-    {"messages": "hello"},
-    {"messages": [{"content": "no role"}]},
-    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-    {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
-    {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50},
-    {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
-    {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": MAX_MODEL_LEN},
-    {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
-    {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": "bad"}},
-    {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-    {
-        "messages": [{"role": "user", "content": "x"}],
-        "tools": [{"type": "function", "function": {"name": ""}}],
-    },
+    ({"messages": []}, "messages"),
+    ({"messages": "hello"}, "messages"),
+    ({"messages": [{"content": "no role"}]}, "messages.0.role"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "messages",
+    ),
+    ({"messages": USER_X, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": USER_X, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    ({"messages": USER_X, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": USER_X, "max_completion_tokens": MAX_MODEL_LEN}, "max_completion_tokens"),
+    ({"messages": USER_X, "tool_choice": "required"}, "tool_choice"),
+    (
+        {"messages": USER_X, "tool_choice": {"type": "function", "function": {"name": "missing"}}},
+        "tool_choice",
+    ),
+    ({"messages": USER_X, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": USER_X, "continue_final_message": True}, "continue_final_message"),
+    ({"messages": USER_X, "presence_penalty": 1}, "presence_penalty"),
+    ({"messages": USER_X, "chat_template_kwargs": {"tokenize": "bad"}}, "messages"),
+    ({"messages": USER_X, "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": USER_X, "tools": [{"type": "function", "function": {"name": ""}}]}, "tools"),
 ]
 
 
-@pytest.mark.parametrize("body", BAD_CHATS)
-def test_bad_chat_requests(server: Any, body: dict) -> None:
+@pytest.mark.parametrize(("body", "param"), BAD_CHATS)
+def test_bad_chat_requests(server: Any, body: dict, param: str) -> None:
     response = httpx.post(server.base_url + "/chat/completions", json=body, timeout=30)
     assert response.status_code == 400, response.text
-    assert response.json()["error"]["type"] == "BadRequestError"
+    error = response.json()["error"]
+    assert error["type"] == "BadRequestError"
+    assert_names(error, param)
 
 
 def test_context_errors_name_the_field_the_client_sent(server: Any) -> None:

@@ -137,7 +137,8 @@ def test_bad_checkpoints_keep_the_old_weights(
         assert server.greedy() == live
         assert server.engine.weight_version == version
     for body in ({}, {"path": "x", "step": 1}, {"step": -1}, {"paht": "x"}):
-        assert server.post("/update_weights", body).status_code == 400
+        response = server.post("/update_weights", body)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "step", response.text
 
 
 def test_unreadable_weight_paths_are_400s_naming_the_path(server: InProcessServer) -> None:

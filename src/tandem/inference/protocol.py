@@ -10,7 +10,16 @@ are refused with a 400 when a client asks for a non-default value.
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 MAX_TOP_LOGPROBS = 20
 """Most alternatives per token (OpenAI's limit for chat; vLLM's default `max_logprobs`)."""
@@ -52,6 +61,17 @@ class StreamOptions(APIModel):
     include_usage: bool = False
 
 
+UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "logit_bias": ({},),
+    "prompt_logprobs": (),
+}
+"""Known sampling fields this server does not implement, and the values that mean "off": the only
+ones accepted (null too)."""
+
+
 class SamplingFields(APIModel):
     """Fields shared by completions and chat completions."""
 
@@ -91,22 +111,31 @@ class SamplingFields(APIModel):
             raise ValueError("stop strings must not be empty")
         return stop
 
-    @model_validator(mode="after")
-    def _refuse_unimplemented(self) -> "SamplingFields":
-        unsupported = {
-            "presence_penalty": self.presence_penalty != 0,
-            "frequency_penalty": self.frequency_penalty != 0,
-            "repetition_penalty": self.repetition_penalty != 1,
-            "logit_bias": bool(self.logit_bias),
-            "best_of": self.best_of is not None and self.best_of != self.n,
-            "prompt_logprobs": self.prompt_logprobs is not None,
-        }
-        for name, used in unsupported.items():
-            if used:
-                raise ValueError(f"{name} is not supported by this server")
-        if self.stream_options is not None and not self.stream:
+    # Each check below is a validator of the field it refuses (not of the whole model), so that
+    # the error's `param` names that field. A field's validator sees the fields declared before it.
+
+    @field_validator(*UNIMPLEMENTED)
+    @classmethod
+    def _refuse_unimplemented(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and value not in UNIMPLEMENTED[info.field_name]:
+            raise ValueError(f"{info.field_name} is not supported by this server")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        if best_of is not None and "n" in info.data and best_of != info.data["n"]:
+            raise ValueError("best_of other than n is not supported by this server")
+        return best_of
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(
+        cls, options: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream", True):
             raise ValueError("stream_options is only allowed when stream is true")
-        return self
+        return options
 
     @property
     def stop_strings(self) -> list[str]:
@@ -140,13 +169,12 @@ class CompletionRequest(SamplingFields):
             raise ValueError("prompt must not be empty")
         return prompt
 
-    @model_validator(mode="after")
-    def _refuse_echo(self) -> "CompletionRequest":
-        if self.echo:
-            raise ValueError("echo is not supported by this server")
-        if self.suffix:
-            raise ValueError("suffix is not supported by this server")
-        return self
+    @field_validator("echo", "suffix")
+    @classmethod
+    def _refuse_echo_and_suffix(cls, value: Any, info: ValidationInfo) -> Any:
+        if value:
+            raise ValueError(f"{info.field_name} is not supported by this server")
+        return value
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -218,17 +246,33 @@ class ChatCompletionRequest(SamplingFields):
                 raise ValueError(f"tools[{i}].function.name must be a non-empty string")
         return tools
 
-    @model_validator(mode="after")
-    def _check_chat_fields(self) -> "ChatCompletionRequest":
-        if self.top_logprobs and not self.logprobs:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top_logprobs: int | None, info: ValidationInfo) -> int | None:
+        if top_logprobs and not info.data.get("logprobs", True):
             raise ValueError("top_logprobs needs logprobs to be true")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than text is not supported by this server")
-        if self.tool_choice not in (None, "auto", "none"):
+        return top_logprobs
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_forced_tool(cls, tool_choice: Any) -> Any:
+        if tool_choice not in (None, "auto", "none"):
             raise ValueError("tool_choice must be 'auto' or 'none' (tool calls are returned as text)")
-        return self
+        return tool_choice
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _not_with_generation_prompt(cls, continue_final: bool, info: ValidationInfo) -> bool:
+        if continue_final and info.data.get("add_generation_prompt", False):
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        return continue_final
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+        if response_format and response_format.get("type", "text") != "text":
+            raise ValueError("response_format other than text is not supported by this server")
+        return response_format
 
     @property
     def completion_limit(self) -> int | None:
@@ -249,18 +293,19 @@ class UpdateWeightsRequest(APIModel):
     model_config = ConfigDict(extra="forbid")
 
     path: str | None = None
-    step: int | None = Field(None, ge=0)
+    step: int | None = Field(None, ge=0, validate_default=True)  # (checked also when absent)
     version: int | None = Field(
         None,
         ge=0,
         description="Weight version to report; default: N of a step_N directory, else current + 1.",
     )
 
-    @model_validator(mode="after")
-    def _one_source(self) -> "UpdateWeightsRequest":
-        if (self.path is None) == (self.step is None):
+    @field_validator("step")
+    @classmethod
+    def _one_source(cls, step: int | None, info: ValidationInfo) -> int | None:
+        if "path" in info.data and (info.data["path"] is None) == (step is None):
             raise ValueError("give exactly one of 'path' or 'step'")
-        return self
+        return step
 
 
 class KVExportRequest(APIModel):
