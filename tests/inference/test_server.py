@@ -449,6 +449,8 @@ BAD_CHATS = [
     ({"messages": USER_X, "continue_final_message": True}, "continue_final_message"),
     ({"messages": USER_X, "presence_penalty": 1}, "presence_penalty"),
     ({"messages": USER_X, "chat_template_kwargs": {"tokenize": "bad"}}, "messages"),
+    # a template of the request's own: nested loops in it held the event loop (every request) for hours
+    ({"messages": USER_X, "chat_template_kwargs": {"chat_template": "{{ 'x' }}"}}, "chat_template_kwargs"),
     ({"messages": USER_X, "tools": [{"type": "function"}]}, "tools"),
     ({"messages": USER_X, "tools": [{"type": "function", "function": {"name": ""}}]}, "tools"),
 ]
@@ -475,19 +477,6 @@ def test_context_errors_name_the_field_the_client_sent(server: Any) -> None:
     error = httpx.post(chat, json={"messages": long}, timeout=30).json()["error"]
     assert error["param"] == "prompt" and "which leaves none for the completion" in error["message"], error
     assert "-" not in error["message"].split("However")[1]  # no negative count
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_chat_template_that_renders_nothing_is_a_400_naming_messages(server: Any, stream: bool) -> None:
-    """Refused before a stream begins, not by the engine as an error event after a 200."""
-    body = {
-        "messages": [{"role": "user", "content": "x"}],
-        "chat_template_kwargs": {"chat_template": "{{ '' }}"},
-        "stream": stream,
-    }
-    response = httpx.post(server.base_url + "/chat/completions", json=body, timeout=30)
-    assert response.status_code == 400, response.text
-    assert response.json()["error"]["param"] == "messages"
 
 
 def test_malformed_json_and_unknown_routes(server: Any, client: openai.OpenAI) -> None:

@@ -57,6 +57,7 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             "served_model_name": SERVED_NAME,
             "run_dir": str(run_dir),
             "pause_timeout_s": 1.5,
+            "trust_request_chat_template": True,
             "engine": {"max_model_len": 512},
         }
     )
@@ -72,6 +73,22 @@ def transformers_greedy(path: Path, max_tokens: int = 10) -> list[int]:
             torch.tensor([PROMPT]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
         )
     return out[0, len(PROMPT) :].tolist()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_template_that_renders_nothing_is_a_400_naming_messages(
+    server: InProcessServer, stream: bool
+) -> None:
+    """Refused before a stream begins, not by the engine as an error event after a 200. (A template
+    of the request's own: this server trusts them.)"""
+    body = {
+        "messages": [{"role": "user", "content": "x"}],
+        "chat_template_kwargs": {"chat_template": "{{ '' }}"},
+        "stream": stream,
+    }
+    response = server.post("/v1/chat/completions", body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "messages"
 
 
 def test_api_key(server: InProcessServer) -> None:

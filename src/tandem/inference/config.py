@@ -161,6 +161,12 @@ class InferenceConfig(Section):
         description="Least time between two chunks of one streamed response (the first is sent at once); "
         "0 sends every engine step's tokens. Fewer, larger chunks keep hundreds of streams cheap.",
     )
+    trust_request_chat_template: bool = Field(
+        False,
+        description="Let chat requests bring their own template (chat_template_kwargs.chat_template). Off: "
+        "refused with a 400, since rendering a client's template runs its loops in the server's event loop "
+        "(nested loops hold every request up for hours). The vLLM backend has vLLM's own switch.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Server log level.")
     access_log: bool = Field(False, description="Log every HTTP request (uvicorn's access log).")
     engine: EngineConfig = EngineConfig()

@@ -152,6 +152,15 @@ class Server:
         return max_tokens
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        own_template = (req.chat_template_kwargs or {}).get("chat_template") is not None
+        if own_template and not self.config.trust_request_chat_template:  # (its loops would run here)
+            raise APIError(
+                400,
+                "chat_template_kwargs.chat_template: this server renders only its model's own chat "
+                "template (a request's template could run without end; trust_request_chat_template "
+                "allows them)",
+                "chat_template_kwargs.chat_template",
+            )
         messages = [m.for_template() for m in req.messages]
         try:
             text = self.tokenizer.apply_chat_template(
