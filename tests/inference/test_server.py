@@ -3,6 +3,7 @@ against a transformers forward pass on the same fp32 tiny model."""
 
 import asyncio
 import json
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -585,6 +586,26 @@ def test_disconnect_while_waiting_for_full_response_frees_blocks(server: Any) ->
     after = wait_for_idle(server)
     assert after["tandem_generation_tokens_total"] - before["tandem_generation_tokens_total"] < 8 * 1000
     assert after["tandem_http_requests_aborted_total"] == before["tandem_http_requests_aborted_total"] + 1
+
+
+@pytest.mark.parametrize("path", ["/completions", "/chat/completions"])
+def test_a_client_gone_before_its_body_arrived_is_no_server_error(server: Any, path: str) -> None:
+    """(It was a 500 and an 'Exception in ASGI application' traceback in the log.)"""
+    logged = len(server.log())
+    before = metrics(server)["tandem_http_requests_failed_total"]
+    url = httpx.URL(server.base_url + path)
+    head = f"POST {url.path} HTTP/1.1\r\nhost: {url.host}\r\ncontent-type: application/json\r\n"
+    with socket.create_connection((url.host, url.port), timeout=10) as conn:
+        conn.sendall(f"{head}content-length: 1000\r\n\r\n".encode() + b'{"prompt": "x", "messages": [')
+        time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while metrics(server)["tandem_http_requests_failed_total"] == before:  # (answered to no one)
+        assert time.monotonic() < deadline, "the server did not notice the client leaving"
+        time.sleep(0.05)
+    assert (
+        httpx.post(server.base_url + "/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    )
+    assert "Traceback" not in server.log()[logged:], server.log()[logged:][-3000:]
 
 
 @pytest.mark.parametrize("narrowing", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}])

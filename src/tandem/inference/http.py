@@ -20,6 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from pydantic_core import to_json
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem.inference.errors import APIError, error_response, install_error_handlers
@@ -101,9 +102,15 @@ async def read_body(request: Request, model: type[M]) -> M:
     become the same 400 as FastAPI's own body validation (errors.py). Generation routes read their
     bodies this way: FastAPI's path (JSON to Python objects, then field-by-field validation)
     costs the event loop several times more per request, time that a batch of requests arriving
-    together spends holding the GIL against the engine thread."""
+    together spends holding the GIL against the engine thread. A client that leaves before its
+    whole body arrived gets the 499 of a client gone (no one reads it), not a 500 and a logged
+    traceback."""
     try:
-        return model.model_validate_json(await request.body())
+        body = await request.body()
+    except ClientDisconnect:
+        raise APIError(499, "the client disconnected before its request body arrived") from None
+    try:
+        return model.model_validate_json(body)
     except ValidationError as e:
         raise RequestValidationError(e.errors(include_url=False)) from None
 
