@@ -5,6 +5,7 @@ import asyncio
 import json
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -464,6 +465,26 @@ def test_bad_chat_requests(server: Any, body: dict, param: str) -> None:
     error = response.json()["error"]
     assert error["type"] == "BadRequestError"
     assert_names(error, param)
+
+
+@pytest.mark.parametrize("path", ["/completions", "/chat/completions"])
+def test_a_huge_prompt_does_not_hold_up_other_requests(server: Any, path: str) -> None:
+    """(Tokenised in the event loop, an 8 MB prompt held every request and /health up for 23 s.)"""
+    text = "x" * 3_000_000  # seconds to tokenise
+    body = {"prompt": text, "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+
+    def send() -> tuple[httpx.Response, float]:
+        response = httpx.post(server.base_url + path, json=body, timeout=120)
+        return response, time.monotonic()
+
+    with ThreadPoolExecutor(1) as pool:
+        huge = pool.submit(send)
+        time.sleep(0.5)  # (sent; being tokenised)
+        health = httpx.get(server.url + "/health", timeout=120)
+        answered = time.monotonic()
+        response, refused = huge.result()
+    assert health.status_code == 200 and response.status_code == 400, response.text
+    assert answered < refused - 0.5, f"/health answered {answered - refused:.2f} s after the huge prompt"
 
 
 def test_context_errors_name_the_field_the_client_sent(server: Any) -> None:
