@@ -487,18 +487,34 @@ def test_a_huge_prompt_does_not_hold_up_other_requests(server: Any, path: str) -
     assert answered < refused - 0.5, f"/health answered {answered - refused:.2f} s after the huge prompt"
 
 
-def test_context_errors_name_the_field_the_client_sent(server: Any) -> None:
-    """(A chat without a limit printed a negative completion; max_completion_tokens was named max_tokens.)"""
-    chat = server.base_url + "/chat/completions"
-    short = [{"role": "user", "content": "x"}]
-    body = {"messages": short, "max_completion_tokens": MAX_MODEL_LEN}
-    assert httpx.post(chat, json=body, timeout=30).json()["error"]["param"] == "max_completion_tokens"
-    body = {"messages": short, "max_tokens": MAX_MODEL_LEN}
-    assert httpx.post(chat, json=body, timeout=30).json()["error"]["param"] == "max_tokens"
-    long = [{"role": "user", "content": "x " * MAX_MODEL_LEN}]
-    error = httpx.post(chat, json={"messages": long}, timeout=30).json()["error"]
-    assert error["param"] == "prompt" and "which leaves none for the completion" in error["message"], error
+LONG_CHAT = [{"role": "user", "content": "x " * MAX_MODEL_LEN}]
+CONTEXT_ERRORS = [
+    (
+        "/chat/completions",
+        {"messages": USER_X, "max_completion_tokens": MAX_MODEL_LEN},
+        "max_completion_tokens",
+    ),
+    ("/chat/completions", {"messages": USER_X, "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+    # a prompt that fills the context: no max_tokens could fit; a chat's prompt is its messages
+    ("/chat/completions", {"messages": LONG_CHAT}, "messages"),
+    ("/chat/completions", {"messages": LONG_CHAT, "max_tokens": 5}, "messages"),
+    ("/completions", {"prompt": [1] * MAX_MODEL_LEN, "max_tokens": 1}, "prompt"),
+    ("/completions", {"prompt": [1] * (MAX_MODEL_LEN - 1), "max_tokens": 5}, "max_tokens"),
+    ("/completions", {"prompt": [1] * (MAX_MODEL_LEN - 8)}, "prompt"),  # (max_tokens: the default 16)
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), CONTEXT_ERRORS)
+def test_context_errors_name_the_field_the_client_sent(
+    server: Any, path: str, body: dict, param: str
+) -> None:
+    """(A chat without a limit printed a negative completion; max_completion_tokens was named max_tokens;
+    a prompt that filled the context was blamed on max_tokens, a chat's on a field named prompt.)"""
+    error = httpx.post(server.base_url + path, json=body, timeout=30).json()["error"]
+    assert error["param"] == param and "maximum context length" in error["message"], error
     assert "-" not in error["message"].split("However")[1]  # no negative count
+    if len(body.get("prompt", "")) >= MAX_MODEL_LEN or body.get("messages") is LONG_CHAT:
+        assert "which leaves none for the completion" in error["message"], error
 
 
 def test_malformed_json_and_unknown_routes(server: Any, client: openai.OpenAI) -> None:

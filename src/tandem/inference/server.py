@@ -138,20 +138,26 @@ class Server:
             )
 
     def resolve_max_tokens(
-        self, prompt_len: int, requested: int | None, default: int | None, field: str = "max_tokens"
+        self,
+        prompt_len: int,
+        requested: int | None,
+        default: int | None,
+        field: str = "max_tokens",
+        prompt_field: str = "prompt",
     ) -> int:
         """The completion budget; prompt + budget must fit the context, as vLLM requires. `field`
-        names the request field `requested` came from."""
+        names the request field `requested` came from, `prompt_field` the one the prompt came from
+        (chat: messages): the error names the prompt when no budget could fit beside it."""
         limit = self.engine.max_model_len
-        if requested is None and default is None:  # the rest of the context, if any is left
-            if prompt_len >= limit:
-                raise APIError(
-                    400,
-                    f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                    f"{prompt_len} tokens, which leaves none for the completion. Please reduce the length "
-                    "of the prompt.",
-                    "prompt",
-                )
+        if prompt_len >= limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                f"{prompt_len} tokens, which leaves none for the completion. Please reduce the length "
+                "of the prompt.",
+                prompt_field,
+            )
+        if requested is None and default is None:  # the rest of the context
             return limit - prompt_len
         max_tokens = requested if requested is not None else default
         assert max_tokens is not None
@@ -161,7 +167,7 @@ class Server:
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
                 "completion). Please reduce the length of the prompt or of the completion.",
-                field if requested is not None else "prompt",
+                field if requested is not None else prompt_field,
             )
         return max_tokens
 
@@ -361,7 +367,7 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
         server.check_common(req)
         prompt = await off_loop(len(await request.body()), lambda: server.chat_prompt(req))  # (body: read)
         field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        max_tokens = server.resolve_max_tokens(len(prompt), req.completion_limit, None, field)
+        max_tokens = server.resolve_max_tokens(len(prompt), req.completion_limit, None, field, "messages")
         await server.wait_until_resumed()
         builder = ResponseBuilder(
             chat=True,
