@@ -217,6 +217,32 @@ def test_pause_times_out_with_503(server: InProcessServer) -> None:
     assert server.greedy(2)["token_ids"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_during_a_pause_is_let_go_at_once(server: InProcessServer, stream: bool) -> None:
+    """(It stayed counted as waiting for resume until the pause ended or timed out, then got a 503.)"""
+
+    def counter(name: str) -> float:
+        text = httpx.get(server.url + "/metrics").text
+        return float(next(line for line in text.splitlines() if line.startswith(name + " ")).split()[1])
+
+    aborted = counter("tandem_http_requests_aborted_total")
+    server.post("/pause")
+    try:
+        body = {"prompt": "x", "max_tokens": 2, "stream": stream}
+        with pytest.raises(httpx.ReadTimeout):
+            server.post("/v1/completions", body, timeout=httpx.Timeout(10, read=0.3))
+        deadline = time.monotonic() + 1.0  # (well before the pause's 1.5 s timeout)
+        while (
+            counter("tandem_requests_waiting_for_resume")
+            or counter("tandem_http_requests_aborted_total") == aborted
+        ):
+            assert time.monotonic() < deadline, "the request still waits for resume, its client gone"
+            time.sleep(0.05)
+    finally:
+        server.post("/resume")
+    assert server.greedy(2)["token_ids"]
+
+
 def test_pause_freezes_running_requests(server: InProcessServer) -> None:
     body = {"prompt": "x", "max_tokens": 80, "ignore_eos": True, "stream": True, "return_token_ids": True}
     headers = {"authorization": f"Bearer {API_KEY}"}

@@ -211,13 +211,21 @@ async def _serve(endpoint: Endpoint, scope: Scope, receive: Receive, send: Send)
     await response(scope, receive, send)
 
 
-async def wait_for_resume(resumed: asyncio.Event, counters: ServerCounters, timeout_s: float) -> None:
-    """Hold a generation request while the server is paused; 503 after `timeout_s`."""
+async def wait_for_resume(
+    resumed: asyncio.Event, counters: ServerCounters, timeout_s: float, request: Request
+) -> None:
+    """Hold a generation request while the server is paused; 503 after `timeout_s`. A client that
+    disconnects meanwhile ends the wait at once (a 499 to no one, counted as aborted), rather than
+    staying counted among those waiting for resume until the pause ends."""
     if resumed.is_set():
         return
     counters.waiting_for_resume += 1
     try:
-        await asyncio.wait_for(resumed.wait(), timeout_s)
+        waiting = await _unless_disconnected(asyncio.wait_for(resumed.wait(), timeout_s), request.receive)
+        if waiting.cancelled():
+            counters.requests_aborted_total += 1
+            raise APIError(499, "the client disconnected while the server was paused")
+        waiting.result()
     except TimeoutError:
         raise APIError(
             503, f"the server is paused (weights are being updated) and did not resume within {timeout_s:g} s"

@@ -200,10 +200,10 @@ class Server:
 
     # --- pause gate -----------------------------------------------------------------------------
 
-    async def wait_until_resumed(self) -> None:
+    async def wait_until_resumed(self, request: Request) -> None:
         if self.broken is not None:
             raise APIError(503, self.broken)
-        await wait_for_resume(self.resumed, self.counters, self.config.pause_timeout_s)
+        await wait_for_resume(self.resumed, self.counters, self.config.pause_timeout_s, request)
 
     # --- generation -------------------------------------------------------------------------------
 
@@ -347,7 +347,7 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
         for ids in prompts:
             server.check_prompt_ids(ids)
         max_tokens = [server.resolve_max_tokens(len(ids), req.max_tokens, 16) for ids in prompts]
-        await server.wait_until_resumed()
+        await server.wait_until_resumed(request)
         builder = ResponseBuilder(
             chat=False,
             request_id=server.new_request_id("cmpl"),
@@ -368,7 +368,7 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
         prompt = await off_loop(len(await request.body()), lambda: server.chat_prompt(req))  # (body: read)
         field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         max_tokens = server.resolve_max_tokens(len(prompt), req.completion_limit, None, field, "messages")
-        await server.wait_until_resumed()
+        await server.wait_until_resumed(request)
         builder = ResponseBuilder(
             chat=True,
             request_id=server.new_request_id("chatcmpl"),
@@ -473,7 +473,7 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
                 f"(got {req.skip_tokens})",
                 "skip_tokens",
             )
-        await server.wait_until_resumed()
+        await server.wait_until_resumed(request)
         try:
             async with aclosing(
                 engine.generate(server.new_request_id("kv"), req.prompt, PREFILL_ONLY, stream=False)

@@ -123,8 +123,8 @@ class VLLMFront:
 
     # --- generation ----------------------------------------------------------------------------
 
-    async def wait_until_resumed(self) -> None:
-        await wait_for_resume(self.resumed, self.counters, self.config.pause_timeout_s)
+    async def wait_until_resumed(self, request: Request) -> None:
+        await wait_for_resume(self.resumed, self.counters, self.config.pause_timeout_s, request)
 
     def salted(self, body: bytes) -> tuple[bytes, bool]:
         """The request body with the weight version in its cache salt, and whether it streams.
@@ -143,7 +143,7 @@ class VLLMFront:
 
     async def generate(self, request: Request) -> Response:
         body = await request.body()
-        await self.wait_until_resumed()
+        await self.wait_until_resumed(request)
         mark = self.versions.mark()
         body, stream = self.salted(body)
         upstream = self.client.build_request(
