@@ -524,6 +524,12 @@ def test_malformed_json_and_unknown_routes(server: Any, client: openai.OpenAI) -
         headers={"content-type": "application/json"},
     )
     assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+    for content, message in (
+        (b"", "the request has no body"),
+        (b"[1]", "the request body must be a JSON object"),
+    ):
+        response = httpx.post(server.base_url + "/completions", content=content)
+        assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
     missing = httpx.get(server.base_url + "/nothing-here")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
     with pytest.raises(openai.BadRequestError, match="maximum context length"):

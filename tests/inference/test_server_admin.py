@@ -150,6 +150,7 @@ def test_bad_checkpoints_keep_the_old_weights(
     for body in bodies:
         response = server.post("/update_weights", body)
         assert response.status_code == 400, (body, response.text)
+        assert response.json()["error"]["param"] == next(iter(body)), response.text  # (step's: step)
         assert "old weights stay live" in response.json()["error"]["message"]
         assert server.greedy() == live
         assert server.engine.weight_version == version
@@ -164,15 +165,35 @@ def test_unreadable_weight_paths_are_400s_naming_the_path(server: InProcessServe
         response = server.post("/update_weights", body)
         assert response.status_code == 400, response.text[:300]
         assert response.json()["error"]["param"] == "path", response.text[:300]
-    surrogate = httpx.post(  # a lone surrogate, valid JSON that httpx's json= would not encode
-        server.url + "/update_weights",
-        content=b'{"path": "/tmp/\\ud800"}',
-        headers={"authorization": f"Bearer {API_KEY}", "content-type": "application/json"},
-    )
-    assert surrogate.status_code == 400 and surrogate.json()["error"]["param"] == "path", surrogate.text
     response = server.post("/update_weights")
     assert response.status_code == 400 and "no body" in response.json()["error"]["message"], response.text
     assert server.greedy() == live
+
+
+BAD_BODIES = [
+    (b'{"path": "/tmp/\\ud800"}', {}, "malformed JSON"),  # a lone surrogate (httpx's json= would not send it)
+    (b'{"path": "\xff"}', {}, "malformed JSON"),  # not UTF-8
+    (b'{"path": ' + b"[" * 10000 + b"]" * 10000 + b"}", {}, "malformed JSON"),  # nested too deep
+    (b'["path"]', {}, "the request body must be a JSON object"),
+    (
+        b'{"path": "/no/such/dir"}',
+        {"content-type": "text/plain"},
+        "/no/such/dir",
+    ),  # read as JSON all the same
+]
+
+
+@pytest.mark.parametrize(("content", "headers", "message"), BAD_BODIES)
+def test_admin_bodies_are_read_as_generation_bodies_are(
+    server: InProcessServer, content: bytes, headers: dict, message: str
+) -> None:
+    """(FastAPI's own parsing answered a body not UTF-8 or nested too deep with "There was an error
+    parsing the body", and a list, or JSON sent as text/plain, with "Input should be a valid
+    dictionary or object to extract fields from". A lone surrogate is refused as in generation
+    bodies.)"""
+    headers = {"authorization": f"Bearer {API_KEY}", "content-type": "application/json", **headers}
+    response = httpx.post(server.url + "/update_weights", content=content, headers=headers, timeout=30)
+    assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
 
 
 def test_an_idle_kept_alive_connection_outlives_the_clients_expiry(server: InProcessServer) -> None:

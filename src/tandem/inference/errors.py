@@ -77,8 +77,11 @@ def describe_validation_error(error: RequestValidationError) -> tuple[str, str |
         if item.get("type") == "json_invalid":
             problems.append(f"malformed JSON: {item.get('ctx', {}).get('error', item.get('msg'))}")
             continue
-        if not path and item.get("type") == "missing":  # (FastAPI's routes: no body at all)
+        if not path and item.get("type") == "missing":  # (no body at all)
             problems.append("the request has no body; expected a JSON object")
+            continue
+        if not path and item.get("type") in ("model_type", "model_attributes_type", "dict_type"):
+            problems.append("the request body must be a JSON object")
             continue
         message = str(item.get("msg", "invalid value"))
         problems.append(f"{path}: {message}" if path else message)

@@ -102,13 +102,17 @@ async def read_body(request: Request, model: type[M]) -> M:
     become the same 400 as FastAPI's own body validation (errors.py). Generation routes read their
     bodies this way: FastAPI's path (JSON to Python objects, then field-by-field validation)
     costs the event loop several times more per request, time that a batch of requests arriving
-    together spends holding the GIL against the engine thread. A client that leaves before its
-    whole body arrived gets the 499 of a client gone (no one reads it), not a 500 and a logged
-    traceback."""
+    together spends holding the GIL against the engine thread. The native server's other POST
+    routes do too, for the same errors whatever the content type (FastAPI's answered bodies that
+    are not UTF-8 with "There was an error parsing the body", and JSON sent as text/plain with
+    "Input should be a valid dictionary"). A client that leaves before its whole body arrived
+    gets the 499 of a client gone (no one reads it), not a 500 and a logged traceback."""
     try:
         body = await request.body()
     except ClientDisconnect:
         raise APIError(499, "the client disconnected before its request body arrived") from None
+    if not body:
+        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required"}])
     try:
         return model.model_validate_json(body)
     except ValidationError as e:

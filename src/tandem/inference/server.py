@@ -431,7 +431,8 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
         return model_card()
 
     @app.post("/update_weights")
-    async def update_weights(req: UpdateWeightsRequest) -> dict:
+    async def update_weights(request: Request) -> dict:
+        req = await read_body(request, UpdateWeightsRequest)
         if req.step is not None and config.weights.in_memory:
             async with server.update_lock:
                 version = await server.receive_weights(req.step)
@@ -440,6 +441,7 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
             log.info("received policy version %d (%s)", version, transport)
             return {"weight_version": version, "transport": transport}
         path = server.weights_path(req)
+        source = "path" if req.path is not None else "step"  # (the field the client named the weights by)
         async with server.update_lock:
             try:
                 if req.version is None:
@@ -447,10 +449,10 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
                 else:
                     version = await engine.update_weights(path, version=req.version)  # type: ignore[call-arg]
             except WeightUpdateConflict as e:
-                raise APIError(409, f"{e}; the old weights stay live", "path") from None
+                raise APIError(409, f"{e}; the old weights stay live", source) from None
             except WeightLoadError as e:
                 raise APIError(
-                    400, f"cannot load weights from {path}: {e}; the old weights stay live", "path"
+                    400, f"cannot load weights from {path}: {e}; the old weights stay live", source
                 ) from None
         server.counters.weight_updates_total += 1
         log.info("loaded weights from %s as version %d", path, version)
@@ -500,8 +502,9 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
         return Response(data, media_type="application/octet-stream")
 
     @app.post("/v1/kv/release")
-    async def release_kv(req: KVReleaseRequest) -> dict:
+    async def release_kv(request: Request) -> dict:
         """A decode server is done with the staging buffer of an export (prefill.py)."""
+        req = await read_body(request, KVReleaseRequest)
         return {"released": server.staging.release(req.buffer, req.lease)}
 
     @app.post("/v1/kv/link")
@@ -514,8 +517,9 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
         return await engine.open_link()
 
     @app.post("/v1/kv/send")
-    async def send_kv(req: KVSendRequest) -> dict:
+    async def send_kv(request: Request) -> dict:
         """Send a staged export's blocks over a link; answered once the send is queued."""
+        req = await read_body(request, KVSendRequest)
         if not server.staging.holds(req.buffer, req.lease):
             raise APIError(400, f"lease {req.lease} does not hold staging buffer {req.buffer}", "lease")
         try:
@@ -526,7 +530,8 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
         return {"sent": req.nbytes}
 
     @app.post("/v1/kv/unlink")
-    async def close_kv_link(req: KVUnlinkRequest) -> dict:
+    async def close_kv_link(request: Request) -> dict:
+        req = await read_body(request, KVUnlinkRequest)
         await engine.close_link(req.link)
         return {"closed": req.link}
 
