@@ -384,6 +384,11 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "min_p": 2}, 400, "min_p"),
     ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"prompt": "x", "stop": [""]}, 400, "stop"),
+    (
+        {"prompt": "x", "stop": [f"s{i}" for i in range(257)]},
+        400,
+        "stop",
+    ),  # (each token is checked against all)
     ({"prompt": "x", "stop_token_ids": [-3]}, 400, "stop_token_ids"),
     ({"prompt": "x", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
     # (refusals that depend on other fields, or of unimplemented features, name their field too)

@@ -24,6 +24,11 @@ from pydantic import (
 MAX_TOP_LOGPROBS = 20
 """Most alternatives per token (OpenAI's limit for chat; vLLM's default `max_logprobs`)."""
 
+MAX_STOP_STRINGS = 256
+"""Most stop strings per request. Each generated token is checked against every one of them in
+the server's event loop (a stream also looks for their beginnings): 100,000 made a 200-token
+stream take 13 s instead of 0.7 and held other requests up for 0.4 s at a time."""
+
 TokenId = Annotated[StrictInt, Field(ge=0)]
 
 
@@ -105,10 +110,12 @@ class SamplingFields(APIModel):
 
     @field_validator("stop")
     @classmethod
-    def _stop_not_empty(cls, stop: str | list[str] | None) -> str | list[str] | None:
+    def _stop_strings(cls, stop: str | list[str] | None) -> str | list[str] | None:
         strings = [stop] if isinstance(stop, str) else stop or []
         if any(s == "" for s in strings):
             raise ValueError("stop strings must not be empty")
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed (got {len(strings)})")
         return stop
 
     # Each check below is a validator of the field it refuses (not of the whole model), so that
