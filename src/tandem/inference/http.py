@@ -97,6 +97,15 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
     return None if task.cancelled() else task.result()
 
 
+async def request_body(request: Request) -> bytes:
+    """The request's body; a client that leaves before all of it arrived gets the 499 of a client
+    gone (no one reads it), not a 500 and a logged traceback (starlette's ClientDisconnect)."""
+    try:
+        return await request.body()
+    except ClientDisconnect:
+        raise APIError(499, "the client disconnected before its request body arrived") from None
+
+
 async def read_body(request: Request, model: type[M]) -> M:
     """The request's JSON body as `model`, parsed and validated in one pass by pydantic; problems
     become the same 400 as FastAPI's own body validation (errors.py). Generation routes read their
@@ -105,12 +114,8 @@ async def read_body(request: Request, model: type[M]) -> M:
     together spends holding the GIL against the engine thread. The native server's other POST
     routes do too, for the same errors whatever the content type (FastAPI's answered bodies that
     are not UTF-8 with "There was an error parsing the body", and JSON sent as text/plain with
-    "Input should be a valid dictionary"). A client that leaves before its whole body arrived
-    gets the 499 of a client gone (no one reads it), not a 500 and a logged traceback."""
-    try:
-        body = await request.body()
-    except ClientDisconnect:
-        raise APIError(499, "the client disconnected before its request body arrived") from None
+    "Input should be a valid dictionary")."""
+    body = await request_body(request)
     if not body:
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required"}])
     try:

@@ -33,7 +33,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from tandem.inference.config import InferenceConfig
 from tandem.inference.errors import APIError
-from tandem.inference.http import GENERATION_PATHS, SSEResponse, new_app, until_disconnect, wait_for_resume
+from tandem.inference.http import (
+    GENERATION_PATHS,
+    SSEResponse,
+    new_app,
+    request_body,
+    until_disconnect,
+    wait_for_resume,
+)
 from tandem.inference.metrics import ServerCounters, metric
 from tandem.inference.protocol import UpdateWeightsRequest
 from tandem.transport.weights import weights_dir
@@ -142,7 +149,7 @@ class VLLMFront:
         return json.dumps(data).encode(), bool(data.get("stream"))
 
     async def generate(self, request: Request) -> Response:
-        body = await request.body()
+        body = await request_body(request)
         await self.wait_until_resumed(request)
         mark = self.versions.mark()
         body, stream = self.salted(body)
