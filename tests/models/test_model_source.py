@@ -62,7 +62,9 @@ def test_which_names_are_local_paths(tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert str(raised.value) == f"model.name = '{name}': no such directory"
     with pytest.raises(UserError) as raised:  # an "org/name" read as a path because ./org exists: said
         check_model_source("models/qwen3-tiny")
-    assert "no such directory (a local path because ./models is a directory here" in str(raised.value)
+    assert str(raised.value) == (
+        "model.name = 'models/qwen3-tiny': no such directory (read as a local path: ./models is a directory here)"
+    )
     with pytest.raises(UserError, match="'models': the directory has no config.json"):
         check_model_source("models")
     check_model_source("Qwen/Qwen3-0.6B")  # a hub name: checked where it is loaded (no network here)
@@ -100,7 +102,10 @@ def test_rl_refuses_a_model_that_is_neither_local_nor_on_the_hub(tmp_path: Path)
     base = ["--run_dir", str(tmp_path / "run"), "--dry-run", "--model.name"]
     done, seconds = run(RL_DRY_RUN, [*base, "models/qwen3-tiny"], env, tmp_path)
     assert done.returncode == 2 and seconds < 30
-    assert done.stderr == "rl: error: model.name = 'models/qwen3-tiny': no such directory\n"
+    assert done.stderr == (
+        "rl: error: model.name = 'models/qwen3-tiny': no such directory "
+        "(read as a local path: ./models is a directory here)\n"
+    )
 
     done, seconds = run(RL_DRY_RUN, [*base, "org/qwen3-tiny"], env, tmp_path)  # no hub answers
     assert done.returncode == 2 and seconds < 30, seconds

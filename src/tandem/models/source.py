@@ -25,9 +25,7 @@ def check_model_source(name: str) -> None:
         first = name.split("/", 1)[0]
         shadow = ""
         if name.count("/") == 1 and not name.startswith((".", "/", "~")):  # an "org/name" under ./org
-            shadow = (
-                f" (a local path because ./{first} is a directory here; for the hub model, run elsewhere)"
-            )
+            shadow = f" (read as a local path: ./{first} is a directory here)"
         raise UserError(f"model.name = '{name}': no such directory{shadow}")
     if not (directory / "config.json").is_file():
         raise UserError(f"model.name = '{name}': the directory has no config.json")
