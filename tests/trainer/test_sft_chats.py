@@ -6,10 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from tandem.cli import UserError
 from tandem.models.tokenizer import train_tokenizer
-from tandem.trainer.sft.config import DataConfig
+from tandem.trainer.sft.config import DataConfig, SFTConfig
 from tandem.trainer.sft.data import build_chat_dataset, read_chats
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
@@ -110,3 +111,24 @@ def test_a_chats_tools_are_rendered_as_rl_renders_them(tmp_path: Path, tokenizer
     assert trained[0] == trained[1]
     with pytest.raises(UserError, match=r"line 1 of .*: 'tools' must be a list of objects$"):
         build(write(tmp_path, {**GOOD, "tools": "calculate"}), tokenizer)
+
+
+@pytest.mark.parametrize(
+    ("settings", "problem"),
+    [  # (without the check: path ignored and reverse_text trained, or an evaluation that never runs)
+        ({"data": {"path": "chats.jsonl"}}, "path = 'chats.jsonl' is read only with task = 'chat_jsonl'"),
+        (
+            {"data": {"task": "chat_jsonl", "path": "chats.jsonl"}, "eval": {"interval": 5}},
+            "eval.interval = 5: data.task = 'chat_jsonl' has no held-out split",
+        ),
+        (
+            {"data": {"task": "chat_jsonl", "path": "chats.jsonl", "max_len": 10}},
+            "max_len: the reverse_text task's text lengths",
+        ),
+    ],
+)
+def test_a_key_the_task_does_not_read_is_an_error(settings: dict, problem: str) -> None:
+    with pytest.raises(ValidationError) as error:
+        SFTConfig.model_validate(settings)
+    assert problem in str(error.value)
+    SFTConfig.model_validate({"data": {"task": "chat_jsonl", "path": "chats.jsonl"}})  # defaults are fine

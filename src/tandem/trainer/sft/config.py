@@ -3,7 +3,8 @@
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from tandem.config.base import ModelConfig, Section
 from tandem.envs.reverse_text import MAX_LEN, MIN_LEN
@@ -38,6 +39,24 @@ class DataConfig(Section):
         "context parallelism the cp ranks of a group share them, each holding 1/cp of every row.",
     )
     shuffle: bool = Field(True, description="Reshuffle the examples every epoch (seeded by `seed`).")
+
+    @model_validator(mode="after")
+    def check_task_keys(self) -> "DataConfig":
+        """A key of the other task is an error, not ignored: `path` without task = 'chat_jsonl' would
+        train on reverse_text instead of the file."""
+        if self.task != "chat_jsonl" and self.path is not None:
+            raise PydanticCustomError(
+                "path_without_chat_jsonl",
+                "path = '{path}' is read only with task = 'chat_jsonl' (task is '{task}')",
+                {"path": str(self.path), "task": self.task},
+            )
+        if self.task == "chat_jsonl" and (given := sorted({"min_len", "max_len"} & self.model_fields_set)):
+            raise PydanticCustomError(
+                "lengths_with_chat_jsonl",
+                "{keys}: the reverse_text task's text lengths; task = 'chat_jsonl' has no such setting",
+                {"keys": " and ".join(given)},
+            )
+        return self
 
 
 class CheckpointConfig(Section):
@@ -106,3 +125,15 @@ class SFTConfig(Section):
     ckpt: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
     log: LogConfig = Field(default_factory=LogConfig, description="Console logging.")
+
+    @model_validator(mode="after")
+    def check_eval_task(self) -> "SFTConfig":
+        """Held-out evaluation asked of chat_jsonl (no held-out split) fails instead of never running."""
+        if self.data.task == "chat_jsonl" and self.eval.interval:
+            raise PydanticCustomError(
+                "eval_with_chat_jsonl",
+                "eval.interval = {interval}: data.task = 'chat_jsonl' has no held-out split to evaluate "
+                "(set eval.interval = 0; evaluate the model with `evaluate`)",
+                {"interval": self.eval.interval},
+            )
+        return self
