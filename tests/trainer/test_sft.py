@@ -1,5 +1,7 @@
 """SFT end to end on a tiny model: the loss goes down, checkpoints resume exactly."""
 
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tandem.cli import UserError
 from tandem.config import build_config
 from tandem.config.loader import split_args
 from tandem.monitor.metrics import read_metrics
@@ -99,3 +102,21 @@ def test_resume_before_the_first_checkpoint_trains_from_step_0(
     train(config([*sft_args(model, run_dir, steps=2), "--resume"]))
     assert "no checkpoint in" in capsys.readouterr().out and sorted(losses(run_dir)) == [1, 2]
     assert losses(run_dir)[1] == pytest.approx(losses(reference)[1], abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (["--seed", "1"], "seed was 0 there, the run has 1"),
+        (["--data.num-examples", "100"], "data.num_examples"),
+    ],
+)
+def test_resume_on_other_data_fails_naming_what_changed(
+    model: Path, reference: Path, tmp_path: Path, change: list[str], named: str
+) -> None:
+    """(Without the check the run went on at the saved position of another data order: examples seen
+    twice or never, silently.)"""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference / "checkpoints" / "step_4", run_dir / "checkpoints" / "step_4")
+    with pytest.raises(UserError, match="cannot resume from .*step_4: " + re.escape(named)):
+        train(config([*sft_args(model, run_dir, steps=6), "--resume", *change]))

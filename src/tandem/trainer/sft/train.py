@@ -8,6 +8,7 @@ number of loss tokens; since FSDP2 averages gradients over ranks, each rank scal
 sum (over its own tokens) by world_size / global tokens.
 """
 
+import hashlib
 import time
 from pathlib import Path
 from typing import Any
@@ -15,11 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from tandem.cli import UserError
 from tandem.models.context_parallel import token_view
 from tandem.models.loading import load_tokenizer
 from tandem.monitor.metrics import MetricsWriter
 from tandem.monitor.progress import TrainingProgress
-from tandem.trainer.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
+from tandem.trainer.checkpoint import TRAINER_STATE, checkpoint_to_resume, load_checkpoint, save_checkpoint
 from tandem.trainer.expert_load import expert_load
 from tandem.trainer.hf_export import write_hf_model
 from tandem.trainer.model import build_trainer_model, lora_enabled
@@ -86,6 +88,36 @@ def prepare_model_source(cfg: SFTConfig, world: World) -> None:
     barrier()
 
 
+def data_identity(cfg: SFTConfig, dataset: SFTDataset) -> dict[str, Any]:
+    """What fixes the example at every data position: a resumed run must read the same."""
+    identity: dict[str, Any] = {
+        "data.task": cfg.data.task,
+        "seed": cfg.seed,
+        "data.shuffle": cfg.data.shuffle,
+        "data.num_examples": cfg.data.num_examples,
+        "examples": len(dataset),
+    }
+    if cfg.data.task == "chat_jsonl":
+        assert cfg.data.path is not None
+        with cfg.data.path.open("rb") as f:
+            identity["data.path contents (sha256)"] = hashlib.file_digest(f, "sha256").hexdigest()[:16]
+    else:
+        identity.update({"data.min_len": cfg.data.min_len, "data.max_len": cfg.data.max_len})
+    return identity
+
+
+def check_resume_data(path: Path, identity: dict[str, Any]) -> None:
+    """Resuming on other data (another seed, file or order) would continue at the saved position of
+    a different sequence: fail, naming what changed (checkpoints from before this record pass)."""
+    saved = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)["extra"].get("data")
+    for key, value in (saved or {}).items():
+        if identity.get(key) != value:
+            raise UserError(
+                f"cannot resume from {path}: {key} was {value!r} there, the run has {identity.get(key)!r} "
+                "(the data order would change mid-run; use a new run_dir or the checkpoint's settings)"
+            )
+
+
 def train(cfg: SFTConfig) -> dict[str, Any]:
     """Run SFT as configured (single process or one torchrun rank); returns the final summary."""
     with distributed(cfg.model.device) as world:
@@ -99,6 +131,9 @@ def _train(cfg: SFTConfig, world: World) -> dict[str, Any]:
     prepare_model_source(cfg, world)
     tokenizer = load_tokenizer(cfg.model.name)
     dataset = build_dataset(cfg.data, tokenizer, cfg.seed, cfg.seq_len)
+    identity = data_identity(cfg, dataset)
+    if resume_from:
+        check_resume_data(resume_from, identity)
 
     model = build_trainer_model(
         cfg.model,
@@ -120,7 +155,7 @@ def _train(cfg: SFTConfig, world: World) -> dict[str, Any]:
             print(f"sft: resumed from {resume_from} (step {step})", flush=True)
 
     def checkpoint(step: int, position: int) -> None:
-        extra = {"data_position": position}
+        extra = {"data_position": position, "data": identity}
         save_checkpoint(ckpt_root, step, model, optimizer, scheduler, world, extra, cfg.ckpt.keep)
 
     can_eval = cfg.data.task == "reverse_text"
