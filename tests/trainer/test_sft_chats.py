@@ -85,9 +85,12 @@ def test_the_longest_chat_in_tokens_is_named(tmp_path: Path, tokenizer) -> None:
         len(m["content"]) for m in many_turns["messages"]
     )
     with pytest.raises(
-        UserError, match=rf"seq_len {lengths[2] - 1} is too small: line 3 of {path} takes {lengths[2]} tokens"
+        UserError,
+        match=rf"seq_len {lengths[2] - 1} is too small: line 3 of {path} takes {lengths[2]} tokens \(1 of 3 chats",
     ):
         build(path, tokenizer, seq_len=lengths[2] - 1)
+    with pytest.raises(UserError, match=r"\(2 of 3 chats are longer than seq_len\)"):
+        build(path, tokenizer, seq_len=lengths[1] - 1)
 
 
 def test_an_opening_assistant_turn_is_context(tmp_path: Path, tokenizer) -> None:  # noqa: ANN001

@@ -216,10 +216,11 @@ def build_chat_dataset(
     dataset = ChatDataset(read_chats(cfg.path, cfg.num_examples), tokenizer, seed, cfg.shuffle, cfg.path)
     lengths = [len(sample.input_ids) for sample in dataset.tasks]
     longest = max(range(len(lengths)), key=lengths.__getitem__)
-    if lengths[longest] > seq_len:
+    if lengths[longest] > seq_len:  # (no chat is truncated or dropped: either would train on other data)
+        over = sum(n > seq_len for n in lengths)
         raise UserError(
             f"seq_len {seq_len} is too small: line {dataset.lines[longest]} of {cfg.path} takes "
-            f"{lengths[longest]} tokens"
+            f"{lengths[longest]} tokens ({over} of {len(lengths)} chats are longer than seq_len)"
         )
     return dataset
 
