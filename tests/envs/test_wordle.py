@@ -236,3 +236,8 @@ def test_sft_on_synthetic_games_runs(tmp_path: Path) -> None:
     losses = [m["loss"] for m in metrics if "loss" in m]
     assert len(losses) == 3 and all(0 < loss < 10 for loss in losses)
     assert (tmp_path / "sft" / "final" / "config.json").is_file()
+    chats = len(games.read_text().splitlines())  # how many chats, and that eval.final has nothing to run
+    assert (
+        f"sft: {chats} chats from {games}; no held-out evaluation (chat_jsonl has no held-out split)"
+        in done.stdout
+    )

@@ -71,6 +71,15 @@ def test_unreadable_or_empty_files(tmp_path: Path, tokenizer) -> None:  # noqa: 
         read_chats(path, 0)
     with pytest.raises(UserError, match=r"holds no chats$"):
         build(write(tmp_path, "", "  "), tokenizer)
+    broken = tmp_path / "broken.jsonl"  # the parser's reason is given
+    broken.write_text(json.dumps(GOOD) + '\n{"messages": [}\n')
+    with pytest.raises(
+        UserError, match=rf"^data.path: line 2 of {broken} is not JSON: Expecting value at column 15$"
+    ):
+        read_chats(broken, 0)
+    bom = tmp_path / "bom.jsonl"  # a file saved with a byte-order mark reads as without it
+    bom.write_bytes(b"\xef\xbb\xbf" + (json.dumps(GOOD) + "\n").encode())
+    assert [chat.line for chat in read_chats(bom, 0)] == [1]
 
 
 def test_the_longest_chat_in_tokens_is_named(tmp_path: Path, tokenizer) -> None:  # noqa: ANN001

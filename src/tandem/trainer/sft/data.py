@@ -123,15 +123,18 @@ def read_chats(path: Path, limit: int) -> list[Chat]:
         for number, raw in enumerate(f, start=1):
             where = f"data.path: line {number} of {path}"
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # (a leading BOM is allowed)
             except UnicodeDecodeError:
                 raise UserError(f"{where} is not UTF-8") from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{where} is not JSON: {e.msg} at column {e.colno}") from None
+            try:
                 messages, tools = row["messages"], row.get("tools")
-            except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            except (KeyError, TypeError, AttributeError):
                 raise UserError(f"{where} is not a JSON object with 'messages'") from None
             if problem := chat_problem(messages):
                 raise UserError(f"{where}: {problem}")

@@ -132,6 +132,9 @@ def _train(cfg: SFTConfig, world: World) -> dict[str, Any]:
     tokenizer = load_tokenizer(cfg.model.name)
     dataset = build_dataset(cfg.data, tokenizer, cfg.seed, cfg.seq_len)
     identity = data_identity(cfg, dataset)
+    if world.is_main and cfg.data.task == "chat_jsonl":
+        final = "; no held-out evaluation (chat_jsonl has no held-out split)" if cfg.eval.final else ""
+        print(f"sft: {len(dataset)} chats from {cfg.data.path}{final}", flush=True)
     if resume_from:
         check_resume_data(resume_from, identity)
 
