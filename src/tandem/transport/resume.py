@@ -31,7 +31,7 @@ from pathlib import Path
 
 from tandem.cli import UserError
 from tandem.transport.layout import CHECKPOINTS, READY, checkpoint_steps, step_dir, written_steps
-from tandem.transport.weights import STABLE, stable_versions, weights_dir
+from tandem.transport.weights import remove_weights, stable_versions
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +86,7 @@ def orchestrator_start(run_dir: Path, shape: tuple[int, int] | None = None) -> i
         shutil.rmtree(step_dir(run_dir, step), ignore_errors=True)
     for version in stable_versions(run_dir):
         if version > start:
-            (weights_dir(run_dir, version) / STABLE).unlink(missing_ok=True)  # STABLE first, as pruning does
-            shutil.rmtree(weights_dir(run_dir, version), ignore_errors=True)
+            remove_weights(run_dir, version)
     return start
 
 
@@ -98,6 +97,5 @@ def drop_weights_to_republish(run_dir: Path) -> list[int]:
     start = trainer_start(run_dir)
     dropped = [version for version in stable_versions(run_dir) if version > start]
     for version in dropped:
-        (weights_dir(run_dir, version) / STABLE).unlink(missing_ok=True)
-        shutil.rmtree(weights_dir(run_dir, version), ignore_errors=True)
+        remove_weights(run_dir, version)
     return dropped

@@ -114,6 +114,11 @@ def publish_weights(
         tmp.replace(out / STABLE)
         if keep > 0:
             for old in stable_versions(run_dir)[:-keep]:
-                (weights_dir(run_dir, old) / STABLE).unlink(missing_ok=True)
-                shutil.rmtree(weights_dir(run_dir, old), ignore_errors=True)
+                remove_weights(run_dir, old)
     return out
+
+
+def remove_weights(run_dir: Path, version: int) -> None:
+    """Delete weights/step_{version}, STABLE first, so that no reader ever sees a marked, partial directory."""
+    (weights_dir(run_dir, version) / STABLE).unlink(missing_ok=True)
+    shutil.rmtree(weights_dir(run_dir, version), ignore_errors=True)
