@@ -304,7 +304,7 @@ def profile_decode(core: EngineCore, prompts: list[list[int]], steps: int = 30) 
     return f"decode step (profiled): {per_step:.2f} ms\n" + text.getvalue() + device
 
 
-def decode_device_time(core: EngineCore, steps: int) -> str:
+def decode_device_time(core: EngineCore, steps: int, rows: int = 15) -> str:
     """torch.profiler over `steps` more full-batch decode steps: the device's busy time per step
     against the wall time (is the GPU the bound, or does it wait for the host?), and the kernels."""
     from torch.profiler import ProfilerActivity, profile
@@ -318,7 +318,7 @@ def decode_device_time(core: EngineCore, steps: int) -> str:
         wall = (time.perf_counter() - start) / steps * 1e3
     table = prof.key_averages()
     busy = sum(e.self_device_time_total for e in table) / steps / 1e3
-    kernels = table.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60)
+    kernels = table.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=60)
     return f"\ndecode steps under torch.profiler: {wall:.2f} ms wall, {busy:.2f} ms device time per step\n{kernels}"
 
 

@@ -38,6 +38,7 @@ from tandem.inference.engine.triton_fp8 import config_for
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_models import SHAPES, build_random, decode_throughput  # noqa: E402
+from engine_throughput import decode_device_time  # noqa: E402
 
 
 def layer_shapes(shape: dict) -> dict[str, tuple[int, int]]:
@@ -112,6 +113,26 @@ def matmuls(shape: dict, rows: tuple[int, ...]) -> list[dict]:
     return out
 
 
+def profile_decode(core: EngineCore, concurrency: int, args: argparse.Namespace, steps: int = 20) -> str:
+    """The kernels of `steps` full-batch decode steps at `concurrency` (torch.profiler): where a
+    step's device time goes, per kernel."""
+    vocab = min(core.vocab_size, len(core.tokenizer))
+    prompts = torch.randint(
+        3, vocab, (concurrency, args.prompt_len), generator=torch.Generator().manual_seed(5)
+    )
+    params = SamplingParams(temperature=1.0, max_tokens=steps + 20, ignore_eos=True)
+    for i, ids in enumerate(prompts.tolist()):
+        core.add_request(f"profile-{i}", ids, params, 1)
+    while core.scheduler.waiting or any(s.num_uncached > 1 for s in core.scheduler.running):
+        core.step()
+    for _ in range(5):
+        core.step()
+    table = decode_device_time(core, steps, rows=40)
+    while core.has_work():
+        core.step()
+    return table
+
+
 def engine(path: Path, args: argparse.Namespace, **engine: object) -> EngineCore:
     settings = {
         "max_num_seqs": max(args.concurrency),
@@ -183,7 +204,10 @@ def main() -> None:
         nargs="+",
         help="the engines' kernels; default: the fastest in the matmul table",
     )
-    parser.add_argument("--kl-samples", type=int, default=32)
+    parser.add_argument("--kl-samples", type=int, default=32, help="0: no mismatch measurement")
+    parser.add_argument(
+        "--profile", action="store_true", help="print each engine's decode kernels at the first concurrency"
+    )
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/tandem-fp8-bench"))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -222,10 +246,16 @@ def main() -> None:
                 core, c, args.prompt_len, args.output_len, seed=c
             )
             print(name, json.dumps(results[f"{name}_decode_{c}"]), flush=True)
-        samples[name] = sample_with_logprobs(core, args.kl_samples, args)
+        if args.profile:
+            print(
+                f"{name} at {args.concurrency[0]} concurrent:",
+                profile_decode(core, args.concurrency[0], args),
+            )
+        if args.kl_samples:
+            samples[name] = sample_with_logprobs(core, args.kl_samples, args)
         del core
         torch.cuda.empty_cache()
-    results["mismatch"] = mismatch(path, samples)
+    results["mismatch"] = mismatch(path, samples) if samples else {}
 
     print(f"\n{args.shape} on {results['device']}: FP8 matmuls (µs; rel. error vs the dequantized weight)")
     print(f"| {'layer':<8} | {'M':>4} | {'bf16':>8} | " + " | ".join(f"{k:>18}" for k in FP8_KERNELS) + " |")
