@@ -12,7 +12,6 @@ binary success metric), then one summary line per environment; `out` gets the nu
 task's completions as JSON.
 """
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -190,6 +189,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     from tandem.client.inference import ServerPool
     from tandem.models.loading import load_tokenizer
     from tandem.models.source import check_local_checkpoint, check_model_source
+    from tandem.orchestrator.cli import run_async
     from tandem.orchestrator.evaluation import eval_stats, run_eval
 
     check_model_source(cfg.model.name)
@@ -214,7 +214,7 @@ def evaluate(cfg: EvalConfig) -> dict:
         tempfile.TemporaryDirectory(prefix="tandem-eval-") as scratch,
         inference_server(cfg, Path(scratch)) as url,
     ):
-        results, seconds = asyncio.run(play(url))
+        results, seconds = run_async(play(url))
     stats = eval_stats(members, results, cfg.n, prefix="")
     envs = {}
     for m in members:

@@ -8,6 +8,7 @@ import math
 import re
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +21,13 @@ from tandem.config.loader import ConfigError
 from tandem.envs.base import RewardFunction
 from tandem.envs.mixture import Member
 from tandem.envs.reverse_text_env import ReverseTextEnv
+from tandem.orchestrator import cli as orchestrator_cli
+from tandem.orchestrator import rollouts
+from tandem.orchestrator.cli import run_async
 from tandem.orchestrator.config import OrchestratorConfig
 from tandem.orchestrator.evaluation import eval_stats, run_eval
 from tandem.orchestrator.loop import step_metrics
-from tandem.orchestrator.rollouts import RolloutCollector, play_group
+from tandem.orchestrator.rollouts import RolloutCollector, RolloutTimeout, play_group
 from tandem.orchestrator.tasks import step_task_order
 from tandem.transport.rollouts import pack_samples, write_step
 
@@ -216,6 +220,184 @@ def test_a_group_that_is_cancelled_stays_cancelled() -> None:
             await group
 
     asyncio.run(main())
+
+
+class Stubborn(FaultyEnv):
+    """Catches CancelledError and sleeps on (a retry loop that catches everything), until released."""
+
+    name = "stubborn"
+
+    def __init__(self) -> None:
+        super().__init__({})
+        self.released = False
+        self.cancellations = 0
+
+    async def rollout_group(
+        self, task: Any, client: InferenceClient, sampling: SamplingConfig, n: int
+    ) -> list:
+        while not self.released:
+            try:
+                await asyncio.sleep(0.02)
+            except asyncio.CancelledError:
+                self.cancellations += 1
+        raise RuntimeError("released")
+
+
+GRACE_S = 0.5
+"""CANCEL_GRACE_S in these tests (5 s in a run)."""
+
+
+def abandoned_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_an_environment_that_ignores_cancellation_fails_its_group_at_the_timeout_and_is_abandoned(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before, the rollout timeout's cancellation was swallowed and play_group waited forever: the
+    step never finished and the run hung without a word."""
+    monkeypatch.setattr(rollouts, "CANCEL_GRACE_S", GRACE_S)
+    env = Stubborn()
+    task = env.dataset("train")[0]
+
+    async def main() -> None:
+        began = time.monotonic()
+        group = asyncio.ensure_future(
+            play_group(env, task, None, SamplingConfig(max_tokens=8), 2, 0.2, 96)  # type: ignore[arg-type]
+        )
+        try:
+            await asyncio.wait([group], timeout=0.2 + GRACE_S + 2.0)
+            assert group.done(), "play_group still waits for an environment that ignores cancellation"
+            seconds = time.monotonic() - began
+            with pytest.raises(RolloutTimeout) as raised:
+                group.result()
+            assert str(raised.value) == (
+                "no result within rollout_timeout (0.2s), and the environment ignored cancellation: "
+                "its rollout still ran 0.5s after being cancelled and was abandoned"
+            )
+            assert 0.2 + GRACE_S <= seconds < 0.2 + GRACE_S + 2.0
+            assert env.cancellations == 1
+            assert len(rollouts.ABANDONED) == 1  # still running, and referenced
+            (abandoned,) = rollouts.ABANDONED
+            assert abandoned.get_name() == f"rollout of env stubborn task {task.task_id}"
+        finally:
+            env.released = True
+            await asyncio.wait([group, *rollouts.ABANDONED], timeout=5)
+        assert not rollouts.ABANDONED  # let go once it ended on its own
+
+    with caplog.at_level(logging.INFO, logger=rollouts.__name__):
+        asyncio.run(main())
+    (warning,) = abandoned_warnings(caplog)
+    assert re.fullmatch(
+        rf"environment stubborn ignored cancellation: its rollout of task {task.task_id} still runs "
+        r"0\.\ds after being cancelled and is abandoned \(.*\)",
+        warning,
+    ), warning
+    assert f"the abandoned rollout of env stubborn task {task.task_id} ended" in caplog.messages
+
+
+def test_a_group_cancelled_from_outside_does_not_wait_for_an_environment_that_ignores_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Tearing a step down (a failure, SIGTERM) cancels its groups and waits for them: before, one
+    environment that swallowed the cancellation kept the teardown, and the run, waiting forever."""
+    monkeypatch.setattr(rollouts, "CANCEL_GRACE_S", GRACE_S)
+    env = Stubborn()
+    task = env.dataset("train")[0]
+
+    async def main() -> None:
+        group = asyncio.ensure_future(
+            play_group(env, task, None, SamplingConfig(max_tokens=8), 2, 60.0, 96)  # type: ignore[arg-type]
+        )
+        try:
+            await asyncio.sleep(0.1)
+            began = time.monotonic()
+            group.cancel()
+            await asyncio.wait([group], timeout=GRACE_S + 2.0)
+            assert group.done(), "the cancelled group still waits for its environment"
+            assert GRACE_S <= time.monotonic() - began < GRACE_S + 2.0
+            assert group.cancelled()  # cancelled it stays
+            assert env.cancellations == 1 and len(rollouts.ABANDONED) == 1
+        finally:
+            env.released = True
+            await asyncio.wait([group, *rollouts.ABANDONED], timeout=5)
+
+    with caplog.at_level(logging.WARNING, logger=rollouts.__name__):
+        asyncio.run(main())
+    (warning,) = abandoned_warnings(caplog)
+    assert warning.startswith(
+        f"environment stubborn ignored cancellation: its rollout of task {task.task_id}"
+    )
+
+
+def test_an_environment_cleaning_up_after_cancellation_gets_its_grace_even_when_cancelled_again(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A second cancellation (the shutdown cancels every task once more) must not cut the grace
+    short and report an environment that is merely cleaning up as one that ignores cancellation."""
+    monkeypatch.setattr(rollouts, "CANCEL_GRACE_S", 2.0)
+    cleaned: list[str] = []
+
+    class CleansUp(FaultyEnv):
+        async def rollout_group(
+            self, task: Any, client: InferenceClient, sampling: SamplingConfig, n: int
+        ) -> list:
+            try:
+                await asyncio.sleep(3600)
+            finally:
+                await asyncio.sleep(0.3)  # closing a sandbox, say
+                cleaned.append(task.task_id)
+            return []
+
+    env = CleansUp({})
+    task = env.dataset("train")[0]
+
+    async def main() -> None:
+        group = asyncio.ensure_future(
+            play_group(env, task, None, SamplingConfig(max_tokens=8), 2, 60.0, 96)  # type: ignore[arg-type]
+        )
+        await asyncio.sleep(0.1)
+        group.cancel()
+        await asyncio.sleep(0.05)
+        group.cancel()
+        await asyncio.wait([group], timeout=5)
+        assert group.cancelled()
+
+    with caplog.at_level(logging.WARNING, logger=rollouts.__name__):
+        asyncio.run(main())
+    assert cleaned == [task.task_id]
+    assert abandoned_warnings(caplog) == [] and not rollouts.ABANDONED
+
+
+def test_the_process_end_does_not_wait_for_an_abandoned_rollout(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """asyncio.run cancels the tasks still running at its end and waits for them without limit:
+    an abandoned rollout kept a finished orchestrator (or evaluate) from ever exiting."""
+    monkeypatch.setattr(rollouts, "CANCEL_GRACE_S", 0.2)
+    monkeypatch.setattr(orchestrator_cli, "SHUTDOWN_GRACE_S", 0.3)
+    env = Stubborn()
+    task = env.dataset("train")[0]
+
+    async def main() -> str:
+        with pytest.raises(RolloutTimeout, match="the environment ignored cancellation"):
+            await play_group(env, task, None, SamplingConfig(max_tokens=8), 2, 0.1, 96)  # type: ignore[arg-type]
+        return "finished"
+
+    returned: list[str] = []
+    runs = threading.Thread(target=lambda: returned.append(run_async(main())), daemon=True)
+    with caplog.at_level(logging.WARNING):
+        runs.start()
+        runs.join(timeout=10)
+    try:
+        assert not runs.is_alive(), "the loop's shutdown waits for the abandoned rollout"
+        assert returned == ["finished"]
+        assert (
+            f"exiting without 1 task(s) that ignored cancellation for 0.3s: rollout of env stubborn "
+            f"task {task.task_id}" in caplog.messages
+        )
+    finally:
+        env.released = True  # (its loop is closed: the task stays behind, never to run again)
 
 
 @pytest.mark.parametrize("fault", ["empty", "unreadable"])

@@ -5,7 +5,10 @@ A step needs `batch_size / group_size` groups, split between the run's environme
 group fails when its environment raises (CancelledError too, unless the group itself was
 cancelled), takes longer than `rollout_timeout`, or returns a malformed trajectory
 (`check_trajectory`); it is logged with its environment, task id and reason and replaced by the
-next task of the same environment, and so is a zero-advantage group when filtering is on. The
+next task of the same environment, and so is a zero-advantage group when filtering is on. An
+environment runs in a task of its own: cancelled (timed out, or its group cancelled), it gets
+CANCEL_GRACE_S to finish; one that ignores the cancellation is abandoned still running, so
+neither its group nor whoever cancelled the group waits for it. The
 tasks of step N come from `step_task_order(seed, N)`, one stream per environment; with
 `seeded_sampling` each group's requests carry a seed of that same place (seeds.py), so neither
 depends on timing.
@@ -87,6 +90,17 @@ def check_trajectory(t: Trajectory, task_id: str, seq_len: int) -> None:
         raise MalformedTrajectory(f"{t.num_tokens} tokens, more than seq_len {seq_len}")
 
 
+CANCEL_GRACE_S = 5.0
+"""How long a cancelled environment may take to finish: enough for cleanup that awaits (closing
+an HTTP stream or a sandbox), short enough that a step is not held up much by an environment that
+catches CancelledError and goes on (a bare `except BaseException:`, a retry loop that catches
+everything): that one is abandoned instead of waited for."""
+
+ABANDONED: set[asyncio.Task] = set()
+"""Environment tasks that ignored their cancellation and still run: the event loop keeps only weak
+references to tasks, and one collected mid-flight would vanish without a trace."""
+
+
 async def play_group(
     env: Environment,
     task: Any,
@@ -97,30 +111,78 @@ async def play_group(
     seq_len: int,
 ) -> list[Trajectory]:
     """`n` checked trajectories of one task; raises RolloutTimeout, MalformedTrajectory,
-    EnvironmentCancelled or what the environment raised."""
-    deadline = asyncio.timeout(timeout)
+    EnvironmentCancelled or what the environment raised. Cancelled itself, it cancels the
+    environment and returns (raising CancelledError) within CANCEL_GRACE_S whatever it does."""
+    playing = asyncio.ensure_future(env.rollout_group(task, client, sampling, n))
+    playing.set_name(f"rollout of env {env.name or type(env).__name__} task {task.task_id}")
     try:
-        async with deadline:
-            trajectories = await env.rollout_group(task, client, sampling, n)
-    except TimeoutError:
-        if not deadline.expired():
-            raise  # the environment's own timeout: its message says what it waited for
-        raise RolloutTimeout(f"no result within rollout_timeout ({timeout:g}s)") from None
-    except asyncio.CancelledError:
-        current = asyncio.current_task()
-        if current is None or current.cancelling():
-            raise  # this group was cancelled: pass it on
+        done, _ = await asyncio.wait([playing], timeout=timeout)
+    except asyncio.CancelledError:  # this group was cancelled: the environment too, then pass it on
+        await stop(playing, env, task.task_id)
+        raise
+    if not done:
+        if await stop(playing, env, task.task_id):
+            raise RolloutTimeout(f"no result within rollout_timeout ({timeout:g}s)")
+        raise RolloutTimeout(
+            f"no result within rollout_timeout ({timeout:g}s), and the environment ignored "
+            f"cancellation: its rollout still ran {CANCEL_GRACE_S:g}s after being cancelled and was abandoned"
+        )
+    if playing.cancelled():
         # the environment's own (it awaited something cancelled elsewhere): a failure of this group,
         # not a cancellation of the step that would end the run
         raise EnvironmentCancelled(
             "the environment raised CancelledError without being cancelled "
             "(it awaited a task or future that was cancelled)"
-        ) from None
+        )
+    trajectories = playing.result()  # or what the environment raised (its own TimeoutError included)
     if len(trajectories) != n:
         raise MalformedTrajectory(f"returned {len(trajectories)} trajectories, expected {n}")
     for t in trajectories:
         check_trajectory(t, task.task_id, seq_len)
     return trajectories
+
+
+async def stop(playing: asyncio.Task, env: Environment, task_id: str) -> bool:
+    """Cancel an environment's rollout and wait up to CANCEL_GRACE_S for it to end; True when it
+    did. Otherwise it is abandoned: kept in ABANDONED until it ends on its own, and logged once.
+    Cancelled again meanwhile (the process shutting down), it still waits out the grace, so that
+    a rollout cleaning up is not taken for one ignoring cancellation, then raises CancelledError."""
+    playing.cancel()
+    began = time.monotonic()
+    cancelled = False
+    while not playing.done() and (left := began + CANCEL_GRACE_S - time.monotonic()) > 0:
+        try:
+            await asyncio.wait([playing], timeout=left)
+        except asyncio.CancelledError:
+            cancelled = True
+    if not playing.done():
+        abandon(playing, env, task_id, time.monotonic() - began)
+    elif not playing.cancelled():
+        playing.exception()  # what it raised on its way out is not this group's reason: retrieved
+    if cancelled:
+        raise asyncio.CancelledError
+    return playing.done()
+
+
+def abandon(playing: asyncio.Task, env: Environment, task_id: str, waited: float) -> None:
+    name = env.name or type(env).__name__
+    log.warning(
+        "environment %s ignored cancellation: its rollout of task %s still runs %.1fs after being "
+        "cancelled and is abandoned (it catches CancelledError and goes on awaiting; let "
+        "CancelledError propagate, or re-raise it after cleaning up)",
+        name,
+        task_id,
+        waited,
+    )
+    ABANDONED.add(playing)
+
+    def ended(done: asyncio.Task) -> None:
+        ABANDONED.discard(done)
+        if not done.cancelled():
+            done.exception()  # retrieved: nobody awaits an abandoned rollout
+        log.info("the abandoned rollout of env %s task %s ended", name, task_id)
+
+    playing.add_done_callback(ended)
 
 
 @dataclass
