@@ -191,6 +191,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     from tandem.models.source import check_local_checkpoint, check_model_source
     from tandem.orchestrator.cli import run_async
     from tandem.orchestrator.evaluation import eval_stats, run_eval
+    from tandem.orchestrator.watchdog import watch_event_loop
 
     check_model_source(cfg.model.name)
     check_local_checkpoint(cfg.model.name, weights=cfg.server is None)  # (a server of its own: the tokenizer)
@@ -201,12 +202,13 @@ def evaluate(cfg: EvalConfig) -> dict:
     async def play(url: str) -> tuple[list, float]:
         pool = ServerPool([url], cfg.client)
         try:
-            await pool.connect(cfg.seq_len)
-            start = time.perf_counter()
-            results = await run_eval(
-                members, pool, cfg.num_tasks, cfg.sampling, cfg.n, cfg.rollout_timeout, cfg.seq_len
-            )
-            return results, time.perf_counter() - start
+            async with watch_event_loop():
+                await pool.connect(cfg.seq_len)
+                start = time.perf_counter()
+                results = await run_eval(
+                    members, pool, cfg.num_tasks, cfg.sampling, cfg.n, cfg.rollout_timeout, cfg.seq_len
+                )
+                return results, time.perf_counter() - start
         finally:
             await pool.close()
 

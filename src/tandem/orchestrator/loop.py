@@ -28,6 +28,7 @@ from tandem.orchestrator.evaluation import evaluate
 from tandem.orchestrator.prompt_check import check_prompt_lengths
 from tandem.orchestrator.rollouts import RolloutCollector, StepBatch
 from tandem.orchestrator.stats import mean, per_env_stats, staleness_stats, trajectory_stats
+from tandem.orchestrator.watchdog import LoopWatchdog
 from tandem.orchestrator.weights import PolicySync
 from tandem.transport.resume import check_fresh_start, orchestrator_start, trainer_start
 from tandem.transport.rollouts import pack_samples, step_dir, write_step
@@ -141,6 +142,7 @@ class Orchestrator:
         """Connect, then run the steps with the weight watcher beside them; either failing stops both."""
         cfg = self.cfg
         failed = True
+        watchdog = None
         try:
             start, retrain_from = first_step(cfg), trainer_start(cfg.run_dir)
             if start >= cfg.max_steps and retrain_from >= cfg.max_steps:
@@ -150,6 +152,10 @@ class Orchestrator:
             for member in self.members:
                 member.env.setup(tokenizer, cfg.seq_len)
                 check_prompt_lengths(member.env, cfg, lambda m: prompt_tokens(tokenizer, m))
+            # from here on the loop is shared (rollouts, requests, weight updates): the synchronous
+            # start above blocks nothing, and a warning about it would only confuse
+            watchdog = LoopWatchdog(asyncio.get_running_loop())
+            watchdog.start()
             served = await self.pool.connect(cfg.seq_len)
             log.info("%d server(s) serving %s: %s", len(cfg.servers), served, ", ".join(cfg.servers))
             if cfg.prefill_servers:
@@ -174,6 +180,8 @@ class Orchestrator:
                 await self.wandb.wait_for("trainer", cfg.max_steps - 1, cfg.weights.wait_timeout)
             failed = False
         finally:
+            if watchdog is not None:
+                watchdog.stop()
             await self.pool.close()
             self.metrics.close()
             if self.wandb is not None:
