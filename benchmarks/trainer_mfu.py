@@ -18,9 +18,7 @@ drawn once with a fixed seed), random-init weights, one optimizer step per itera
   AdamW's moments in bf16 with stochastic rounding (`optim.moments_dtype = "bfloat16"`, needs
   `master`; `bf16moments` is its own flag, not `bf16`). Suffixes combine:
   `tandem_master_keep`, `moe:tandem_master_keep_logits_bf16moments`; `ac` and `sac`: full and
-  selective activation checkpointing (`parallel.activation_checkpointing`); `fusednorm`: RMSNorm
-  and the residual addition before it by layers/norm.py's fused kernels, not as torch.compile
-  makes them; `short`: GLM-5 skips
+  selective activation checkpointing (`parallel.activation_checkpointing`); `short`: GLM-5 skips
   its indexers where no document is longer than index_topk (`model.sparse_attention =
   "long_documents"`; with `--max-doc-tokens 2048`: `glm-5:tandem_short,glm-5:tandem`). With `master` on one GPU
   the model is not wrapped by FSDP at all (nothing to shard or cast), so `keep` changes nothing
@@ -451,21 +449,11 @@ def run_one(variant: str, steps: int, warmup: int) -> list[dict]:
         return [{"variant": variant, **run_rl(impl, steps, warmup)}]
     if impl.startswith("tandem"):
         backend = impl.split("-", 1)[1] if "-" in impl else "auto"
-        # tandem_<flag>_<flag>: bf16, keep, master, logits, bf16moments, ep<N>, ac or sac, short,
-        # fusednorm (whole tokens of a set)
+        # tandem_<flag>_<flag>: bf16, keep, master, logits, bf16moments, ep<N>, ac or sac, short
+        # (whole tokens of a set)
         flags = set(impl.split("-", 1)[0].split("_")[1:])
         ep = next((int(f[2:]) for f in flags if re.fullmatch(r"ep[1-9][0-9]*", f)), 1)
-        known = {
-            "bf16",
-            "keep",
-            "master",
-            "logits",
-            "bf16moments",
-            "short",
-            "fusednorm",
-            f"ep{ep}",
-            *CHECKPOINTING,
-        }
+        known = {"bf16", "keep", "master", "logits", "bf16moments", "short", f"ep{ep}", *CHECKPOINTING}
         unknown = flags - known
         if unknown:
             raise ValueError(f"unknown tandem flags {sorted(unknown)} in {variant}")
@@ -473,10 +461,6 @@ def run_one(variant: str, steps: int, warmup: int) -> list[dict]:
             raise ValueError(f"{variant}: ac (full) and sac (selective checkpointing) exclude each other")
         checkpointing = next((CHECKPOINTING[f] for f in flags if f in CHECKPOINTING), "none")
         weights = "bfloat16" if "bf16" in flags else FAMILY_WEIGHTS.get(shape, "auto")
-        if "fusednorm" in flags:  # RMSNorm by layers/norm.py's fused kernels
-            from tandem.models.layers import norm
-
-            norm.FUSED_ON_CUDA = True
         run = run_tandem(
             shape, backend, steps, warmup, weights, "keep" in flags, "master" in flags, "logits" in flags,
             "bf16moments" in flags, ep, checkpointing, "short" in flags,

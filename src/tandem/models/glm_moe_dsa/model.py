@@ -85,8 +85,8 @@ class IndexedDecoderLayer(DecoderLayer):
         chosen: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, chosen = self.attention(self.attention_norm(x), cos, sin, docs, chosen)
-        x, h = self.mlp_norm.add_and_norm(x, h)
-        return x + self.mlp(h), chosen
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), chosen
 
 
 class IndexedCausalLM(CausalLM):

@@ -87,8 +87,8 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: PackedDocs
     ) -> torch.Tensor:
-        x, h = self.mlp_norm.add_and_norm(x, self.attention(self.attention_norm(x), cos, sin, docs))
-        return x + self.mlp(h)
+        x = x + self.attention(self.attention_norm(x), cos, sin, docs)
+        return x + self.mlp(self.mlp_norm(x))
 
 
 class CausalLM(nn.Module):
