@@ -1,7 +1,8 @@
 """Greedy decoding of chats with plain transformers `generate`, batched with left padding.
 
-A reference decoder independent of tandem's inference engine: `uv run evaluate` and the SFT
-trainer's held-out evaluation use it to score a model without starting a server.
+A reference decoder independent of tandem's inference engine: the SFT trainer's held-out
+evaluation uses it to score its model without starting a server (`uv run evaluate` goes through
+an inference server).
 """
 
 import torch
