@@ -1,7 +1,8 @@
 """Base class for every tandem config section: strict, typed, and written once."""
 
+from pathlib import Path
 from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
@@ -9,7 +10,13 @@ from pydantic_core import PydanticCustomError
 
 class Section(BaseModel):
     """A config section. Unknown keys are errors; values are validated on assignment too; inf and
-    nan are refused wherever a number is expected (no setting means "infinite")."""
+    nan are refused wherever a number is expected (no setting means "infinite"); an empty string
+    is refused for a text or path key (unless "" is its default: unset).
+
+    The loader validates what files and the command line give in pydantic's strict mode (a TOML
+    value has its type: `max_steps = "10"` or `resume = 1` is an error, not 10 or true); a path is
+    written as a string and a fixed-length list (AdamW's betas) as a list, which this section turns
+    into the Path and tuple the strict mode wants. Sections built in code validate as usual."""
 
     model_config = ConfigDict(
         extra="forbid", validate_assignment=True, validate_default=True, allow_inf_nan=False
@@ -17,23 +24,40 @@ class Section(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def no_bool_for_number(cls, value: Any, info: ValidationInfo) -> Any:
-        """Pydantic reads true as 1 where a number is expected; a `--key` given no value is true."""
-        if (
-            isinstance(value, bool)
-            and info.field_name
-            and takes_number(cls.model_fields[info.field_name].annotation)
-        ):
+    def plain_values(cls, value: Any, info: ValidationInfo) -> Any:
+        """What pydantic would read otherwise: true as 1 where a number is expected (a `--key`
+        given no value is true), "" as the current directory. A path's string becomes a Path and
+        a list for a tuple a tuple (a TOML file has neither type)."""
+        if not info.field_name:
+            return value
+        field = cls.model_fields[info.field_name]
+        types = member_types(field.annotation)
+        if isinstance(value, bool) and takes_number(field.annotation):
             raise PydanticCustomError(
                 "bool_for_number", "expects a number, not true/false (a --key given no value is true)"
             )
+        if value == "" and isinstance(value, str) and (str in types or Path in types) and field.default != "":
+            raise PydanticCustomError("empty", "is empty: give a value or leave the key out")
+        if Path in types and not isinstance(value, str | Path | None):
+            raise PydanticCustomError("path_type", "expects a path, written as a string")
+        if isinstance(value, str) and Path in types:
+            return Path(value)
+        if isinstance(value, list) and any(get_origin(t) is tuple for t in types):
+            return tuple(value)
         return value
+
+
+def member_types(annotation: Any) -> list[Any]:
+    """A field type's members: `int | None` → [int, NoneType]; anything else → [itself]."""
+    while get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    return list(get_args(annotation)) if get_origin(annotation) in (Union, UnionType) else [annotation]
 
 
 def takes_number(annotation: Any) -> bool:
     """Whether a field's type is a number and not a boolean (`int`, `float | None`, ...)."""
-    types = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
-    return bool({int, float} & set(types)) and bool not in types
+    types = member_types(annotation)
+    return (int in types or float in types) and bool not in types
 
 
 class ModelConfig(Section):

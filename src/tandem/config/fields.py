@@ -74,6 +74,14 @@ def _tag_field(members: list[tuple[str, type[BaseModel]]]) -> str | None:
     return min(names) if names else None
 
 
+def union_tag_field(annotation: Any) -> str | None:
+    """The key that picks a union of sections' member (the trainer's `loss.type`), else None."""
+    choices = _choices(annotation)
+    if len(choices) < 2 or not all(_is_section(c) for c in choices):
+        return None
+    return _tag_field([(_tag(c), _strip(c)) for c in choices])
+
+
 def walk_keys(cls: type[BaseModel], prefix: str = "", value: BaseModel | None = None) -> list[Key]:
     """`cls`'s keys: its own values first, then each section's key followed by that section's keys.
     `value` is the section's default instance, whose values are the defaults (at the top: the

@@ -46,7 +46,7 @@ def load_environment(name: str, args: dict[str, Any] | None = None) -> Environme
         return VerifiersEnv.load(name.removeprefix("verifiers:"), args)
     cls = resolve(name)
     try:
-        parsed = cls.Args.model_validate(args or {})
+        parsed = cls.Args.model_validate(args or {}, strict=True)  # (typed by TOML, as the config)
         return cls(parsed)
     except ValidationError as e:
         problems = [f"'env.args.{'.'.join(map(str, err['loc']))}': {err['msg']}" for err in e.errors()]
