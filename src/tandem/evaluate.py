@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 from rich.console import Console
 from rich.table import Table
@@ -33,6 +33,7 @@ from rich.table import Table
 from tandem.cli import UserError, run_cli
 from tandem.client.config import ClientConfig, SamplingConfig
 from tandem.config import ModelConfig, Section, parse_config
+from tandem.config.base import base_urls
 from tandem.config.loader import to_toml
 from tandem.envs.config import EnvConfig, chosen_environments
 from tandem.inference.config import InferenceConfig
@@ -86,6 +87,11 @@ class EvalConfig(Section):
     client: ClientConfig = ClientConfig()
     out: Path | None = Field(None, description="Write the results and every completion as JSON here.")
 
+    @field_validator("server")
+    @classmethod
+    def _base_url(cls, url: str | None) -> str | None:
+        return url if url is None else base_urls([url])[0]
+
     @model_validator(mode="after")
     def check(self) -> "EvalConfig":
         chosen_environments(self.env, self.envs)
@@ -104,6 +110,13 @@ class EvalConfig(Section):
             raise PydanticCustomError(
                 "shape",
                 f"seq_len ({self.seq_len}) must exceed sampling.max_tokens ({self.sampling.max_tokens})",
+            )
+        max_n = self.inference.engine.max_n
+        if self.server is None and self.inference.backend != "vllm" and self.n > max_n:
+            raise PydanticCustomError(
+                "shape",
+                f"n ({self.n}) exceeds inference.engine.max_n ({max_n}), the most samples the started "
+                "server gives one request: raise inference.engine.max_n",
             )
         return self
 

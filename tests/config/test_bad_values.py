@@ -178,6 +178,56 @@ def test_an_empty_path_in_a_file_is_refused(tmp_path: Path) -> None:
     assert build_config(RLConfig).model.name == ""  # a key whose default is "" (unset) still takes it
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--trainer.optim.betas", "[1.0, 0.999]"],
+            "'trainer.optim.betas.0': Input should be less than 1 (got 1.0)",
+        ),
+        (
+            ["--trainer.optim.betas", "[0.9, -0.1]"],
+            "'trainer.optim.betas.1': Input should be greater than or equal to 0",
+        ),
+        (["--trainer.lora.target_modules", "[]"], "'trainer.lora.target_modules': is empty: name a module"),
+        (
+            ["--orchestrator.servers", '["127.0.0.1:8000"]'],
+            "'orchestrator.servers': Value error, '127.0.0.1:8000' is not a base URL",
+        ),
+        (
+            ["--orchestrator.prefill_servers", '["localhost"]'],
+            "'orchestrator.prefill_servers': Value error, 'localhost' is not",
+        ),
+    ],
+)
+def test_values_the_processes_would_refuse_after_start(argv: list[str], message: str) -> None:
+    assert error(["--model.name", "m", *argv]).startswith(f"invalid config: {message}")
+
+
+def test_evaluate_refuses_more_samples_than_its_server_gives() -> None:
+    from tandem.evaluate import EvalConfig
+
+    argv = ["--model.name", "m", "--n", "65", "--sampling.temperature", "1.0"]
+    assert "n (65) exceeds inference.engine.max_n (64)" in error(argv, EvalConfig)
+    assert parse_config(EvalConfig, [*argv, "--inference.engine.max_n", "65"]).n == 65
+    assert parse_config(EvalConfig, [*argv, "--server", "http://127.0.0.1:9"]).n == 65  # its own server
+    assert "'server': Value error, '127.0.0.1:9' is not a base URL" in error(
+        ["--model.name", "m", "--server", "127.0.0.1:9"], EvalConfig
+    )
+
+
+def test_rl_refuses_a_group_larger_than_the_engine_gives_one_request() -> None:
+    from tandem.launch.plan import plan_run
+
+    argv = ["--model.name", "m", "--orchestrator.group_size", "128", "--orchestrator.batch_size", "256"]
+    with pytest.raises(
+        ConfigError, match=r"orchestrator.group_size \(128\) exceeds inference.engine.max_n \(64\)"
+    ):
+        plan_run(parse_config(RLConfig, argv), visible_gpus=[])
+    plan = plan_run(parse_config(RLConfig, [*argv, "--inference.engine.max_n", "128"]), visible_gpus=[])
+    assert plan.orchestrator.group_size == 128
+
+
 def test_environment_args_have_their_toml_types(tmp_path: Path) -> None:
     from tandem.envs.registry import load_environment
 

@@ -60,6 +60,15 @@ def takes_number(annotation: Any) -> bool:
     return (int in types or float in types) and bool not in types
 
 
+def base_urls(urls: list[str]) -> list[str]:
+    """A field validator for server base URLs: each http(s)://host:port, not a bare address (which
+    every request to it would fail on, after the run started)."""
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"'{url}' is not a base URL (http://host:port)")
+    return urls
+
+
 class ModelConfig(Section):
     """Which model to load and how."""
 

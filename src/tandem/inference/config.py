@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from tandem.config.base import ModelConfig, Section
+from tandem.config.base import ModelConfig, Section, base_urls
 from tandem.inference.vllm.config import VLLMConfig
 from tandem.transport.config import WeightsConfig
 
@@ -135,10 +135,7 @@ class PrefillConfig(Section):
     @field_validator("servers")
     @classmethod
     def _urls(cls, servers: list[str]) -> list[str]:
-        for url in servers:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"'{url}' is not a base URL (http://host:port)")
-        return [url.rstrip("/") for url in servers]
+        return [url.rstrip("/") for url in base_urls(servers)]
 
 
 class InferenceConfig(Section):

@@ -190,6 +190,12 @@ def _check_agreement(
             "trainer.lora with inference.engine.quantization = 'fp8': the native engine merges adapters "
             "into its bf16 weights; set quantization = 'none' (or inference.backend = 'vllm')"
         )
+    group, max_n = orchestrator.group_size, inference.engine.max_n
+    if inference.backend != "vllm" and group > max_n:
+        raise ConfigError(
+            f"orchestrator.group_size ({group}) exceeds inference.engine.max_n ({max_n}), the most samples "
+            "the native engine gives one request (a group's): raise inference.engine.max_n"
+        )
     keep, lag = trainer.weights.keep, orchestrator.max_async_level
     if not trainer.weights.in_memory and keep and keep <= lag:
         raise ConfigError(

@@ -3,11 +3,11 @@
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from tandem.client.config import ClientConfig, SamplingConfig
-from tandem.config.base import CPStyle, ModelConfig, Section, cp_width_multiple
+from tandem.config.base import CPStyle, ModelConfig, Section, base_urls, cp_width_multiple
 from tandem.envs.config import EnvConfig, chosen_environments
 from tandem.monitor.config import MonitorConfig
 from tandem.transport.config import WeightsConfig
@@ -137,6 +137,8 @@ class OrchestratorConfig(Section):
         MonitorConfig(), description="W&B: the orchestrator logs its own and the trainer's metrics there."
     )
     log_level: Literal["debug", "info", "warning"] = Field("info", description="Log verbosity (stderr).")
+
+    _base_urls = field_validator("servers", "prefill_servers")(base_urls)
 
     @model_validator(mode="after")
     def check_shapes(self) -> "OrchestratorConfig":

@@ -1,13 +1,15 @@
 """Config sections shared by the SFT and RL trainers. Imports no torch: the launcher reads them."""
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from tandem.config.base import CPStyle, Section
 
 MasterWeights = Literal["model", "optimizer"]
+Beta = Annotated[float, Field(ge=0, lt=1)]
+"""An AdamW beta: a moment's decay per step, in [0, 1) (torch refuses others when the trainer starts)."""
 
 
 class OptimConfig(Section):
@@ -17,7 +19,7 @@ class OptimConfig(Section):
     weight_decay: float = Field(
         0.0, ge=0, description="AdamW weight decay, applied to matrices only (not norms or biases)."
     )
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas (beta1, beta2).")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.999), description="AdamW betas (beta1, beta2), each in [0, 1).")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     warmup_steps: int = Field(0, ge=0, description="Steps of linear warmup from 0 to lr.")
     schedule: Literal["cosine", "linear", "constant"] = Field(
@@ -138,3 +140,11 @@ class LoRAConfig(Section):
         "matches a module whose name is an entry or ends with '.' + an entry; a string is a regular "
         "expression the whole name must match. Not the output head, the embedding or MoE experts.",
     )
+
+    @field_validator("target_modules")
+    @classmethod
+    def some_modules(cls, targets: list[str] | str) -> list[str] | str:
+        """An empty list adapts nothing: the trainer would fail at start, after the servers."""
+        if targets == []:
+            raise PydanticCustomError("empty", "is empty: name a module, or leave the key out (the default)")
+        return targets
