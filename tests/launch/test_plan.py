@@ -418,3 +418,30 @@ def test_refuses_missing_model_used_run_dir_and_taken_port(
     err = capsys.readouterr().err
     assert f"rl: error: port {port} on 127.0.0.1 is taken" in err and err.count("\n") == 1
     assert not (tmp_path / "run" / "configs").exists(), "nothing is written or started after a failed check"
+
+
+def test_a_job_exiting_0_before_its_share_is_done_is_told_from_one_that_finished(tmp_path: Path) -> None:
+    """What the launcher asks when the orchestrator or the trainer exits 0 while the other runs
+    (the other waited rollout_timeout_s or weights.wait_timeout for what never came)."""
+    checks = {s.name: s.check_done for s in plan_run(config(tmp_path), []).specs()}
+    orchestrator, trainer, run = checks["orchestrator"], checks["trainer"], tmp_path / "run"
+    assert orchestrator is not None and trainer is not None and checks["inference"] is None
+    assert orchestrator() == (
+        "before writing the rollouts of step 2 (the last written: none); the trainer would have waited "
+        "trainer.rollout_timeout_s=600 for them"
+    )
+    assert trainer() == (
+        "before publishing weights/step_3 (the newest: none); the orchestrator would have waited "
+        "weights.wait_timeout=3600 for them"
+    )
+    for marker in ("rollouts/step_1/READY", "weights/step_2/STABLE"):
+        (run / marker).parent.mkdir(parents=True)
+        (run / marker).write_text("{}")
+    assert "(the last written: step 1)" in orchestrator() and "(the newest: step_2)" in trainer()
+
+    (run / "rollouts" / "step_2").mkdir()
+    (run / "rollouts" / "step_2" / "READY").write_text("{}")
+    assert orchestrator() is None  # every step written: the trainer trains the rest
+    (run / "rollouts" / "step_2" / "READY").unlink()
+    (run / "checkpoints" / "step_3").mkdir(parents=True)
+    assert orchestrator() is None and trainer() is None  # a resume with every step trained already

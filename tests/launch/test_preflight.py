@@ -231,3 +231,31 @@ def test_a_run_dir_another_launcher_runs_is_refused_before_it_is_touched(
         "or choose another run_dir\n"
     )
     assert sorted(p.name for p in run_dir.iterdir()) == ["rl.lock"]  # no configs written
+
+
+@pytest.mark.parametrize(("limit", "file"), [(0, "rl.lock"), (64, "configs/inference_0.toml")])
+def test_a_full_disk_at_the_start_is_one_line_before_any_process_starts(
+    model: Path, tmp_path: Path, limit: int, file: str
+) -> None:
+    """A run_dir that takes no more bytes (a full disk; here RLIMIT_FSIZE, which fails writes
+    alike) was a traceback from the lock or the configs, and a half-written config was left."""
+    import resource
+
+    run_dir = tmp_path / "run"
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    argv = ["--model.name", str(model), "--run_dir", str(run_dir), "--inference.port", str(free_port())]
+    result = subprocess.run(
+        [sys.executable, "-m", "tandem.launch.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=small_files,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr == f"rl: error: run_dir {run_dir}: cannot write {run_dir / file}: File too large\n"
+    assert result.stdout == ""  # (nothing started)
+    assert not list(run_dir.rglob("*.tmp"))

@@ -6,6 +6,7 @@ computing two decode servers' prompts."""
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -139,3 +140,47 @@ def test_a_prefill_server_computes_the_decode_servers_prompts(tmp_path: Path) ->
     trainer = read_metrics(run / "metrics.jsonl", "trainer")
     assert [r["step"] for r in trainer] == [0, 1]
     assert all(r["mismatch_kl"] <= 1e-6 for r in trainer), trainer
+
+
+def test_a_killed_trainer_stops_the_run_in_one_line_and_resume_loses_no_step(tmp_path: Path) -> None:
+    """SIGKILL of the trainer mid-run: the servers and the orchestrator are stopped, the last
+    lines name the trainer with its log and the step --resume continues from; the resumed run
+    trains every step."""
+    model = build_tiny_model(
+        out=tmp_path / "model", num_layers=2, hidden_size=64, head_dim=16, intermediate_size=128
+    )
+    run = tmp_path / "run"
+    (tmp_path / "rl.toml").write_text(
+        tiny_rl_config(model, run, max_steps=40, extra="[trainer.ckpt]\ninterval = 1")
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "tandem.launch.cli", "@", str(tmp_path / "rl.toml")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+    )
+    assert launcher.stdout is not None
+    lines, pids = [], {}
+    for line in launcher.stdout:
+        lines.append(line)
+        if m := re.search(r"started (\w+) \(pid (\d+)\)", line):
+            pids[m[1]] = int(m[2])
+        if re.match(r"\[trainer\] step 3 ", line):
+            os.kill(pids["trainer"], signal.SIGKILL)
+            break
+    rest, _ = launcher.communicate(timeout=60)
+    out = "".join(lines) + rest
+    assert launcher.returncode == 1, out[-4000:]
+    last = out.splitlines()[-2:]
+    assert last[0] == f"[rl] trainer failed: killed by SIGKILL (log {run / 'logs' / 'trainer.log'})", last
+    assert re.fullmatch(
+        r"\[rl\] stopped; `rl \.\.\. --resume` continues this run_dir from its checkpoint of step \d+",
+        last[1],
+    )
+    assert (run / "logs" / "FAILED").read_text() == f"rl: {last[0][5:]}\n"
+    assert not any(alive(p) for p in pids.values())
+
+    launch_rl(tmp_path, "--resume")
+    trained = {r["step"] for r in read_metrics(run / "metrics.jsonl", "trainer")}
+    assert trained == set(range(40))

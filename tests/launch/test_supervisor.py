@@ -2,6 +2,7 @@
 
 import io
 import json
+import os
 import re
 import signal
 import subprocess
@@ -105,7 +106,10 @@ def test_failure_stops_the_rest_and_reports_tail(tmp_path: Path) -> None:
     assert "Its last 20 lines" in report
     assert "[trainer] trainer line 29" in report and "[trainer] trainer line 10" in report
     assert "trainer line 9\n" not in report
-    assert str(tmp_path / "logs" / "trainer.log") in report
+    # the last line: which process, why, and where its whole log is (it was "full log: PATH")
+    assert (
+        out.splitlines()[-1] == f"[rl] trainer failed: exit code 3 (log {tmp_path / 'logs' / 'trainer.log'})"
+    )
 
 
 def test_sigterm_ignored_leads_to_sigkill(tmp_path: Path) -> None:
@@ -171,16 +175,19 @@ def test_service_exiting_early_is_a_failure(tmp_path: Path) -> None:
 
 
 def start_launcher(
-    tmp_path: Path, specs: list[dict], grace_s: float
+    tmp_path: Path, specs: list[dict], grace_s: float, run_dir: Path | None = None, **popen: object
 ) -> tuple[subprocess.Popen, dict[str, int]]:
-    """Run the supervisor in its own process; return it once every child has started, with their pids."""
+    """Run the supervisor in its own process (holding run_dir's lock, passed to its children, as
+    `rl` does); return it once every child has started, with their pids."""
     spec_file = tmp_path / "specs.json"
     spec_file.write_text(json.dumps(specs))
+    locked = [] if run_dir is None else [str(run_dir)]
     launcher = subprocess.Popen(
-        [sys.executable, RUNNER, str(spec_file), str(tmp_path / "logs"), str(grace_s)],
+        [sys.executable, RUNNER, str(spec_file), str(tmp_path / "logs"), str(grace_s), *locked],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        **popen,  # type: ignore[call-overload]
     )
     pids: dict[str, int] = {}
     assert launcher.stdout is not None
@@ -248,3 +255,163 @@ def test_second_signal_skips_the_grace_period(tmp_path: Path) -> None:
     assert launcher.returncode == 128 + signal.SIGTERM
     assert "stubborn still running (a second signal); sending SIGKILL" in rest
     assert not alive(pids["stubborn"])
+
+
+def test_a_job_that_exits_0_before_its_share_is_done_stops_the_run_at_once(tmp_path: Path) -> None:
+    """An orchestrator exiting 0 before the last step's rollouts left the trainer waiting out
+    trainer.rollout_timeout_s (600 s), then the trainer was blamed."""
+    specs = [
+        ProcessSpec("trainer", child("job", "trainer", 1, 0, 120)),
+        ProcessSpec(
+            "orchestrator",
+            child("job", "orch", 1, 0, 0.2),
+            check_done=lambda: "before writing the rollouts of step 9",
+        ),
+    ]
+    start = time.monotonic()
+    code, out, sup = supervise(specs, tmp_path, shutdown_grace_s=5)
+
+    assert code == 1 and time.monotonic() - start < 20, out
+    log = tmp_path / "logs" / "orchestrator.log"
+    assert out.splitlines()[-1] == (
+        f"[rl] orchestrator failed: exited 0 before writing the rollouts of step 9 (log {log})"
+    )
+    assert not any(alive(c.popen.pid) for c in sup.children)
+
+
+def test_a_job_whose_share_is_done_may_finish_first(tmp_path: Path) -> None:
+    specs = [
+        ProcessSpec("trainer", child("job", "trainer", 1, 0, 1.0)),
+        ProcessSpec("orchestrator", child("job", "orch", 1, 0, 0), check_done=lambda: None),
+    ]
+    code, out, _ = supervise(specs, tmp_path)
+    assert code == 0 and "orchestrator finished" in out and "trainer finished" in out, out
+
+
+@pytest.mark.timeout(60)  # the child blocked on a full pipe forever
+def test_a_log_that_cannot_be_opened_does_not_block_its_process(tmp_path: Path) -> None:
+    """The pump opened the log before draining; when that failed (a full disk) its thread died,
+    nothing read the child's pipe any more, and the child blocked once the pipe was full."""
+    (tmp_path / "logs" / "trainer.log").mkdir(parents=True)  # (open() fails on it, as on a full disk)
+    specs = [ProcessSpec("trainer", child("job", "trainer", 20_000, 0, 0))]  # far more than a pipe buffers
+    code, out, _ = supervise(specs, tmp_path)
+    assert code == 0, out[-2000:]
+    assert (
+        f"cannot write {tmp_path / 'logs' / 'trainer.log'}" in out and "[trainer] trainer line 19999" in out
+    )
+
+
+def test_sighup_to_launcher_stops_the_run_like_sigterm(tmp_path: Path) -> None:
+    """A closed terminal or ssh session (SIGHUP) killed the launcher at once: no message, the
+    children stopped by the kernel's SIGTERM without a grace period, their logs cut short."""
+    specs = [{"name": "tidy", "argv": child("tidy", tmp_path / "cleaned", 0.5)}]
+    launcher, pids = start_launcher(tmp_path, specs, grace_s=20)
+    log = tmp_path / "logs" / "tidy.log"
+    wait_for(lambda: log.is_file() and "running" in log.read_text(), 10, "the child to set its handler")
+
+    launcher.send_signal(signal.SIGHUP)
+    rest, _ = launcher.communicate(timeout=20)
+
+    assert launcher.returncode == 128 + signal.SIGHUP, rest
+    assert "received SIGHUP; stopping" in rest and "stopping tidy" in rest
+    assert (tmp_path / "cleaned").read_text() == "cleaned up"
+    assert not alive(pids["tidy"])
+
+
+def test_an_ignored_sighup_stays_ignored(tmp_path: Path) -> None:
+    """`nohup rl ...`: the launcher keeps running through SIGHUP."""
+    specs = [{"name": "trainer", "argv": child("job", "trainer", 1, 0, 120)}]
+    ignore = lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)  # noqa: E731 (as nohup does)
+    launcher, pids = start_launcher(tmp_path, specs, grace_s=5, preexec_fn=ignore)
+
+    launcher.send_signal(signal.SIGHUP)
+    time.sleep(1)
+    assert launcher.poll() is None and alive(pids["trainer"])
+    launcher.send_signal(signal.SIGTERM)
+    rest, _ = launcher.communicate(timeout=20)
+    assert launcher.returncode == 128 + signal.SIGTERM and "SIGHUP" not in rest
+
+
+def test_children_of_a_killed_launcher_stop_and_hold_its_lock_until_they_have(tmp_path: Path) -> None:
+    """SIGKILL of the launcher: its children get SIGTERM from the kernel and stop. Until the last
+    has, run_dir/rl.lock stays held (the lock was the launcher's alone: a --resume started at once
+    ran beside a process still cleaning up), and the next launcher waits for them, saying so."""
+    from tandem.transport.layout import run_dir_lock
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    port = free_port()
+    specs = [
+        {"name": "inference", "argv": child("service", port), "role": "service",
+         "health_url": f"http://127.0.0.1:{port}/health"},
+        {"name": "tidy", "argv": child("tidy", tmp_path / "cleaned", 2.0)},
+    ]  # fmt: skip
+    launcher, pids = start_launcher(tmp_path, specs, grace_s=20, run_dir=run_dir)
+    log = tmp_path / "logs" / "tidy.log"
+    wait_for(lambda: log.is_file() and "running" in log.read_text(), 10, "the child to set its handler")
+
+    launcher.kill()
+    launcher.wait(timeout=10)
+    said: list[str] = []
+    with run_dir_lock(run_dir, wait_s=20, say=said.append):
+        assert (tmp_path / "cleaned").read_text() == "cleaned up", (
+            "the lock was free before the child had exited"
+        )
+    assert len(said) == 1 and f"the rl launcher (pid {launcher.pid}) is gone" in said[0], said
+    assert str(pids["tidy"]) in said[0]
+    wait_for(lambda: not any(alive(p) for p in pids.values()), 10, "every child to be gone")
+
+
+def test_a_child_of_a_killed_launcher_that_will_not_stop_is_named(tmp_path: Path) -> None:
+    from tandem.cli import UserError
+    from tandem.transport.layout import run_dir_lock
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    specs = [{"name": "stubborn", "argv": child("stubborn", tmp_path / "pid")}]
+    launcher, pids = start_launcher(tmp_path, specs, grace_s=5, run_dir=run_dir)
+    wait_for((tmp_path / "pid").exists, 10, "the stubborn child to ignore SIGTERM")
+    launcher.kill()
+    launcher.wait(timeout=10)
+    try:
+        with pytest.raises(UserError) as error, run_dir_lock(run_dir, wait_s=1):
+            pass
+        message = str(error.value)
+        assert (
+            f"still locked by processes the rl launcher (pid {launcher.pid}) left when it was killed"
+            in message
+        )
+        assert f"{pids['stubborn']} (" in message and "children.py stubborn" in message
+    finally:
+        os.kill(pids["stubborn"], signal.SIGKILL)
+
+
+def test_a_child_whose_launcher_died_before_it_was_set_up_exits(tmp_path: Path) -> None:
+    """The kernel's SIGTERM on the launcher's death is armed in the child after the fork: a
+    launcher that died before that left a child that ran on alone."""
+    import functools
+
+    from tandem.launch.supervisor import _die_with_parent
+
+    marker = tmp_path / "ran"
+    orphan = subprocess.Popen(
+        [sys.executable, "-c", f"open({str(marker)!r}, 'w')"],
+        preexec_fn=functools.partial(_die_with_parent, os.getppid()),  # (not the child's parent: gone)
+    )
+    assert orphan.wait(timeout=30) == 1 and not marker.exists()
+
+
+def test_a_failure_on_a_full_disk_says_so(tmp_path: Path) -> None:
+    """A process that failed because run_dir's disk was full often said nothing about it (the
+    trainer's checkpoint writer: "unexpected pos 704 vs 598"). (A full disk cannot be made here:
+    the threshold is raised instead.)"""
+    specs = [ProcessSpec("trainer", child("job", "trainer", 1, 1, 0))]
+    out = io.StringIO()
+    sup = Supervisor(specs, tmp_path / "logs", console=Console(out, colour=False), low_disk_bytes=1 << 62)
+    assert sup.run() == 1
+    last = out.getvalue().splitlines()[-1]
+    assert re.fullmatch(
+        rf"\[rl\] trainer failed: exit code 1; the filesystem of {tmp_path / 'logs'} has \d+ MiB free "
+        rf"\(log {tmp_path / 'logs' / 'trainer.log'}\)",
+        last,
+    ), last

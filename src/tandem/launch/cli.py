@@ -8,7 +8,10 @@ problem and without importing torch. Then writes the resolved per-process config
 run_dir/configs/, starts the inference server(s),
 waits for their /health, then starts the trainer and the orchestrator, streaming every line to
 the console and to run_dir/logs/<name>.log. Exits 0 when trainer and orchestrator finish; when
-any process fails, stops the rest and shows the failed one's last lines.
+any process fails, stops the rest and shows the failed one's last lines, then one line naming it
+and its log. It holds run_dir/rl.lock, and so do its processes (launch/supervisor.py), so that
+a launcher started while any of them runs refuses or, when only a killed launcher's processes
+hold it, waits for them (docs/configs.md, "Failures and stopping").
 """
 
 import shlex
@@ -23,7 +26,7 @@ from tandem.launch.devices import visible_gpus
 from tandem.launch.plan import RunPlan, plan_run
 from tandem.launch.preflight import preflight
 from tandem.launch.supervisor import Console
-from tandem.transport.layout import CHECKPOINTS, checkpoint_steps, run_dir_lock
+from tandem.transport.layout import CHECKPOINTS, checkpoint_steps, run_dir_lock, written_steps
 from tandem.transport.resume import drop_weights_to_republish, orchestrator_start
 from tandem.transport.weights import clear_offer, latest_version, weights_dir
 
@@ -67,21 +70,33 @@ def prepare_resume(plan: RunPlan) -> None:
 
 def launch(plan: RunPlan) -> int:
     preflight(plan, create=True)
-    with run_dir_lock(plan.config.run_dir):  # (before anything in run_dir is written or deleted)
-        plan.write_configs()
-        prepare_resume(plan)
-        supervisor = plan.supervisor(Console(), PROG)
-        supervisor.say(f"run_dir {plan.config.run_dir}; configs in {plan.config_dir}")
+    console = Console()
+    run_dir = plan.config.run_dir
+    # (before anything in run_dir is written or deleted; the processes inherit it: it stays held
+    # until the last of them has exited, also when this launcher is killed first)
+    with run_dir_lock(run_dir, say=lambda text: console.line(PROG, text)) as lock:
+        try:
+            plan.write_configs()
+            prepare_resume(plan)
+            plan.log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # (a full disk: one line, before any process starts)
+            raise UserError(
+                f"run_dir {run_dir}: cannot write {e.filename or run_dir}: {e.strerror}"
+            ) from None
+        supervisor = plan.supervisor(console, PROG, pass_fds=(lock,))
+        supervisor.say(f"run_dir {run_dir}; configs in {plan.config_dir}")
         code = supervisor.run()
-    if supervisor.stop_signal is not None:  # (the last line of a stopped run says how to go on)
-        latest = checkpoint_steps(plan.config.run_dir / CHECKPOINTS)
-        where = f"its checkpoint of step {latest[-1]}" if latest else "step 0 (no checkpoint yet)"
-        supervisor.say(f"stopped; `rl ... --resume` continues this run_dir from {where}")
+    if supervisor.stop_signal is not None or (code and supervisor.children):
+        latest = checkpoint_steps(run_dir / CHECKPOINTS)
+        if supervisor.stop_signal is not None or latest or written_steps(run_dir):
+            # (the last line of a stopped or failed run says how to go on)
+            where = f"its checkpoint of step {latest[-1]}" if latest else "step 0 (no checkpoint yet)"
+            supervisor.say(f"stopped; `rl ... --resume` continues this run_dir from {where}")
     if code == 0:
-        weights = latest_weights(plan.config.run_dir)
+        weights = latest_weights(run_dir)
         supervisor.say(
             f"finished {plan.trainer.max_steps} steps; final weights: {weights or 'none published'}; "
-            f"metrics in {plan.config.run_dir}"
+            f"metrics in {run_dir}"
         )
     return code
 

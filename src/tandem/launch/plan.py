@@ -25,6 +25,9 @@ from tandem.monitor.wandb_run import RUN_CONFIG_ENV
 from tandem.orchestrator.config import OrchestratorConfig
 from tandem.trainer.rl.config import RLTrainerConfig
 from tandem.transport.config import WeightsConfig
+from tandem.transport.layout import written_steps
+from tandem.transport.resume import trainer_start
+from tandem.transport.weights import STABLE, latest_version, weights_dir
 
 INFERENCE_MODULE = "tandem.inference.cli"
 ORCHESTRATOR_MODULE = "tandem.orchestrator.cli"
@@ -73,7 +76,11 @@ class RunPlan:
         for name, text in self.files().items():
             path = self.config_dir / f"{name}.toml"
             tmp = path.with_suffix(".toml.tmp")
-            tmp.write_text(text)
+            try:
+                tmp.write_text(text)
+            except OSError as e:  # (a full disk: no half-written file left behind)
+                tmp.unlink(missing_ok=True)
+                raise OSError(e.errno, e.strerror, str(path)) from None
             tmp.replace(path)
 
     def specs(self) -> list[ProcessSpec]:
@@ -102,6 +109,7 @@ class RunPlan:
                         str(self.config_dir / "trainer.toml"),
                     ],
                     env={"CUDA_VISIBLE_DEVICES": ",".join(self.devices.trainer)} | self._threads(),
+                    check_done=self._check_done(trainer_left_waiting, self.orchestrator.weights.wait_timeout),
                 )
             )
         if self.runs_orchestrator:
@@ -112,9 +120,19 @@ class RunPlan:
                     [python, "-m", ORCHESTRATOR_MODULE, "@", str(self.config_dir / "orchestrator.toml")],
                     env={"CUDA_VISIBLE_DEVICES": "", RUN_CONFIG_ENV: str(self.config_dir / "rl.toml")},
                     wait_for=remote,
+                    check_done=self._check_done(orchestrator_left_waiting, self.trainer.rollout_timeout_s),
                 )
             )
         return specs
+
+    def _check_done(
+        self, left_waiting: Callable[[Path, int, float], str | None], timeout_s: float
+    ) -> Callable[[], str | None] | None:
+        """On one machine: the check of a job that exits 0 while the other runs. (On several nodes
+        the two are not in one launcher, and a shared filesystem may show the other node's files late.)"""
+        if self.unit is not None:
+            return None
+        return lambda: left_waiting(self.config.run_dir, self.config.max_steps, timeout_s)
 
     def _visible_gpus(self, cfg: InferenceConfig, gpus: list[str]) -> list[str]:
         """A server's GPUs, then those of its prefill servers when it maps their staging buffers
@@ -128,9 +146,14 @@ class RunPlan:
         return visible
 
     def supervisor(
-        self, console: Console, prog: str, peer_event: Callable[[], tuple[str, str] | None] | None = None
+        self,
+        console: Console,
+        prog: str,
+        peer_event: Callable[[], tuple[str, str] | None] | None = None,
+        pass_fds: tuple[int, ...] = (),
     ) -> Supervisor:
-        """The supervisor of this plan's processes, with the deployment's timeouts."""
+        """The supervisor of this plan's processes, with the deployment's timeouts; `pass_fds` are
+        inherited by every process (the run_dir lock)."""
         return Supervisor(
             self.specs(),
             self.log_dir,
@@ -139,6 +162,7 @@ class RunPlan:
             console=console,
             prog=prog,
             peer_event=peer_event,
+            pass_fds=pass_fds,
         )
 
     def trainer_runner(self) -> list[str]:
@@ -151,6 +175,34 @@ class RunPlan:
 
     def _threads(self) -> dict[str, str]:
         return {} if self.cpu_threads is None else {"OMP_NUM_THREADS": str(self.cpu_threads)}
+
+
+def orchestrator_left_waiting(run_dir: Path, max_steps: int, rollout_timeout_s: float) -> str | None:
+    """Why an orchestrator that exited 0 while the trainer runs left it waiting, or None: it must
+    have written the last step's rollouts (which the trainer keeps, as the run's marker), unless
+    the trainer had trained every step already."""
+    written = written_steps(run_dir)
+    if max_steps - 1 in written or trainer_start(run_dir) >= max_steps:
+        return None
+    return (
+        f"before writing the rollouts of step {max_steps - 1} (the last written: "
+        f"{f'step {written[-1]}' if written else 'none'}); the trainer would have waited "
+        f"trainer.rollout_timeout_s={rollout_timeout_s:g} for them"
+    )
+
+
+def trainer_left_waiting(run_dir: Path, max_steps: int, wait_timeout_s: float) -> str | None:
+    """Why a trainer that exited 0 while the orchestrator runs left it waiting, or None: it must
+    have published weights/step_{max_steps} (every transport writes the last version to disk),
+    unless it had nothing left to train."""
+    if (weights_dir(run_dir, max_steps) / STABLE).is_file() or trainer_start(run_dir) >= max_steps:
+        return None
+    newest = latest_version(run_dir)
+    return (
+        f"before publishing weights/step_{max_steps} (the newest: "
+        f"{'none' if newest is None else f'step_{newest}'}); the orchestrator would have waited "
+        f"weights.wait_timeout={wait_timeout_s:g} for them"
+    )
 
 
 def torchrun_command(

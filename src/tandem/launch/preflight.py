@@ -82,6 +82,8 @@ def check_run_dir(run_dir: Path) -> None:
         where = "it is a file" if existing == run_dir else f"{existing} is a file"
         raise UserError(f"run_dir {run_dir} cannot be created: {where}")
     if not os.access(existing, os.W_OK | os.X_OK):
+        if existing == run_dir:
+            raise UserError(f"run_dir {run_dir} is not writable")
         raise UserError(f"run_dir {run_dir} cannot be created: {existing} is not writable")
 
 

@@ -2,20 +2,26 @@
 
 Services (the inference servers) start first and must answer their health URL; then jobs (the
 trainer and the orchestrator) start, each once the URLs it waits for (servers on other nodes)
-answer. The run succeeds when every job exits 0; services are then
-stopped. Any process that exits non-zero, a service that exits at all, a health check that times
-out, a failure on another node (`peer_event`), or SIGINT/SIGTERM to the launcher stops everything: SIGTERM to each process group, then
-SIGKILL after the grace period (at once on a second Ctrl-C; the same signal again within REPEAT_S is
-the first one delivered twice, as `uv run` does). Each child leads its own process
-group (so torchrun's workers die with it) and gets SIGTERM from the kernel if the launcher dies.
-A launcher with services but no jobs (a node that only serves) runs until `peer_event` says the
-run is done.
+answer. The run succeeds when every job exits 0; services are then stopped. Any process that
+exits non-zero, a service that exits at all, a job that exits 0 while another still waits for
+what it never made (its `check_done`), a health check that times out, a failure on another node
+(`peer_event`), or SIGINT/SIGTERM/SIGHUP to the launcher stops everything: SIGTERM to each
+process group, then SIGKILL after the grace period (at once on a second Ctrl-C; the same signal
+again within REPEAT_S is the first one delivered twice, as `uv run` does). A failure ends with
+one line naming the process, why, and its log. Each child leads its own process group (so
+torchrun's workers die with it) and gets SIGTERM from the kernel if the launcher dies (or exits
+at once if the launcher died while it was being started); `pass_fds` (the run_dir lock) are
+inherited by every child, so that the lock stays held until the last of them has exited, also
+after the launcher was killed. A launcher with services but no jobs (a node that only serves)
+runs until `peer_event` says the run is done.
 """
 
 import contextlib
 import ctypes
+import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +39,7 @@ TAIL_LINES = 20
 FAILED_FILE = "FAILED"  # in log_dir: the one-line failure, for what reports a whole job (sbatch)
 POLL_S = 0.1
 REPEAT_S = 0.5  # a stop signal repeated within this is one signal delivered twice (Supervisor._on_signal)
+LOW_DISK_BYTES = 64 << 20  # a failure with less free than this where the logs go says so (a full disk)
 COLOURS = ("36", "35", "33", "32", "34", "31")  # cyan, magenta, yellow, green, blue, red
 
 PR_SET_PDEATHSIG = 1
@@ -48,6 +55,9 @@ class ProcessSpec:
     role: Literal["service", "job"] = "job"
     health_url: str | None = None
     wait_for: list[str] = field(default_factory=list)  # health URLs of services elsewhere (other nodes)
+    # a job exiting 0 while other jobs still run: None when its share is done, else why not (the
+    # others would wait for what it never made)
+    check_done: Callable[[], str | None] | None = None
 
 
 @dataclass
@@ -98,10 +108,14 @@ def _load_prctl() -> Callable[..., int] | None:
 _PRCTL = _load_prctl()  # loaded in the parent: a forked child should not dlopen
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: have the kernel send SIGTERM to this child when the launcher dies (Linux)."""
+def _die_with_parent(parent: int) -> None:
+    """preexec_fn: have the kernel send SIGTERM to this child when the launcher dies (Linux). A
+    launcher that died between the fork and the prctl sends nothing: the child then exits here
+    rather than run on without it."""
     if _PRCTL is not None:
         _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def describe_exit(code: int) -> str:
@@ -123,6 +137,8 @@ class Supervisor:
         console: Console | None = None,
         prog: str = "rl",
         peer_event: Callable[[], tuple[str, str] | None] | None = None,
+        pass_fds: tuple[int, ...] = (),
+        low_disk_bytes: int = LOW_DISK_BYTES,
     ) -> None:
         self.specs = specs
         self.log_dir = Path(log_dir)
@@ -132,6 +148,8 @@ class Supervisor:
         self.prog = prog
         self.peer_event = peer_event  # ("failed" | "done", what) from the other nodes, or None
         self.stopped_by_peer = False
+        self.pass_fds = pass_fds  # inherited by every child (the run_dir lock: held while any lives)
+        self.low_disk_bytes = low_disk_bytes
         self.children: list[Child] = []
         self.stop_signal: int | None = None
         self.signalled_at = 0.0  # (monotonic) when the first stop signal came
@@ -145,7 +163,7 @@ class Supervisor:
         """Run everything to the end; the launcher's exit code (0 on success)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         (self.log_dir / FAILED_FILE).unlink(missing_ok=True)
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {s: signal.signal(s, self._on_signal) for s in _stop_signals()}
         start = time.monotonic()
         try:
             code = self._supervise()
@@ -244,6 +262,8 @@ class Supervisor:
                 if child.spec.role == "service":
                     return self._failed(child, "exited while the run was still going (exit code 0)")
                 pending_jobs.discard(child.name)
+                if pending_jobs and child.spec.check_done and (why := child.spec.check_done()):
+                    return self._failed(child, f"exited 0 {why}")
                 self.say(f"{child.name} finished after {self._age(child):.1f} s")
             if not pending_jobs and not serve_only:
                 return 0
@@ -261,7 +281,8 @@ class Supervisor:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=functools.partial(_die_with_parent, os.getpid()),
+            pass_fds=self.pass_fds,
             text=True,
             errors="replace",
             bufsize=1,
@@ -276,20 +297,29 @@ class Supervisor:
         self.say(f"started {spec.name} (pid {popen.pid}), log {log_path}")
 
     def _pump(self, name: str, stream: IO[str], log_path: Path, tail: deque[str], colour: str) -> None:
-        with log_path.open("a", encoding="utf-8") as log:
-            for raw in stream:  # drain to the end whatever happens, so the child never blocks
-                line = raw.rstrip("\n")
-                tail.append(line)
-                self.console.line(name, line, colour)
-                if not log.closed:
-                    try:
-                        log.write(line + "\n")
-                        log.flush()
-                    except OSError as e:
-                        self.console.line(
-                            self.prog, f"cannot write {log_path} ({e}); {name}'s log stops here"
-                        )
+        try:
+            log: IO[str] | None = log_path.open("a", encoding="utf-8")
+        except OSError as e:  # (a full disk: the child must still be drained, or it blocks on the pipe)
+            self.console.line(self.prog, f"cannot write {log_path} ({e.strerror}); {name}'s log stays empty")
+            log = None
+        for raw in stream:  # drain to the end whatever happens, so the child never blocks
+            line = raw.rstrip("\n")
+            tail.append(line)
+            self.console.line(name, line, colour)
+            if log is not None:
+                try:
+                    log.write(line + "\n")
+                    log.flush()
+                except OSError as e:
+                    self.console.line(
+                        self.prog, f"cannot write {log_path} ({e.strerror}); {name}'s log stops here"
+                    )
+                    with contextlib.suppress(OSError):
                         log.close()
+                    log = None
+        if log is not None:
+            with contextlib.suppress(OSError):
+                log.close()
 
     def _drain_logs(self) -> None:
         """Wait until every ended child's last output is in its log: a job that exited may still
@@ -333,11 +363,12 @@ class Supervisor:
             _signal_group(child.popen.pid, signal.SIGKILL)  # leftovers of a dead leader (torchrun workers)
             child.pump.join(timeout=5)
         self._stop_all()
+        reason += _low_disk(self.log_dir, self.low_disk_bytes)
         self.failure = f"{child.name} failed: {reason} (log {self.log_dir / (child.name + '.log')})"
         self.say(f"{child.name} failed: {reason}. Its last {len(child.tail)} lines:")
         for line in child.tail:
             self.console.line(child.name, line)
-        self.say(f"full log: {self.log_dir / (child.name + '.log')}")
+        self.say(self.failure)  # (last: the one line that says which process and where its log is)
         code = child.popen.returncode
         return code if code and code > 0 else 1
 
@@ -372,6 +403,24 @@ class Supervisor:
 
     def _age(self, child: Child) -> float:
         return time.monotonic() - child.started
+
+
+def _low_disk(path: Path, below: int) -> str:
+    """What a failure's line adds when `path`'s filesystem is (nearly) full: the failed process's
+    own error may not say so (torch's checkpoint writer: "unexpected pos 704 vs 598")."""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return ""
+    return f"; the filesystem of {path} has {free / 2**20:.0f} MiB free" if free < below else ""
+
+
+def _stop_signals() -> list[int]:
+    """The signals that stop the run cleanly: Ctrl-C, SIGTERM, and SIGHUP (the terminal or the ssh
+    session closed: by default it killed the launcher at once, leaving the children to the
+    kernel's SIGTERM and their logs without their ends), unless ignored (`nohup rl ...`)."""
+    hangup = [signal.SIGHUP] if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN else []
+    return [signal.SIGINT, signal.SIGTERM, *hangup]
 
 
 def record_failure(log_dir: Path, line: str) -> None:
