@@ -1,6 +1,7 @@
 """Shared helpers of the launcher tests: free ports, stand-in processes, pid checks, environments
 whose training split the launcher must refuse."""
 
+import random
 import socket
 import sys
 import time
@@ -20,6 +21,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(count: int = 8) -> int:
+    """The first of `count` consecutive free ports, below Linux's ephemeral range (32768 and up)
+    so no client socket of a test running beside takes one of them meanwhile (a run with N servers
+    uses inference.port … inference.port + N - 1)."""
+    for _ in range(200):
+        base = random.randrange(20000, 32768 - count)
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {count} consecutive free ports below 32768")
+
+
 def tiny_rl_config(model: Path, run_dir: Path, max_steps: int, extra: str = "") -> str:
     """The TOML of a small CPU RL run: a tiny model, 4 samples of at most 8 tokens per step."""
     return f"""
@@ -32,7 +49,7 @@ name = "{model}"
 startup_timeout_s = 240
 shutdown_grace_s = 5
 [inference]
-port = {free_port()}
+port = {free_ports()}
 [orchestrator]
 batch_size = 4
 group_size = 2
