@@ -305,7 +305,9 @@ def test_sighup_to_launcher_stops_the_run_like_sigterm(tmp_path: Path) -> None:
     """A closed terminal or ssh session (SIGHUP) killed the launcher at once: no message, the
     children stopped by the kernel's SIGTERM without a grace period, their logs cut short."""
     specs = [{"name": "tidy", "argv": child("tidy", tmp_path / "cleaned", 0.5)}]
-    launcher, pids = start_launcher(tmp_path, specs, grace_s=20)
+    # SIGHUP's default action, whatever the test run inherited (under `nohup`, ignored: the case below)
+    default = lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL)  # noqa: E731
+    launcher, pids = start_launcher(tmp_path, specs, grace_s=20, preexec_fn=default)
     log = tmp_path / "logs" / "tidy.log"
     wait_for(lambda: log.is_file() and "running" in log.read_text(), 10, "the child to set its handler")
 
