@@ -49,7 +49,6 @@ import importlib.util
 import json
 import multiprocessing
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -67,6 +66,7 @@ from transformers.convert_slow_tokenizer import TikTokenConverter
 from tandem.models.loading import save_model
 from tandem.models.tiny import QWEN3_0_6B_SHAPE, TinyModelConfig, build_tiny_model, tiny_qwen3_config
 from tandem.models.tokenizer import CHAT_TEMPLATE, train_tokenizer
+from tandem.net import free_port
 
 QWEN_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 151643-151645
@@ -126,12 +126,6 @@ def build_qwen3_06b_shaped(out: Path, device: torch.device, vocab_file: Path | N
 
 
 # --- the server ------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(

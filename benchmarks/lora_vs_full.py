@@ -34,10 +34,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from weight_sync import SHAPES, Server, Trainer, build_model, free_port, timed_updates  # noqa: E402
+from weight_sync import SHAPES, Server, Trainer, build_model, timed_updates  # noqa: E402
 
 from tandem.models.tiny import QWEN3_0_6B_SHAPE  # noqa: E402
 from tandem.models.tokenizer import train_tokenizer  # noqa: E402
+from tandem.net import free_port  # noqa: E402
 
 QWEN3_4B_SHAPE = {
     **QWEN3_0_6B_SHAPE,

@@ -36,7 +36,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from http_load import RequestTiming, streamed_request  # noqa: E402
-from inference_throughput import free_port, percentile  # noqa: E402
+from inference_throughput import percentile  # noqa: E402
+
+from tandem.net import free_port  # noqa: E402
 
 CPU_SHAPE = {"num_layers": 4, "hidden_size": 256, "num_heads": 4, "num_kv_heads": 2, "head_dim": 64,
              "intermediate_size": 768}  # fmt: skip

@@ -24,9 +24,7 @@ from pathlib import Path
 import httpx
 
 from tandem.models.tiny import build_tiny_model
-
-sys.path.insert(0, str(Path(__file__).parent))
-from inference_throughput import free_port  # noqa: E402
+from tandem.net import free_port
 
 
 def counters(url: str) -> dict[str, float]:

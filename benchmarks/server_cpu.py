@@ -34,7 +34,9 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_step_host import build_model  # noqa: E402
 from http_load import Connection  # noqa: E402
-from inference_throughput import free_port, process_cpu_seconds  # noqa: E402
+from inference_throughput import process_cpu_seconds  # noqa: E402
+
+from tandem.net import free_port  # noqa: E402
 
 
 def loop_cpu_seconds(pid: int) -> float:

@@ -44,10 +44,10 @@ from transformers import Qwen3ForCausalLM  # noqa: E402
 from tandem.client.config import ClientConfig  # noqa: E402
 from tandem.client.inference import ServerPool  # noqa: E402
 from tandem.config import build_config  # noqa: E402
-from tandem.launch.plan import free_port  # noqa: E402
 from tandem.models.loading import save_model  # noqa: E402
 from tandem.models.tiny import QWEN3_0_6B_SHAPE, TinyModelConfig, tiny_qwen3_config  # noqa: E402
 from tandem.models.tokenizer import train_tokenizer  # noqa: E402
+from tandem.net import free_port  # noqa: E402
 from tandem.orchestrator.weights import PolicySync  # noqa: E402
 from tandem.trainer.model import build_trainer_model  # noqa: E402
 from tandem.trainer.optim import build_optimizer  # noqa: E402

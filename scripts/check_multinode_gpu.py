@@ -14,7 +14,6 @@
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -23,14 +22,9 @@ from pathlib import Path
 from tandem.launch.plan import torchrun_command
 from tandem.models.tiny import build_tiny_model
 from tandem.monitor.metrics import read_metrics
+from tandem.net import free_port
 
 ENV = {**os.environ, "NCCL_NVLS_ENABLE": "0", "OMP_NUM_THREADS": "4", "TQDM_DISABLE": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sft_args(model: Path, run_dir: Path, device: str) -> list[str]:

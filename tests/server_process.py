@@ -4,7 +4,6 @@ Shared by the inference, orchestrator and trainer tests (`pythonpath = ["tests"]
 """
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -17,11 +16,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tandem.net import free_port
 
 
 @dataclass

@@ -16,7 +16,6 @@ import contextlib
 import json
 import logging
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from tandem.config.base import base_urls
 from tandem.config.loader import to_toml
 from tandem.envs.config import EnvConfig, chosen_environments
 from tandem.inference.config import InferenceConfig
+from tandem.net import free_port
 
 SERVER_MODULE = "tandem.inference.cli"
 GENERIC_STATS = (
@@ -126,12 +126,6 @@ class EvalConfig(Section):
         server's section as evaluate fills it in (its context length is seq_len)."""
         cfg = cls()
         return cfg.model_copy(update={"inference": server_section(cfg)})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_section(cfg: EvalConfig) -> InferenceConfig:

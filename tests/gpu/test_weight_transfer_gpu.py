@@ -12,9 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from server_process import free_port, start_server
+from server_process import start_server
 from weight_link_helpers import hf, send_while, transfer_models
 
+from tandem.net import free_port
 from tandem.trainer.weight_stream import hf_weight_specs
 from tandem.transport.weight_link import LinkSettings
 from tandem.transport.weight_sender import WeightSender

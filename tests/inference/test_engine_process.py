@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from server_process import free_port, serve_in_thread, start_server
+from server_process import serve_in_thread, start_server
 from weight_link_helpers import hf, send_while, server_weights, transfer_models
 
 from tandem.cli import UserError
@@ -33,6 +33,7 @@ from tandem.inference.engine.api import SampleUpdate
 from tandem.inference.engine.process import ProcessEngine, _decode, _encode
 from tandem.inference.server import build_app
 from tandem.models.tiny import build_tiny_model
+from tandem.net import free_port
 from tandem.trainer.weight_stream import hf_weight_specs, iter_hf_weights
 from tandem.transport.weight_link import LinkSettings, TransferError, TransferRefused
 from tandem.transport.weight_sender import WeightSender

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from server_process import free_port, serve_in_thread
+from server_process import serve_in_thread
 from transformers import AutoModelForCausalLM
 from weight_link_helpers import server_weights
 
@@ -26,6 +26,7 @@ from tandem.inference.server import build_app
 from tandem.models.loading import load_tokenizer
 from tandem.models.lora import lora_layers
 from tandem.models.tiny import build_tiny_model
+from tandem.net import free_port
 from tandem.trainer.config import LoRAConfig, ParallelConfig
 from tandem.trainer.hf_export import write_hf_model
 from tandem.trainer.model import build_trainer_model

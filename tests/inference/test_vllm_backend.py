@@ -21,11 +21,11 @@ import httpx
 import openai
 import pytest
 import torch
-from server_process import free_port
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from weight_link_helpers import hf, send_while
 
 from tandem.models.tiny import build_tiny_model
+from tandem.net import free_port
 from tandem.trainer.weight_stream import hf_weight_specs
 from tandem.transport.weight_link import LinkSettings, TransferRefused
 from tandem.transport.weight_sender import WeightSender

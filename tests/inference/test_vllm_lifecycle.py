@@ -11,13 +11,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_process import free_port
 
 from tandem.inference.config import InferenceConfig
 from tandem.inference.errors import APIError
 from tandem.inference.protocol import UpdateWeightsRequest
 from tandem.inference.vllm.process import new_api_key
 from tandem.inference.vllm.proxy import VLLMFront
+from tandem.net import free_port
 
 FAKE_VLLM = """
 import http.server, os, sys, threading, time

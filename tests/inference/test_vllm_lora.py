@@ -14,7 +14,6 @@ import httpx
 import openai
 import pytest
 import torch
-from server_process import free_port
 from test_lora_updates import Trainer, stream
 from test_vllm_backend import (
     API_KEY,
@@ -29,6 +28,7 @@ from test_vllm_backend import (
 )
 
 from tandem.models.tiny import build_tiny_model
+from tandem.net import free_port
 from tandem.trainer.weight_publisher import update_stream
 from tandem.transport.weight_link import LinkSettings
 from tandem.transport.weight_sender import WeightSender

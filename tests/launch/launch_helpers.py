@@ -1,8 +1,6 @@
-"""Shared helpers of the launcher tests: free ports, stand-in processes, pid checks, environments
-whose training split the launcher must refuse."""
+"""Shared helpers of the launcher tests: a tiny run's config, stand-in processes, pid checks,
+environments whose training split the launcher must refuse."""
 
-import random
-import socket
 import sys
 import time
 from pathlib import Path
@@ -11,30 +9,9 @@ import pytest
 
 from tandem.envs.reverse_text_env import ReverseTextEnv
 from tandem.envs.wordle import WordleEnv
+from tandem.net import free_ports
 
 CHILDREN = str(Path(__file__).with_name("children.py"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_ports(count: int = 8) -> int:
-    """The first of `count` consecutive free ports, below Linux's ephemeral range (32768 and up)
-    so no client socket of a test running beside takes one of them meanwhile (a run with N servers
-    uses inference.port … inference.port + N - 1)."""
-    for _ in range(200):
-        base = random.randrange(20000, 32768 - count)
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError(f"no {count} consecutive free ports below 32768")
 
 
 def tiny_rl_config(model: Path, run_dir: Path, max_steps: int, extra: str = "") -> str:

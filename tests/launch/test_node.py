@@ -7,9 +7,9 @@ import threading
 from pathlib import Path
 
 import pytest
-from launch_helpers import free_port
 
 from tandem.launch.node import hold_until_stopped, main
+from tandem.net import free_port
 from tandem.transport.weights import offered_version, write_offer
 
 

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from launch_helpers import free_port
 
 from tandem.launch.cli import main
 from tandem.models.tiny import build_tiny_model
+from tandem.net import free_port
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from launch_helpers import free_port
 
 from tandem.models.tiny import build_tiny_model
 from tandem.monitor.metrics import read_metrics
+from tandem.net import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -6,13 +6,13 @@ import threading
 from pathlib import Path
 
 import pytest
-from launch_helpers import free_port
 
 from tandem.cli import UserError
 from tandem.config.loader import build_config
 from tandem.launch.cluster import Cluster, resolve_cluster
 from tandem.launch.config import RLConfig
 from tandem.launch.rollcall import RollCall
+from tandem.net import free_port
 
 
 def two_nodes(tmp_path: Path, timeout_s: float = 3) -> Cluster:

@@ -10,11 +10,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from launch_helpers import free_port, tiny_rl_config
+from launch_helpers import tiny_rl_config
 from slurm_cluster import LocalSlurm, missing_reason
 
 from tandem.launch.cli import main
 from tandem.models.tiny import build_tiny_model
+from tandem.net import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-from launch_helpers import alive, child, free_port, wait_for
+from launch_helpers import alive, child, wait_for
 
 from tandem.launch.supervisor import REPEAT_S, Console, ProcessSpec, Supervisor
+from tandem.net import free_port
 
 RUNNER = str(Path(__file__).with_name("supervise_json.py"))
 

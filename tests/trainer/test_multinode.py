@@ -8,13 +8,13 @@ from pathlib import Path
 import torch
 from process_output import failure
 from rl_helpers import sample_reverse_text, small_model, write_rollouts
-from server_process import free_port
 from test_sft_helpers import ENV, sft_args, tiny_model
 from transformers import AutoModelForCausalLM
 
 from tandem.launch.plan import torchrun_command
 from tandem.models.loading import load_tokenizer
 from tandem.monitor.metrics import read_metrics
+from tandem.net import free_port
 
 
 def one_node_two_ranks(module: str, args: list[str]) -> None:

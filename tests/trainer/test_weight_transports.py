@@ -15,10 +15,10 @@ from pathlib import Path
 
 import httpx
 from rl_helpers import inference_server, sample_from_server, small_model, write_rollouts
-from server_process import free_port
 
 from tandem.config import build_config
 from tandem.monitor.metrics import read_metrics
+from tandem.net import free_port
 from tandem.trainer.rl.config import RLTrainerConfig
 from tandem.trainer.rl.train import train
 from tandem.transport.weights import offered_version, stable_versions

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from server_process import free_port, serve_in_thread
+from server_process import serve_in_thread
 from weight_link_helpers import hf, send_while, server_weights, transfer_models
 
 from tandem.client.config import ClientConfig
@@ -22,6 +22,7 @@ from tandem.client.inference import ServerPool
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine import AsyncEngine
 from tandem.inference.server import build_app
+from tandem.net import free_port
 from tandem.orchestrator.weights import PolicySync
 from tandem.trainer.weight_stream import hf_weight_specs, iter_hf_weights
 from tandem.transport.config import WeightsConfig

@@ -7,7 +7,6 @@ node resolves the whole run the same way and starts only its own processes.
 """
 
 import os
-import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from tandem.launch.devices import DeviceAssignment, assign_devices, assign_node_
 from tandem.launch.sections import inference_section, process_sections, updated, with_weights
 from tandem.launch.supervisor import Console, ProcessSpec, Supervisor
 from tandem.monitor.wandb_run import RUN_CONFIG_ENV
+from tandem.net import free_port
 from tandem.orchestrator.config import OrchestratorConfig
 from tandem.trainer.rl.config import RLTrainerConfig
 from tandem.transport.config import WeightsConfig
@@ -381,12 +381,6 @@ def plan_node(
     )
     threads = cpu_threads(config, devices, cores or usable_cores())
     return RunPlan(resolved, devices, per_server, orchestrator, trainer, threads, unit, cluster)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def weight_group_address(config: RLConfig) -> tuple[str, int]:

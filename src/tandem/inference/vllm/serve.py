@@ -23,17 +23,12 @@ from tandem.inference.cli import http_server
 from tandem.inference.config import InferenceConfig
 from tandem.inference.vllm.process import VLLMDiedError, VLLMProcess, new_api_key, vllm_command, vllm_env
 from tandem.inference.vllm.proxy import build_front
+from tandem.net import free_port
 
 CONNECT_METHOD = "tandem_connect_weights"
 """The worker extension's method that joins the weight link (tandem.inference.vllm.worker_extension)."""
 
 log = logging.getLogger("tandem.inference.vllm")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def resolve_python(config: InferenceConfig) -> str:
