@@ -1,8 +1,12 @@
 """`sft @ config.toml [--key value ...]`, single process or under torchrun."""
 
-from tandem.cli import run_cli
-from tandem.config.loader import parse_config
-from tandem.trainer.sft.config import SFTConfig
+from tandem.trainer.torchrun_rank import die_with_torchrun_agent
+
+die_with_torchrun_agent()  # (first: a rank whose agent is killed while it imports must go too)
+
+from tandem.cli import run_cli  # noqa: E402
+from tandem.config.loader import parse_config  # noqa: E402
+from tandem.trainer.sft.config import SFTConfig  # noqa: E402
 
 
 def main() -> None:
