@@ -409,12 +409,17 @@ def test_refuses_missing_model_used_run_dir_and_taken_port(
         in capsys.readouterr().err
     )
 
+    # (a local model: in a run_dir that exists the ports are checked after the lock, so after every
+    # other check, the hub's too, which no hub answers here)
+    model = build_tiny_model(
+        out=tmp_path / "tiny", num_layers=1, hidden_size=32, head_dim=8, intermediate_size=64
+    )
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(SystemExit):
-            main([*base, "--resume", "--inference.port", str(port)])
+            main([*base, "--model.name", str(model), "--resume", "--inference.port", str(port)])
     err = capsys.readouterr().err
     assert f"rl: error: port {port} on 127.0.0.1 is taken" in err and err.count("\n") == 1
     assert not (tmp_path / "run" / "configs").exists(), "nothing is written or started after a failed check"

@@ -138,6 +138,7 @@ def test_each_bad_input_is_one_line_before_anything_starts(
         err == f"rl: error: port {port} on 127.0.0.1 is taken (Address already in use); "
         "stop what uses it or set deployment.inference_ports / inference.port\n"
     )
+    assert not run_dir.exists()  # (a new run_dir: its ports are checked before it is made)
 
 
 def test_the_command_line_answers_without_importing_torch(model: Path, tmp_path: Path) -> None:
@@ -231,6 +232,57 @@ def test_a_run_dir_another_launcher_runs_is_refused_before_it_is_touched(
         "or choose another run_dir\n"
     )
     assert sorted(p.name for p in run_dir.iterdir()) == ["rl.lock"]  # no configs written
+
+
+LEFT_BEHIND = """
+import fcntl, os, socket, sys, time
+lock = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(lock, fcntl.LOCK_EX)
+os.pwrite(lock, sys.argv[2].encode() + b"\\n", 0)  # (its launcher's pid, as rl writes it)
+server = socket.socket()
+server.bind(("127.0.0.1", 0))
+server.listen()
+print(server.getsockname()[1], flush=True)
+time.sleep(float(sys.argv[3]))
+"""
+"""A server a killed launcher left: it holds run_dir/rl.lock and its port for a while, then exits."""
+
+
+def test_a_resume_waits_for_a_killed_launchers_processes_before_it_checks_their_ports(
+    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A --resume started right after the launcher was killed checked the servers' ports first,
+    while the processes it left (which hold rl.lock until they exit) still held them, and failed
+    with `port N is taken` instead of waiting for the lock."""
+    from tandem.launch.plan import RunPlan
+
+    class Started(Exception):
+        pass
+
+    def start(*args: object, **kwargs: object) -> None:
+        raise Started
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    launcher = subprocess.Popen([sys.executable, "-c", "pass"])
+    launcher.wait()  # (gone, as a killed launcher is)
+    server = subprocess.Popen(
+        [sys.executable, "-c", LEFT_BEHIND, str(run_dir / "rl.lock"), str(launcher.pid), "2"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        monkeypatch.setattr(RunPlan, "supervisor", start)  # (stop where the processes would start)
+        argv = ["--model.name", str(model), "--run_dir", str(run_dir), "--resume"]
+        with pytest.raises(Started):
+            main([*argv, "--inference.port", str(port)])
+        out = capsys.readouterr().out
+        assert f"the rl launcher (pid {launcher.pid}) is gone; waiting up to 60 s" in out, out
+    finally:
+        server.kill()
+        server.wait()
 
 
 @pytest.mark.parametrize(("limit", "file"), [(0, "rl.lock"), (64, "configs/inference_0.toml")])

@@ -24,7 +24,7 @@ from tandem.config.loader import parse_config, to_toml
 from tandem.launch.config import KubernetesConfig, RLConfig
 from tandem.launch.devices import visible_gpus
 from tandem.launch.plan import RunPlan, plan_run
-from tandem.launch.preflight import preflight
+from tandem.launch.preflight import check_ports, preflight
 from tandem.launch.supervisor import Console
 from tandem.transport.layout import CHECKPOINTS, checkpoint_steps, run_dir_lock, written_steps
 from tandem.transport.resume import drop_weights_to_republish, orchestrator_start
@@ -69,12 +69,19 @@ def prepare_resume(plan: RunPlan) -> None:
 
 
 def launch(plan: RunPlan) -> int:
-    preflight(plan, create=True)
-    console = Console()
     run_dir = plan.config.run_dir
+    # The processes a killed launcher left hold run_dir/rl.lock and their ports until they exit: in
+    # a run_dir that exists the ports are checked once the lock is taken (a --resume started right
+    # after the kill waits for them, then finds the ports free), in a new one (no lock, nothing
+    # to wait for) before the run_dir is made, like every other check.
+    existing = run_dir.exists()
+    preflight(plan, create=True, ports=not existing)
+    console = Console()
     # (before anything in run_dir is written or deleted; the processes inherit it: it stays held
     # until the last of them has exited, also when this launcher is killed first)
     with run_dir_lock(run_dir, say=lambda text: console.line(PROG, text)) as lock:
+        if existing:
+            check_ports(plan)
         try:
             plan.write_configs()
             prepare_resume(plan)

@@ -31,9 +31,11 @@ from tandem.trainer.rl.config import CustomLoss
 from tandem.transport.resume import check_fresh_start
 
 
-def preflight(plan: RunPlan, create: bool) -> None:
+def preflight(plan: RunPlan, create: bool, ports: bool = True) -> None:
     """Raise on the first problem; `create`: then make the run directory (not under --dry-run),
-    last, so that a failed check leaves no empty run directory behind."""
+    last, so that a failed check leaves no empty run directory behind. `ports` false: the caller
+    checks the servers' ports itself (check_ports), later: the launcher, on a run_dir that exists,
+    once it holds run_dir/rl.lock (launch/cli.py)."""
     config = plan.config
     check_model_source(plan.orchestrator.model.name)
     check_local_checkpoint(plan.orchestrator.model.name)
@@ -45,7 +47,8 @@ def preflight(plan: RunPlan, create: bool) -> None:
     check_run_dir(config.run_dir)
     if not config.resume:
         check_fresh_start(config.run_dir)
-    check_ports(plan)
+    if ports:
+        check_ports(plan)
     if isinstance(plan.trainer.loss, CustomLoss):
         check_loss_import(plan.trainer.loss.import_path)
     members = load_mixture(plan.orchestrator.environments)
