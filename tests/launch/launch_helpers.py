@@ -61,6 +61,12 @@ def wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def scaled_reinforce(inputs, scale: float = 1.0):  # noqa: ANN001, ANN201 (a custom loss for preflight)
+    from tandem.trainer.rl.loss import LossTerms
+
+    return LossTerms(-scale * inputs.advantages * inputs.logprobs, inputs.advantages < 0)
+
+
 class NoTrainingTasksEnv(ReverseTextEnv):
     """Single-turn, with an empty training split (as an import path: launch_helpers:NoTrainingTasksEnv)."""
 

@@ -90,6 +90,18 @@ def bad_inputs(tmp_path: Path, model: Path) -> dict[str, tuple[list[str], str]]:
             ["--trainer.loss.type", "custom", "--trainer.loss.import_path", "my_losses:ratio"],
             "trainer.loss.import_path 'my_losses:ratio' cannot be imported: no module named 'my_losses'",
         ),
+        "custom loss option it does not take": (
+            [
+                "--trainer.loss.type",
+                "custom",
+                "--trainer.loss.import_path",
+                "launch_helpers:scaled_reinforce",
+                "--trainer.loss.options.scal",
+                "2.0",
+            ],
+            "trainer.loss.options do not fit 'launch_helpers:scaled_reinforce': got an unexpected keyword "
+            "argument 'scal' (it takes: scale)",
+        ),
         "config path that is a directory": (["@", str(tmp_path)], f"config file {tmp_path} is a directory"),
         "number key given no value": (["--max_steps"], "'max_steps': expects a number, not true/false"),
         "key of the loss, under another loss type": (

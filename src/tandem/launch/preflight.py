@@ -50,7 +50,7 @@ def preflight(plan: RunPlan, create: bool, ports: bool = True) -> None:
     if ports:
         check_ports(plan)
     if isinstance(plan.trainer.loss, CustomLoss):
-        check_loss_import(plan.trainer.loss.import_path)
+        check_loss_import(plan.trainer.loss.import_path, plan.trainer.loss.options)
     members = load_mixture(plan.orchestrator.environments)
     for member in members:
         split_tasks(member, "train")
@@ -115,8 +115,9 @@ def check_ports(plan: RunPlan) -> None:
                 ) from None
 
 
-def check_loss_import(import_path: str) -> None:
-    """The module must exist (found without importing it), then import with its attribute."""
+def check_loss_import(import_path: str, options: dict) -> None:
+    """The module must exist (found without importing it), then import with its attribute, which
+    must take `options` (trainer.loss.options) as keyword arguments."""
     module = import_path.partition(":")[0]
     try:
         found = importlib.util.find_spec(module) is not None
@@ -126,6 +127,9 @@ def check_loss_import(import_path: str) -> None:
         raise UserError(
             f"trainer.loss.import_path '{import_path}' cannot be imported: no module named '{module}'"
         )
-    from tandem.trainer.rl.loss import import_objective
+    from tandem.trainer.rl.loss import check_options, import_objective
 
-    import_objective(import_path)
+    try:
+        check_options(import_objective(import_path), import_path, options)
+    except UserError as e:
+        raise UserError(f"trainer.{e}") from None

@@ -8,6 +8,7 @@ docs/algorithms.md has the math. A custom objective is named by `loss.import_pat
 """
 
 import importlib
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,6 +86,22 @@ def import_objective(import_path: str) -> Objective:
     return fn
 
 
+def check_options(fn: Objective, import_path: str, options: dict[str, Any]) -> None:
+    """`loss.options` must be keyword arguments `fn` takes after its inputs, with every one it
+    needs: a misspelt option would otherwise fail the first step, or pass unnoticed into **kwargs."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # (a builtin or C function: nothing to check against)
+        return
+    try:
+        signature.bind(None, **options)
+    except TypeError as e:
+        takes = list(signature.parameters)[1:]
+        raise UserError(
+            f"loss.options do not fit '{import_path}': {e} (it takes: {', '.join(takes) or 'no options'})"
+        ) from None
+
+
 def build_objective(cfg: LossConfig) -> Callable[[LossInputs], LossTerms]:
     """The configured objective with its options bound."""
     if isinstance(cfg, MaskedISLoss):
@@ -96,6 +113,7 @@ def build_objective(cfg: LossConfig) -> Callable[[LossInputs], LossTerms]:
         return lambda inputs: tis(inputs, cfg.cap)
     assert isinstance(cfg, CustomLoss)
     fn, options = import_objective(cfg.import_path), dict(cfg.options)
+    check_options(fn, cfg.import_path, options)
 
     def custom(inputs: LossInputs) -> LossTerms:
         terms = fn(inputs, **options)
