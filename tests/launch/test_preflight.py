@@ -112,6 +112,29 @@ def bad_inputs(tmp_path: Path, model: Path) -> dict[str, tuple[list[str], str]]:
             ["--inference.port", "0"],
             "inference.port = 0 (any free port) leaves the launcher no server URL to wait for",
         ),
+        "weights.port = a server's port": (
+            ["--inference.port", "8000", "--deployment.inference_servers", "2", "--weights.port", "8001"],
+            "port 8001 is planned both for inference server 1 and for the weight group's store, which "
+            "trainer rank 0 hosts on every address: set deployment.inference_ports / inference.port or "
+            "weights.port",
+        ),
+        "inference.vllm.port = a server's port": (
+            ["--inference.port", "8000", "--inference.backend", "vllm", "--inference.vllm.port", "8000"],
+            "port 8000 is planned both for inference server 0 and for inference server 0's vLLM: set "
+            "deployment.inference_ports / inference.port or inference.vllm.port",
+        ),
+        "one inference.vllm.port for several servers": (
+            [
+                "--deployment.inference_servers",
+                "2",
+                "--inference.backend",
+                "vllm",
+                "--inference.vllm.port",
+                "8100",
+            ],
+            "inference.vllm.port = 8100 is the vLLM port of each of the 2 servers on vLLM: set it to 0 (a "
+            "free port for each)",
+        ),
         "non-finite number": (
             ["--trainer.optim.lr", "inf"],
             "'trainer.optim.lr': Input should be a finite number",
@@ -141,16 +164,57 @@ def test_each_bad_input_is_one_line_before_anything_starts(
         err = rl_error([*base, *argv], capsys)
         assert message in err and err.count("\n") == 1, (why, err)
         assert not run_dir.exists(), why  # not even an empty run directory
+    taken_ports = {  # each port the run will listen on: what binds it there, and the key that sets it
+        "inference.port": (
+            [],
+            "127.0.0.1",
+            "inference server 0",
+            "deployment.inference_ports / inference.port",
+        ),
+        "weights.port": (
+            ["--inference.port", str(free_port())],  # (the default transport, auto, is in-memory)
+            "0.0.0.0",
+            "the weight group's store, which trainer rank 0 hosts on every address",
+            "weights.port",
+        ),
+        "inference.vllm.port": (
+            ["--inference.backend", "vllm", "--inference.port", str(free_port())],
+            "127.0.0.1",
+            "inference server 0's vLLM",
+            "inference.vllm.port",
+        ),
+    }
+    for key, (argv, host, what, keys) in taken_ports.items():
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            err = rl_error([*base, *argv, f"--{key}", str(port)], capsys)
+        assert err == (
+            f"rl: error: port {port} on {host} is taken (Address already in use), for {what}; "
+            f"stop what uses it or set {keys}\n"
+        ), key
+        assert not run_dir.exists()  # (a new run_dir: its ports are checked before it is made)
+
+
+def test_a_port_no_process_will_bind_is_not_checked(
+    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """weights.port with the filesystem transport (no weight group), inference.vllm.port on the
+    native engine."""
+    base = ["--model.name", str(model), "--run_dir", str(tmp_path / "run"), "--dry-run"]
+    base += ["--inference.port", str(free_port())]
+    unused = {
+        "weights.port": ["--weights.transport", "filesystem"],
+        "inference.vllm.port": ["--inference.backend", "native"],
+    }
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        err = rl_error([*base, "--inference.port", str(port)], capsys)
-    assert (
-        err == f"rl: error: port {port} on 127.0.0.1 is taken (Address already in use); "
-        "stop what uses it or set deployment.inference_ports / inference.port\n"
-    )
-    assert not run_dir.exists()  # (a new run_dir: its ports are checked before it is made)
+        for key, argv in unused.items():
+            main([*base, *argv, f"--{key}", str(port)])
+            assert capsys.readouterr().err == "", key
 
 
 def test_the_command_line_answers_without_importing_torch(model: Path, tmp_path: Path) -> None:

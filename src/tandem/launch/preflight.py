@@ -5,15 +5,17 @@ local directory; a hub name, last, in the Hugging Face cache or on a hub that an
 run directory (creatable, writable, and not a finished or running run unless --resume), every
 environment (its name, its args, a training split that loads and is not empty, the held-out one
 too with evaluation on, and for the code environment the sandbox's isolation, which is logged),
-the longest prompt plus max_tokens against seq_len, a custom loss's import path, the servers'
-ports and trainer.parallel.ep against the checkpoint's experts; with [monitor.wandb], that the
-wandb package is installed, and with model.attention = "cudnn", the cuDNN frontend package.
+the longest prompt plus max_tokens against seq_len, a custom loss's import path, the ports the
+run will listen on (planned_ports) and trainer.parallel.ep against the checkpoint's experts;
+with [monitor.wandb], that the wandb package is installed, and with model.attention = "cudnn",
+the cuDNN frontend package.
 Nothing here imports torch unless the configured custom loss does.
 """
 
 import importlib.util
 import os
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.cli import UserError
@@ -34,7 +36,7 @@ from tandem.transport.resume import check_fresh_start
 def preflight(plan: RunPlan, create: bool, ports: bool = True) -> None:
     """Raise on the first problem; `create`: then make the run directory (not under --dry-run),
     last, so that a failed check leaves no empty run directory behind. `ports` false: the caller
-    checks the servers' ports itself (check_ports), later: the launcher, on a run_dir that exists,
+    checks the run's ports itself (check_ports), later: the launcher, on a run_dir that exists,
     once it holds run_dir/rl.lock (launch/cli.py)."""
     config = plan.config
     check_model_source(plan.orchestrator.model.name)
@@ -97,21 +99,80 @@ def make_run_dir(run_dir: Path) -> None:
         raise UserError(f"run_dir {run_dir} cannot be created: {e.strerror}") from None
 
 
+@dataclass(frozen=True)
+class PlannedPort:
+    """A port a process of the run will listen on, fixed before it starts."""
+
+    port: int
+    host: str  # where it will be bound ("0.0.0.0": on every address)
+    what: str  # who listens there, for messages
+    key: str  # the config key(s) that set it
+
+
+WILDCARD = ("0.0.0.0", "::", "")
+
+
+def planned_ports(plan: RunPlan) -> list[PlannedPort]:
+    """Every port this machine's processes will bind that the plan fixes now: each server's HTTP
+    port; a server's vLLM subprocess's port (inference.vllm.port, when set and the server runs
+    vLLM); with an in-memory weights.transport, the weight group's store, which trainer rank 0
+    hosts (a TCPStore listens on every address, whatever weights.host says). weights.port is
+    probed also when the plan took a free one (0): a resolved config given again fixes it.
+    Not here, as nothing fixes them in advance: a multi-rank trainer's rendezvous (torchrun
+    --standalone binds localhost:0), the ports vLLM and the prefill links open for themselves."""
+    ports = []
+    vllm = [i for i, cfg in enumerate(plan.inference) if cfg.vllm.port and runs_vllm(cfg.backend, plan)]
+    for i, cfg in enumerate(plan.inference):
+        name = f"inference server {i}"
+        ports.append(PlannedPort(cfg.port, cfg.host, name, "deployment.inference_ports / inference.port"))
+        if i in vllm:
+            ports.append(PlannedPort(cfg.vllm.port, "127.0.0.1", f"{name}'s vLLM", "inference.vllm.port"))
+    weights = plan.trainer.weights
+    if plan.runs_trainer and weights.in_memory and weights.port:
+        what = "the weight group's store, which trainer rank 0 hosts on every address"
+        ports.append(PlannedPort(weights.port, "0.0.0.0", what, "weights.port"))
+    return ports
+
+
+def runs_vllm(backend: str, plan: RunPlan) -> bool:
+    """Whether a server of `backend` will run vLLM (as tandem.inference.cli.pick_backend decides,
+    with the plan's GPUs for torch.cuda.is_available(), which this module does not import)."""
+    if backend != "auto":
+        return backend == "vllm"
+    return plan.devices.on_gpu and importlib.util.find_spec("vllm") is not None
+
+
 def check_ports(plan: RunPlan) -> None:
+    """Each planned port is the plan's only listener there and can be bound now, as its process
+    will bind it (SO_REUSEADDR: a closed connection's TIME_WAIT does not hold it)."""
     for cfg in plan.inference:
         if cfg.port == 0:  # (a plan may render a server's section with 0; a run cannot start it)
             raise UserError(
                 "inference.port = 0 (any free port) leaves the launcher no server URL to wait for: "
                 "give a port (or deployment.inference_ports)"
             )
-        with socket.socket() as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will
+    ports = planned_ports(plan)
+    vllm = [p for p in ports if p.key == "inference.vllm.port"]
+    if len(vllm) > 1:
+        raise UserError(
+            f"inference.vllm.port = {vllm[0].port} is the vLLM port of each of the {len(vllm)} servers "
+            "on vLLM: set it to 0 (a free port for each)"
+        )
+    for i, a in enumerate(ports):
+        for b in ports[:i]:
+            if a.port == b.port and (a.host == b.host or a.host in WILDCARD or b.host in WILDCARD):
+                keys = a.key if a.key == b.key else f"{b.key} or {a.key}"
+                raise UserError(f"port {a.port} is planned both for {b.what} and for {a.what}: set {keys}")
+    for planned in ports:
+        family = socket.AF_INET6 if ":" in planned.host else socket.AF_INET
+        with socket.socket(family) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the process will
             try:
-                probe.bind((cfg.host, cfg.port))
+                probe.bind((planned.host, planned.port))
             except OSError as e:
                 raise UserError(
-                    f"port {cfg.port} on {cfg.host} is taken ({e.strerror}); stop what uses it or set "
-                    "deployment.inference_ports / inference.port"
+                    f"port {planned.port} on {planned.host} is taken ({e.strerror}), for {planned.what}; "
+                    f"stop what uses it or set {planned.key}"
                 ) from None
 
 
