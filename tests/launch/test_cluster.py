@@ -11,6 +11,7 @@ from tandem.launch.cluster import Unit, filesystem_type, resolve_cluster, unshar
 from tandem.launch.config import RLConfig
 from tandem.launch.jobs import check_plans
 from tandem.launch.plan import plan_node, plan_run
+from tandem.launch.preflight import planned_ports
 
 HOSTS = ["inf-a", "inf-b", "train-a", "train-b"]
 
@@ -87,6 +88,37 @@ def test_each_node_starts_its_own_processes(tmp_path: Path) -> None:
     ]
     assert spec.argv[10:] == ["-m", "tandem.trainer.rl.cli", "@", str(run / "configs/trainer-1/trainer.toml")]
     assert sorted(trainer.files()) == ["rl", "trainer"]
+
+
+def test_each_node_checks_the_ports_it_binds_and_no_other(tmp_path: Path) -> None:
+    """Servers' ports on the inference nodes; the roll call, the rendezvous and the weight group's
+    store on the first trainer node, whose host the cluster's addresses name; none on trainer-1."""
+    cfg = config(tmp_path, **{"cluster.gpus_per_node": 2, "cluster.servers_per_node": 2})
+    cluster = resolve_cluster(cfg)
+    planned = {
+        unit.name: [(p.port, p.host, p.key) for p in planned_ports(plan_node(cfg, cluster, unit, ["0", "1"]))]
+        for unit in cluster.units()
+    }
+    servers = [(8000, "0.0.0.0", "inference.port"), (8001, "0.0.0.0", "inference.port")]
+    assert planned == {
+        "inference-0": servers,
+        "inference-1": servers,
+        "trainer-0": [
+            (29400, "0.0.0.0", "cluster.rdzv_port"),
+            (29401, "0.0.0.0", "cluster.rdzv_port (the roll call takes the port after it)"),
+            (29500, "0.0.0.0", "cluster.weights_group_port"),
+        ],
+        "trainer-1": [],
+    }
+    one_trainer = {"cluster.trainer_nodes": 1, "cluster.hosts": HOSTS[:3]}
+    for overrides, ports in (
+        (one_trainer, [29401, 29500]),  # one trainer node: torchrun --standalone, no rendezvous port
+        (one_trainer | {"weights.transport": "filesystem"}, [29401]),  # no weight group
+    ):
+        cfg = config(tmp_path, **overrides)
+        cluster = resolve_cluster(cfg)
+        trainer = plan_node(cfg, cluster, cluster.unit("trainer-0"), [])
+        assert [p.port for p in planned_ports(trainer)] == ports, overrides
 
 
 def test_prefill_servers_on_each_inference_node(tmp_path: Path) -> None:

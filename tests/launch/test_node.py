@@ -1,8 +1,10 @@
 """The node launcher's command line: a node whose peer never joins fails naming it, and leaves
-the failure where a batch job's end reads it; a wrong or missing --node is one clear line."""
+the failure where a batch job's end reads it; a wrong or missing --node is one clear line; a port
+this node will listen on that is taken is one line before anything starts."""
 
 import os
 import signal
+import socket
 import threading
 from pathlib import Path
 
@@ -49,6 +51,58 @@ def test_a_node_that_never_joins_is_named(tmp_path: Path, capsys, monkeypatch) -
     assert err.endswith("within cluster.join_timeout_s=2")
     failed = (tmp_path / "run" / "logs" / "trainer-0" / "FAILED").read_text()
     assert failed.startswith("rl trainer-0 (127.0.0.1): inference-0 (127.0.0.1) did not join")
+
+
+NODE_PORTS = {  # node, what listens at the taken port P there, the key named, and the arguments
+    "roll call": (
+        "1",
+        "the node roll call, which trainer-0's launcher hosts",
+        "cluster.rdzv_port (the roll call takes the port after it)",
+        "--cluster.rdzv_port={P_1}",
+    ),
+    "rendezvous": (
+        "1",
+        "the trainer's rendezvous (torchrun's c10d store), which trainer-0 hosts",
+        "cluster.rdzv_port",
+        "--cluster.trainer_nodes=2 --cluster.hosts=127.0.0.1,127.0.0.1,127.0.0.1 --cluster.rdzv_port={P}",
+    ),
+    "weights group": (
+        "1",
+        "the weight group's store, which trainer rank 0 hosts at trainer-0's address",
+        "cluster.weights_group_port",
+        "--cluster.weights_group_port={P}",
+    ),
+    "server": ("0", "inference server 0", "inference.port", "--inference.port={P}"),
+}
+
+
+@pytest.mark.parametrize("case", list(NODE_PORTS))
+def test_a_taken_port_of_this_node_is_one_line_before_anything_starts(
+    tmp_path: Path, capsys, monkeypatch, case: str
+) -> None:
+    """Trainer-0 hosts the roll call (rdzv_port + 1), torchrun's rendezvous (rdzv_port, with
+    several trainer nodes) and the weight group's store; an inference node its servers. The
+    rendezvous port was never checked (torchrun's agent joins whatever listens there), the roll
+    call's failed with torch's message, and the others named keys the cluster overrides."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    node, what, key, args = NODE_PORTS[case]
+    with socket.socket() as taken:  # on every address, as the node's process would bind it
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = args.format(P=port, P_1=port - 1).split()
+        code, err = node_launcher(tmp_path, capsys, "--node", node, *argv)
+    line = (
+        f"port {port} on 0.0.0.0 is taken (Address already in use), for {what}; "
+        f"stop what uses it or set {key}"
+    )
+    assert (code, err) == (2, f"rl node: error: {line}")
+    unit = "trainer-0" if node == "1" else "inference-0"
+    assert (
+        tmp_path / "run" / "logs" / unit / "FAILED"
+    ).read_text().strip() == f"rl {unit} (127.0.0.1): {line}"
+    assert not (tmp_path / "run" / ".nodes").exists()  # it never joined the roll call
+    assert not (tmp_path / "run" / "configs").exists()  # nor wrote a process's config
 
 
 def test_wrong_or_missing_node(tmp_path: Path, capsys, monkeypatch) -> None:

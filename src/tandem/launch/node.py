@@ -5,10 +5,12 @@ every address derived from the cluster (tandem.launch.cluster). Under Slurm one 
 node (srun) and K defaults to SLURM_NODEID; on Kubernetes one runs in each pod, named by its
 unit (`--node trainer-1`); without a scheduler, start one on each host of cluster.hosts.
 
-Before anything starts, the nodes meet at the roll call (tandem.launch.rollcall): a node that
-never joins, or a run directory the nodes do not share, fails there with the node named. While
-the run goes, a process failing on any node stops every node; the failing node names itself
-and the process, and leaves that line in run_dir/logs/<unit>/FAILED.
+Before anything starts, each node checks what `rl` checks (tandem.launch.preflight), the ports
+its own processes will listen on included (planned_ports), then the nodes meet at the roll call
+(tandem.launch.rollcall): a node that never joins, or a run directory the nodes do not share,
+fails there with the node named. While the run goes, a process failing on any node stops every
+node; the failing node names itself and the process, and leaves that line in
+run_dir/logs/<unit>/FAILED.
 
 A config for one machine (cluster.inference_nodes = 0) runs exactly as `rl` runs it. `--hold`
 keeps the launcher alive after a successful run until it is stopped (a Kubernetes StatefulSet

@@ -119,18 +119,40 @@ def planned_ports(plan: RunPlan) -> list[PlannedPort]:
     hosts (a TCPStore listens on every address, whatever weights.host says). weights.port is
     probed also when the plan took a free one (0): a resolved config given again fixes it.
     Not here, as nothing fixes them in advance: a multi-rank trainer's rendezvous (torchrun
-    --standalone binds localhost:0), the ports vLLM and the prefill links open for themselves."""
+    --standalone binds localhost:0), the ports vLLM and the prefill links open for themselves.
+
+    On one node of several (plan.unit), only what binds on this node: an inference node's servers
+    (inference.port + j); the first trainer node, whose host every cluster address names, the node
+    roll call its launcher hosts (rdzv_port + 1), with several trainer nodes torchrun's c10d
+    rendezvous (rdzv_port, whose store the agent there hosts) and with an in-memory transport the
+    weight group's store (weights_group_port). The other trainer nodes bind none of these."""
+    cluster = plan.cluster
+    server_keys = "inference.port" if cluster else "deployment.inference_ports / inference.port"
     ports = []
     vllm = [i for i, cfg in enumerate(plan.inference) if cfg.vllm.port and runs_vllm(cfg.backend, plan)]
     for i, cfg in enumerate(plan.inference):
         name = f"inference server {i}"
-        ports.append(PlannedPort(cfg.port, cfg.host, name, "deployment.inference_ports / inference.port"))
+        ports.append(PlannedPort(cfg.port, cfg.host, name, server_keys))
         if i in vllm:
             ports.append(PlannedPort(cfg.vllm.port, "127.0.0.1", f"{name}'s vLLM", "inference.vllm.port"))
     weights = plan.trainer.weights
-    if plan.runs_trainer and weights.in_memory and weights.port:
-        what = "the weight group's store, which trainer rank 0 hosts on every address"
-        ports.append(PlannedPort(weights.port, "0.0.0.0", what, "weights.port"))
+    if cluster is None:
+        if plan.runs_trainer and weights.in_memory and weights.port:
+            what = "the weight group's store, which trainer rank 0 hosts on every address"
+            ports.append(PlannedPort(weights.port, "0.0.0.0", what, "weights.port"))
+        return ports
+    if plan.unit is None or (plan.unit.role, plan.unit.index) != ("trainer", 0):
+        return ports
+    cfg = cluster.config
+    if cfg.trainer_nodes > 1:
+        what = "the trainer's rendezvous (torchrun's c10d store), which trainer-0 hosts"
+        ports.append(PlannedPort(cfg.rdzv_port, "0.0.0.0", what, "cluster.rdzv_port"))
+    what = "the node roll call, which trainer-0's launcher hosts"
+    key = "cluster.rdzv_port (the roll call takes the port after it)"
+    ports.append(PlannedPort(cluster.rollcall_port, "0.0.0.0", what, key))
+    if weights.in_memory:
+        what = "the weight group's store, which trainer rank 0 hosts at trainer-0's address"
+        ports.append(PlannedPort(cfg.weights_group_port, "0.0.0.0", what, "cluster.weights_group_port"))
     return ports
 
 
@@ -143,8 +165,8 @@ def runs_vllm(backend: str, plan: RunPlan) -> bool:
 
 
 def check_ports(plan: RunPlan) -> None:
-    """Each planned port is the plan's only listener there and can be bound now, as its process
-    will bind it (SO_REUSEADDR: a closed connection's TIME_WAIT does not hold it)."""
+    """Each planned port (planned_ports: on one node of several, that node's) is the plan's only
+    listener there and can be bound now (probe_ports)."""
     for cfg in plan.inference:
         if cfg.port == 0:  # (a plan may render a server's section with 0; a run cannot start it)
             raise UserError(
@@ -158,6 +180,13 @@ def check_ports(plan: RunPlan) -> None:
             f"inference.vllm.port = {vllm[0].port} is the vLLM port of each of the {len(vllm)} servers "
             "on vLLM: set it to 0 (a free port for each)"
         )
+    probe_ports(ports)
+
+
+def probe_ports(ports: list[PlannedPort]) -> None:
+    """Each port is planned once (a port on every address clashes with it on any one) and can be
+    bound now, as its process will bind it (SO_REUSEADDR: a closed connection's TIME_WAIT does not
+    hold it); else a UserError naming the port, what will listen there and the key that sets it."""
     for i, a in enumerate(ports):
         for b in ports[:i]:
             if a.port == b.port and (a.host == b.host or a.host in WILDCARD or b.host in WILDCARD):
