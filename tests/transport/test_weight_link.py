@@ -26,7 +26,15 @@ from tandem.net import free_port
 from tandem.orchestrator.weights import PolicySync
 from tandem.trainer.weight_stream import hf_weight_specs, iter_hf_weights
 from tandem.transport.config import WeightsConfig
-from tandem.transport.weight_link import Link, LinkSettings, TransferError, TransferRefused, TransferTimeout
+from tandem.transport.weight_link import (
+    Link,
+    LinkError,
+    LinkSettings,
+    TransferError,
+    TransferRefused,
+    TransferTimeout,
+    is_local_address,
+)
 from tandem.transport.weight_sender import WeightSender
 from tandem.transport.weights import write_offer
 
@@ -244,3 +252,20 @@ def test_an_orchestrator_cancelled_mid_transfer_asks_once(models: dict[str, Path
         assert not failure, failure
         assert httpx.get(server.url + "/health").json()["weight_version"] == 1
         assert "tandem_weight_updates_total 1\n" in httpx.get(server.url + "/metrics").text
+
+
+def test_rank_0_away_from_the_stores_address_fails_at_once() -> None:
+    """On several nodes rank 0 hosts the store at the first trainer host's address; torchrun may
+    put rank 0 on another node, where a TCPStore would still start (it listens on every address of
+    its machine) and the servers wait connect_timeout_s at an address where nothing listens."""
+    assert is_local_address("127.0.0.1") and is_local_address("localhost") and is_local_address("0.0.0.0")
+    away = "192.0.2.1"  # TEST-NET-1: no machine's own address
+    assert not is_local_address(away)
+    settings = LinkSettings(away, free_port(), TIMEOUT_S, 900.0)
+    with pytest.raises(
+        LinkError, match=r"trainer: rank 0 hosts the weight group's store at 192\.0\.2\.1:\d+, but"
+    ):
+        Link(settings, "trainer", master=True)
+    link = Link(LinkSettings("127.0.0.1", free_port(), TIMEOUT_S, 60.0), "trainer", master=True)
+    link.put("k", "v")
+    assert link.get("k") == b"v"

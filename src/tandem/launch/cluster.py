@@ -15,9 +15,10 @@ Derived, never typed by hand (all from `hosts` and the ports):
 - the trainer's rendezvous endpoint: `{first trainer host}:{rdzv_port}` (torchrun's c10d);
 - the node roll call: `{first trainer host}:{rdzv_port + 1}` (tandem.launch.rollcall);
 - the weights group address: `{first trainer host}:{weights_group_port}`, where the
-  weight-transfer group (trainer rank 0 and the servers) rendezvous. torchrun's c10d orders
-  ranks by host name, so trainer rank 0 may run on another trainer node: the group's store is
-  hosted on the first trainer node, which every process can reach by this address.
+  weight-transfer group (trainer rank 0 and the servers) rendezvous; trainer rank 0 hosts its
+  store, so it must run on the first trainer node. torchrun's c10d gives rank 0 to the node
+  whose host name sorts first (Slurm's node lists and the pods trainer-0, trainer-1, … are in
+  that order); rank 0 elsewhere fails at start (transport/weight_link.py).
 """
 
 import os

@@ -169,12 +169,40 @@ def make_plan(servers: list[dict], trainers: list[dict]) -> dict:
     }
 
 
+def is_local_address(host: str) -> bool:
+    """Whether `host` names an address of this machine (one a socket can bind); an unresolvable
+    name counts as local (the store then says what is wrong with it)."""
+    if host in ("", "0.0.0.0", "::"):
+        return True
+    try:
+        addresses = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return True
+    for family, kind, _, _, address in addresses:
+        with socket.socket(family, kind) as probe:
+            try:
+                probe.bind((address[0], 0))
+                return True
+            except OSError:
+                continue
+    return False
+
+
 class Link:
     """The store seen from one side (`side` names it in errors: "trainer", "server 1")."""
 
     def __init__(self, settings: LinkSettings, side: str, master: bool) -> None:
         self.settings = settings
         self.side = side
+        if master and not is_local_address(settings.host):
+            # (a TCPStore listens on every address of its own machine: it would start, and the
+            # other side wait connect_timeout_s at an address where nothing listens)
+            raise LinkError(
+                f"{side}: rank 0 hosts the weight group's store at {settings.address}, but runs on "
+                f"{socket.gethostname()}, which does not have the address {settings.host} (weights.host; "
+                "several nodes: the first trainer host, and torchrun gives rank 0 to the trainer node "
+                "whose name sorts first: list that node first among the trainer hosts)"
+            )
         try:
             self.store = dist.TCPStore(
                 settings.host,
