@@ -70,14 +70,14 @@ def test_each_node_starts_its_own_processes(tmp_path: Path) -> None:
     trainer = plan_node(cfg, cluster, cluster.unit("trainer-1"), gpus + ["4"])
     (spec,) = trainer.specs()
     assert spec.name == "trainer" and spec.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
-    weights = trainer.trainer.weights  # the weight group meets on the first trainer node
+    weights = trainer.trainer.weights  # the weight group meets at rank 0's node: train-a sorts first
     assert (weights.host, weights.port, weights.num_servers) == ("train-a", 29500, 4)
     assert [(c.weights.host, c.weights.port, c.weights.server_index) for c in second.inference] == [
         ("train-a", 29500, 2),
         ("train-a", 29500, 3),
     ]
     assert spec.argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
-    assert spec.argv[3:10] == [
+    assert spec.argv[3:11] == [
         "--nnodes=2",
         "--nproc-per-node=4",
         "--rdzv-backend=c10d",
@@ -85,8 +85,9 @@ def test_each_node_starts_its_own_processes(tmp_path: Path) -> None:
         "--rdzv-id=tandem",
         "--rdzv-conf=join_timeout=600",
         "--max-restarts=0",
+        "--local-addr=train-b",  # (c10d numbers the nodes by it: rank 0 on train-a, which sorts first)
     ]
-    assert spec.argv[10:] == ["-m", "tandem.trainer.rl.cli", "@", str(run / "configs/trainer-1/trainer.toml")]
+    assert spec.argv[11:] == ["-m", "tandem.trainer.rl.cli", "@", str(run / "configs/trainer-1/trainer.toml")]
     assert sorted(trainer.files()) == ["rl", "trainer"]
 
 
@@ -119,6 +120,28 @@ def test_each_node_checks_the_ports_it_binds_and_no_other(tmp_path: Path) -> Non
         cluster = resolve_cluster(cfg)
         trainer = plan_node(cfg, cluster, cluster.unit("trainer-0"), [])
         assert [p.port for p in planned_ports(trainer)] == ports, overrides
+
+
+def test_the_weight_group_meets_where_rank_0_runs(tmp_path: Path) -> None:
+    """torchrun's c10d gives rank 0 to the trainer node whose address (--local-addr, its host)
+    sorts first, here trainer-1; rank 0 hosts the weight group's store, so its address and the
+    port check follow it there, while the roll call and the rendezvous stay on trainer-0."""
+    hosts = ["inf-a", "inf-b", "train-b", "train-a"]
+    cfg = config(tmp_path, **{"cluster.hosts": hosts, "cluster.gpus_per_node": 1})
+    cluster = resolve_cluster(cfg)
+    assert cluster.rank0_unit.name == "trainer-1" and cluster.rdzv_endpoint == "train-b:29400"
+    plans = {u.name: plan_node(cfg, cluster, u, ["0"]) for u in cluster.units()}
+    assert {(c.weights.host, c.weights.port) for c in plans["inference-0"].inference} == {("train-a", 29500)}
+    assert (plans["trainer-0"].trainer.weights.host, plans["trainer-0"].trainer.weights.port) == (
+        "train-a",
+        29500,
+    )
+    assert [p.port for p in planned_ports(plans["trainer-0"])] == [29400, 29401]
+    assert [p.port for p in planned_ports(plans["trainer-1"])] == [29500]
+    (spec,) = plans["trainer-1"].specs()
+    assert "--local-addr=train-a" in spec.argv
+    equal = resolve_cluster(config(tmp_path, **{"cluster.hosts": ["h"] * 4}))
+    assert equal.rank0_unit.name == "trainer-0"  # (equal hosts: one machine, any node will do)
 
 
 def test_prefill_servers_on_each_inference_node(tmp_path: Path) -> None:

@@ -68,7 +68,7 @@ NODE_PORTS = {  # node, what listens at the taken port P there, the key named, a
     ),
     "weights group": (
         "1",
-        "the weight group's store, which trainer rank 0 hosts at trainer-0's address",
+        "the weight group's store, which trainer rank 0 hosts on trainer-0",
         "cluster.weights_group_port",
         "--cluster.weights_group_port={P}",
     ),

@@ -14,11 +14,11 @@ Derived, never typed by hand (all from `hosts` and the ports):
 - server URLs: `http://{inference host i}:{inference.port + j}` for server j of inference node i;
 - the trainer's rendezvous endpoint: `{first trainer host}:{rdzv_port}` (torchrun's c10d);
 - the node roll call: `{first trainer host}:{rdzv_port + 1}` (tandem.launch.rollcall);
-- the weights group address: `{first trainer host}:{weights_group_port}`, where the
-  weight-transfer group (trainer rank 0 and the servers) rendezvous; trainer rank 0 hosts its
-  store, so it must run on the first trainer node. torchrun's c10d gives rank 0 to the node
-  whose host name sorts first (Slurm's node lists and the pods trainer-0, trainer-1, … are in
-  that order); rank 0 elsewhere fails at start (transport/weight_link.py).
+- the weights group address: `{rank 0's host}:{weights_group_port}`, where the weight-transfer
+  group (trainer rank 0 and the servers) rendezvous; trainer rank 0 hosts its store. torchrun's
+  c10d orders the trainer nodes by their address, which each node's launcher gives as its host
+  here (`--local-addr`), so rank 0 runs on the trainer node whose host sorts first (`rank0_unit`;
+  of equal hosts, the first).
 """
 
 import os
@@ -110,8 +110,15 @@ class Cluster:
         return self.config.rdzv_port + 1
 
     @property
+    def rank0_unit(self) -> Unit:
+        """The trainer node where torchrun puts rank 0: c10d numbers the nodes in the order of their
+        addresses (torchrun_command's `local_addr`, this node's host)."""
+        trainers = [Unit("trainer", t) for t in range(self.config.trainer_nodes)]
+        return min(trainers, key=lambda u: (self.host(u), u.index))
+
+    @property
     def weights_group_address(self) -> str:
-        return f"{self.trainer_host}:{self.config.weights_group_port}"
+        return f"{self.host(self.rank0_unit)}:{self.config.weights_group_port}"
 
 
 def is_multi_node(config: RLConfig) -> bool:

@@ -171,7 +171,8 @@ class RunPlan:
         nnodes = self.cluster.config.trainer_nodes if self.cluster else 1
         endpoint = self.cluster.rdzv_endpoint if self.cluster else None
         timeout = self.config.cluster.join_timeout_s
-        return torchrun_command(self.devices.trainer_nproc, nnodes, endpoint, timeout)
+        here = self.cluster.host(self.unit) if self.cluster and self.unit else None
+        return torchrun_command(self.devices.trainer_nproc, nnodes, endpoint, timeout, here)
 
     def _threads(self) -> dict[str, str]:
         return {} if self.cpu_threads is None else {"OMP_NUM_THREADS": str(self.cpu_threads)}
@@ -206,11 +207,17 @@ def trainer_left_waiting(run_dir: Path, max_steps: int, wait_timeout_s: float) -
 
 
 def torchrun_command(
-    nproc: int, nnodes: int = 1, rdzv_endpoint: str | None = None, join_timeout_s: float = 600
+    nproc: int,
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
+    join_timeout_s: float = 600,
+    local_addr: str | None = None,
 ) -> list[str]:
     """The command that starts `nproc` ranks here, before `-m MODULE ...`: plain python for one
     rank on one node; with several nodes one torchrun agent per node, all meeting at the c10d
-    rendezvous on `rdzv_endpoint` (which ranks each node gets is torchrun's choice)."""
+    rendezvous on `rdzv_endpoint`. c10d numbers the nodes in the order of their addresses: this
+    node's is `local_addr` (its host in cluster.hosts; default its FQDN), so the node whose host
+    sorts first gets rank 0 (Cluster.rank0_unit)."""
     python = sys.executable
     if nnodes == 1:
         return (
@@ -224,6 +231,7 @@ def torchrun_command(
         *(python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}"),
         *("--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", "--rdzv-id=tandem"),
         *(f"--rdzv-conf=join_timeout={round(join_timeout_s)}", "--max-restarts=0"),
+        *([f"--local-addr={local_addr}"] if local_addr else []),
     ]
 
 

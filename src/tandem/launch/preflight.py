@@ -122,10 +122,10 @@ def planned_ports(plan: RunPlan) -> list[PlannedPort]:
     --standalone binds localhost:0), the ports vLLM and the prefill links open for themselves.
 
     On one node of several (plan.unit), only what binds on this node: an inference node's servers
-    (inference.port + j); the first trainer node, whose host every cluster address names, the node
-    roll call its launcher hosts (rdzv_port + 1), with several trainer nodes torchrun's c10d
-    rendezvous (rdzv_port, whose store the agent there hosts) and with an in-memory transport the
-    weight group's store (weights_group_port). The other trainer nodes bind none of these."""
+    (inference.port + j); the first trainer node, the node roll call its launcher hosts
+    (rdzv_port + 1) and with several trainer nodes torchrun's c10d rendezvous (rdzv_port, whose
+    store the agent there hosts); rank 0's node (Cluster.rank0_unit), with an in-memory transport,
+    the weight group's store (weights_group_port). The other trainer nodes bind none of these."""
     cluster = plan.cluster
     server_keys = "inference.port" if cluster else "deployment.inference_ports / inference.port"
     ports = []
@@ -141,17 +141,18 @@ def planned_ports(plan: RunPlan) -> list[PlannedPort]:
             what = "the weight group's store, which trainer rank 0 hosts on every address"
             ports.append(PlannedPort(weights.port, "0.0.0.0", what, "weights.port"))
         return ports
-    if plan.unit is None or (plan.unit.role, plan.unit.index) != ("trainer", 0):
+    if plan.unit is None or plan.unit.role != "trainer":
         return ports
     cfg = cluster.config
-    if cfg.trainer_nodes > 1:
-        what = "the trainer's rendezvous (torchrun's c10d store), which trainer-0 hosts"
-        ports.append(PlannedPort(cfg.rdzv_port, "0.0.0.0", what, "cluster.rdzv_port"))
-    what = "the node roll call, which trainer-0's launcher hosts"
-    key = "cluster.rdzv_port (the roll call takes the port after it)"
-    ports.append(PlannedPort(cluster.rollcall_port, "0.0.0.0", what, key))
-    if weights.in_memory:
-        what = "the weight group's store, which trainer rank 0 hosts at trainer-0's address"
+    if plan.unit.index == 0:
+        if cfg.trainer_nodes > 1:
+            what = "the trainer's rendezvous (torchrun's c10d store), which trainer-0 hosts"
+            ports.append(PlannedPort(cfg.rdzv_port, "0.0.0.0", what, "cluster.rdzv_port"))
+        what = "the node roll call, which trainer-0's launcher hosts"
+        key = "cluster.rdzv_port (the roll call takes the port after it)"
+        ports.append(PlannedPort(cluster.rollcall_port, "0.0.0.0", what, key))
+    if weights.in_memory and plan.unit.name == cluster.rank0_unit.name:
+        what = f"the weight group's store, which trainer rank 0 hosts on {plan.unit.name}"
         ports.append(PlannedPort(cfg.weights_group_port, "0.0.0.0", what, "cluster.weights_group_port"))
     return ports
 
