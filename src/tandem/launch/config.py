@@ -144,7 +144,8 @@ class ClusterConfig(Section):
         29500,
         gt=0,
         lt=65536,
-        description="Port of the weight-transfer group's address on the first trainer node.",
+        description="Port of the weight-transfer group's address, on the trainer node that runs rank 0 "
+        "(the one whose host sorts first).",
     )
     join_timeout_s: float = Field(
         600, gt=0, description="How long each node waits for every other node to join the roll call."
@@ -152,7 +153,8 @@ class ClusterConfig(Section):
 
     @model_validator(mode="after")
     def ports_apart(self) -> "ClusterConfig":
-        """The roll call takes rdzv_port + 1 on the first trainer node, beside the weights group."""
+        """The roll call takes rdzv_port + 1 on the first trainer node, which may run rank 0 and the
+        weights group too."""
         if self.weights_group_port in (self.rdzv_port, self.rdzv_port + 1):
             raise PydanticCustomError(
                 "ports",

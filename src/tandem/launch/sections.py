@@ -26,7 +26,7 @@ DERIVED_FROM = {
     "cp": "trainer.parallel.cp",
     "cp_style": "trainer.parallel.cp_style",
     "weights.transport": "the top-level weights.transport",
-    "weights.host": "the top-level weights.host (several nodes: the first trainer node)",
+    "weights.host": "the top-level weights.host (several nodes: the trainer node that runs rank 0)",
     "weights.port": "the top-level weights.port (a free port when 0; several nodes: cluster.weights_group_port)",
 }
 """Where the launcher takes each field it owns from (named in errors)."""

@@ -200,8 +200,8 @@ class Link:
             raise LinkError(
                 f"{side}: rank 0 hosts the weight group's store at {settings.address}, but runs on "
                 f"{socket.gethostname()}, which does not have the address {settings.host} (weights.host; "
-                "several nodes: the first trainer host, and torchrun gives rank 0 to the trainer node "
-                "whose name sorts first: list that node first among the trainer hosts)"
+                "several nodes: the host of the trainer node whose host sorts first, where the node "
+                "launchers have torchrun put rank 0)"
             )
         try:
             self.store = dist.TCPStore(
