@@ -172,7 +172,7 @@ def check_ports(plan: RunPlan) -> None:
         if cfg.port == 0:  # (a plan may render a server's section with 0; a run cannot start it)
             raise UserError(
                 "inference.port = 0 (any free port) leaves the launcher no server URL to wait for: "
-                "give a port (or deployment.inference_ports)"
+                + ("give a port" if plan.cluster else "give a port (or deployment.inference_ports)")
             )
     ports = planned_ports(plan)
     vllm = [p for p in ports if p.key == "inference.vllm.port"]
