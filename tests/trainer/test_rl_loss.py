@@ -113,7 +113,10 @@ def test_custom_objective(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         run({"type": "custom", "import_path": "my_loss:missing"})
     with pytest.raises(UserError, match=r"unexpected keyword argument 'scal' \(it takes: scale\)"):
         run({"type": "custom", "import_path": "my_loss:reinforce", "options": {"scal": 2.0}})
-    with pytest.raises(UserError, match=r"'my_loss:broken': got an unexpected keyword argument 'scale' \(it takes: no options\)"):
+    with pytest.raises(
+        UserError,
+        match=r"'my_loss:broken': got an unexpected keyword argument 'scale' \(it takes: no options\)",
+    ):
         run({"type": "custom", "import_path": "my_loss:broken", "options": {"scale": 2.0}})
     assert LossTerms  # the documented return type is importable from the loss module
 
