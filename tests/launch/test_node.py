@@ -6,11 +6,15 @@ import os
 import signal
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from tandem.launch.node import hold_until_stopped, main
+from tandem.cli import UserError
+from tandem.config.loader import ConfigError, parse_config
+from tandem.launch.config import RLConfig
+from tandem.launch.node import PROG, hold_until_stopped, main, run_node
 from tandem.net import free_port
 from tandem.transport.weights import offered_version, write_offer
 
@@ -30,6 +34,8 @@ inference_nodes = 1
 hosts = ["127.0.0.1", "127.0.0.1"]
 rdzv_port = {free_port()}
 join_timeout_s = 2
+[deployment]
+shutdown_grace_s = 1  # how long trainer-0 failing its checks hosts the roll call for the others
 """
     )
     with pytest.raises(SystemExit) as exit_info:
@@ -126,3 +132,47 @@ def test_hold_ends_on_sigterm() -> None:
     hold_until_stopped(said.append)
     assert said == ["the run finished; holding until stopped (--hold)", "stopped"]
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+
+
+@pytest.mark.parametrize("failing", ["inference-0", "trainer-0"])
+def test_a_node_failing_its_checks_stops_the_waiting_nodes_at_once(
+    tmp_path: Path, capsys, monkeypatch, failing: str
+) -> None:
+    """A node whose preflight fails never joins the roll call; it used to exit alone while the
+    others waited cluster.join_timeout_s and then named it without its reason. It now posts its
+    line to the roll call (trainer-0 hosting the store for it when it is the one failing), and the
+    others stop within seconds, naming it, its host and the reason."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    node_launcher(tmp_path, capsys, "--node", "trainer-3")  # writes the model files and rl.toml
+    common = ["--cluster.trainer_nodes=2", "--cluster.hosts=127.0.0.1,127.0.0.1,127.0.0.1"]
+    common += [f"--cluster.rdzv_port={free_port()}", "--cluster.join_timeout_s=30"]
+    common += ["--deployment.shutdown_grace_s=10"]
+    nodes = ["trainer-0", "trainer-1", "inference-0"]
+    errors: dict[str, str] = {}
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        key = "inference.port" if failing == "inference-0" else "cluster.weights_group_port"
+
+        def node(name: str) -> None:
+            args = [*common, f"--{key}={port}"] if name == failing else common
+            try:
+                run_node(parse_config(RLConfig, ["@", str(tmp_path / "rl.toml"), *args], prog=PROG), name)
+            except (ConfigError, UserError) as e:
+                errors[name] = str(e)
+
+        start = time.monotonic()
+        threads = [threading.Thread(target=node, args=(name,)) for name in nodes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        took = time.monotonic() - start
+    assert set(errors) == set(nodes)
+    reason = errors[failing]
+    assert reason.startswith(f"port {port} on 0.0.0.0 is taken (Address already in use)")
+    for name in nodes:
+        if name != failing:
+            assert errors[name] == f"stopping before the start: {failing} (127.0.0.1): {reason}"
+    assert took < 20  # not cluster.join_timeout_s=30

@@ -8,7 +8,8 @@ unit (`--node trainer-1`); without a scheduler, start one on each host of cluste
 Before anything starts, each node checks what `rl` checks (tandem.launch.preflight), the ports
 its own processes will listen on included (planned_ports), then the nodes meet at the roll call
 (tandem.launch.rollcall): a node that never joins, or a run directory the nodes do not share,
-fails there with the node named. While the run goes, a process failing on any node stops every
+fails there with the node named; a node whose checks fail posts its line there, so the nodes
+waiting for it stop at once naming it. While the run goes, a process failing on any node stops every
 node; the failing node names itself and the process, and leaves that line in
 run_dir/logs/<unit>/FAILED.
 
@@ -87,16 +88,19 @@ def run_node(config: RLConfig, node: str | None) -> int:
     cluster = resolve_cluster(config)
     unit = cluster.unit(node)
     prog = f"rl {unit.name} ({cluster.host(unit)})"
-    plan = plan_node(config, cluster, unit, visible_gpus())
     console = Console()
     rollcall = RollCall(cluster, unit, lambda text: console.line(prog, text))
+    plan = None
     try:
+        plan = plan_node(config, cluster, unit, visible_gpus())
         preflight(plan, create=True)
         prepare_resume(plan)  # before the roll call, so before any process of any node starts
         rollcall.join(config.run_dir, config.cluster.join_timeout_s)
     except (ConfigError, UserError) as e:
-        record_failure(plan.log_dir, f"{prog}: {e}")
-        rollcall.post(str(e))
+        if plan is not None:
+            record_failure(plan.log_dir, f"{prog}: {e}")
+        # also when this node never joined: the nodes waiting in the roll call stop naming it
+        rollcall.post(str(e), stopped_by_peer=rollcall.stopped_by_peer)
         rollcall.linger(config.deployment.shutdown_grace_s)
         raise
     return _supervise(plan, rollcall, console, prog)

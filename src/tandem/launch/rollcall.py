@@ -11,8 +11,11 @@ a trainer waiting forever for rollouts.
 Afterwards the store is the run's status board: a node whose process fails posts
 `failed/<unit>` and every other node stops its processes naming that node and process; the node
 carrying the orchestrator posts `done/<unit>` when the orchestrator finished, which ends the
-nodes that only serve; a node stopped for another's failure posts `stopped/<unit>`. The hosting node keeps the store until every node has posted (bounded),
-so no node loses the board while it is still finishing.
+nodes that only serve; a node stopped for another's failure posts `stopped/<unit>`. A node that
+fails before it joined (its preflight) still posts `failed/<unit>`, trying for a few seconds, so
+the nodes waiting in the roll call stop at once naming it; trainer-0 failing so hosts the store
+for it (at most deployment.shutdown_grace_s). The hosting node keeps the store until every node
+has posted (bounded), so no node loses the board while it is still finishing.
 """
 
 import json
@@ -30,6 +33,9 @@ from tandem.launch.cluster import Cluster, Unit
 MARKER_DIR = ".nodes"
 SHARE_GRACE_S = 30.0  # a shared filesystem may show a file written elsewhere a little later
 POLL_S = 1.0
+FAIL_CONNECT_S = 2.0
+"""How long a node that fails before it joined tries to reach the roll call to post its failure
+(torch retries a connect that timed out once, after a random delay: about 6 s at most)."""
 
 
 class RollCall:
@@ -43,19 +49,12 @@ class RollCall:
         self.address = f"{cluster.trainer_host}:{cluster.rollcall_port}"
         self.store: Any = None
         self._last_poll = 0.0
+        self.stopped_by_peer = False  # set when the roll call stopped for another node's failure
 
     def join(self, run_dir: Path, timeout_s: float) -> None:
         """Check in, wait for every node, and check that all see one run directory."""
-        from torch.distributed import TCPStore  # the launcher imports torch only on several nodes
-
         try:
-            self.store = TCPStore(
-                self.cluster.trainer_host,
-                self.cluster.rollcall_port,
-                is_master=self.hosting,
-                timeout=timedelta(seconds=timeout_s),
-                wait_for_workers=False,
-            )
+            self._open(timeout_s)
         except (RuntimeError, TimeoutError) as e:  # DistStoreError is a RuntimeError
             if self.hosting:
                 raise UserError(
@@ -77,6 +76,17 @@ class RollCall:
         self._check_shared(run_dir)
         self.say(f"all {self.cluster.num_nodes} nodes joined and share {run_dir}")
 
+    def _open(self, timeout_s: float) -> None:
+        from torch.distributed import TCPStore  # the launcher imports torch only on several nodes
+
+        self.store = TCPStore(
+            self.cluster.trainer_host,
+            self.cluster.rollcall_port,
+            is_master=self.hosting,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+
     def _wait_for_everyone(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         units = self.cluster.units()
@@ -85,6 +95,7 @@ class RollCall:
             if not missing:
                 return
             if (failed := self.peer_failure()) is not None:
+                self.stopped_by_peer = True
                 raise UserError(f"stopping before the start: {failed}")
             if time.monotonic() > deadline:
                 shown = ", ".join(f"{u.name} ({self.cluster.host(u)})" for u in missing)
@@ -112,9 +123,16 @@ class RollCall:
 
     def post(self, failure: str | None, stopped_by_peer: bool = False) -> None:
         """Tell the other nodes how this node ended: done, stopped for another node's failure, or
-        its own one-line failure."""
+        its own one-line failure. A node that fails before it joined still tries to post its
+        failure, briefly (FAIL_CONNECT_S; trainer-0 hosts the store for it), so that the nodes
+        waiting in the roll call stop at once, naming it, instead of after cluster.join_timeout_s."""
         if self.store is None:
-            return
+            if failure is None or stopped_by_peer:
+                return
+            try:
+                self._open(FAIL_CONNECT_S)
+            except (RuntimeError, TimeoutError):
+                return  # trainer-0 is not up (or this node cannot host): the others time out as before
         try:
             if stopped_by_peer:
                 self.store.set(f"stopped/{self.me.name}", "1")
@@ -164,17 +182,19 @@ class RollCall:
 
     def linger(self, timeout_s: float) -> None:
         """On the hosting node: keep the board until every node that joined has posted how it
-        ended (at most `timeout_s`)."""
+        ended (at most `timeout_s`). If it failed before joining, it waits for every node, so
+        that those still on their way to the roll call read its failure too."""
         if not self.hosting or self.store is None:
             return
         deadline = time.monotonic() + timeout_s
         next_note = time.monotonic() + 60
         pending: list[str] = []
+        everyone = not self.store.check([f"joined/{self.me.name}"])
         while time.monotonic() < deadline:
             pending = [
                 u.name
                 for u in self.cluster.units()
-                if self.store.check([f"joined/{u.name}"])
+                if (everyone or self.store.check([f"joined/{u.name}"]))
                 and not any(
                     self.store.check([f"{state}/{u.name}"]) for state in ("done", "failed", "stopped")
                 )
