@@ -1,6 +1,8 @@
-"""Shared helpers of the launcher tests: a tiny run's config, stand-in processes, pid checks,
-environments whose training split the launcher must refuse."""
+"""Shared helpers of the launcher tests: a tiny run's config, `rl` on it, stand-in processes, pid
+checks, environments whose training split the launcher must refuse."""
 
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -9,6 +11,7 @@ import pytest
 
 from tandem.envs.reverse_text_env import ReverseTextEnv
 from tandem.envs.wordle import WordleEnv
+from tandem.models.tiny import build_tiny_model
 from tandem.net import free_ports
 
 CHILDREN = str(Path(__file__).with_name("children.py"))
@@ -37,6 +40,33 @@ max_tokens = 8
 keep = 2
 {extra}
 """
+
+
+CPU_ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+
+
+def run_rl(tmp_path: Path, *overrides: str) -> tuple[str, Path]:
+    """`rl` on a tiny model for two steps; returns its output and the run directory."""
+    model = build_tiny_model(
+        out=tmp_path / "model", num_layers=2, hidden_size=64, head_dim=16, intermediate_size=128
+    )
+    run = tmp_path / "run"
+    (tmp_path / "rl.toml").write_text(tiny_rl_config(model, run, max_steps=2))
+    return launch_rl(tmp_path, *overrides), run
+
+
+def launch_rl(tmp_path: Path, *overrides: str) -> str:
+    """`rl @ tmp_path/rl.toml OVERRIDES`, which must succeed; its output."""
+    result = subprocess.run(
+        [sys.executable, "-m", "tandem.launch.cli", "@", str(tmp_path / "rl.toml"), *overrides],
+        capture_output=True,
+        text=True,
+        timeout=480,
+        env=CPU_ENV,
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    return out
 
 
 def child(mode: str, *args: object) -> list[str]:

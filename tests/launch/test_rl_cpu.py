@@ -1,49 +1,21 @@
 """The whole `rl` command on CPU: real inference servers, orchestrator and trainer, two steps; with
 the default transport (auto: colocated through shared memory on one host), a resume before the
 first checkpoint, a 2-rank FSDP trainer broadcasting (gloo) to two servers, and a prefill server
-computing two decode servers' prompts."""
+computing two decode servers' prompts. Resumes after a kill and after the last step:
+test_rl_resume_cpu.py (a file of its own, so that CI's two workers share these long runs)."""
 
-import os
 import re
-import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from launch_helpers import alive, tiny_rl_config
+from launch_helpers import CPU_ENV, alive, run_rl
 
-from tandem.models.tiny import build_tiny_model
 from tandem.monitor.metrics import read_metrics
 from tandem.transport.weights import stable_versions
 
 pytestmark = pytest.mark.slow
-ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-
-
-def run_rl(tmp_path: Path, *overrides: str) -> tuple[str, Path]:
-    """`rl` on a tiny model for two steps; returns its output and the run directory."""
-    model = build_tiny_model(
-        out=tmp_path / "model", num_layers=2, hidden_size=64, head_dim=16, intermediate_size=128
-    )
-    run = tmp_path / "run"
-    (tmp_path / "rl.toml").write_text(tiny_rl_config(model, run, max_steps=2))
-    return launch_rl(tmp_path, *overrides), run
-
-
-def launch_rl(tmp_path: Path, *overrides: str) -> str:
-    """`rl @ tmp_path/rl.toml OVERRIDES`, which must succeed; its output."""
-    result = subprocess.run(
-        [sys.executable, "-m", "tandem.launch.cli", "@", str(tmp_path / "rl.toml"), *overrides],
-        capture_output=True,
-        text=True,
-        timeout=480,
-        env=ENV,
-    )
-    out = result.stdout + result.stderr
-    assert result.returncode == 0, out[-4000:]
-    return out
 
 
 def test_rl_runs_two_steps_on_cpu(tmp_path: Path) -> None:
@@ -72,29 +44,14 @@ def test_rl_runs_two_steps_on_cpu(tmp_path: Path) -> None:
     # Stopped before its first checkpoint (none are configured): a fresh start into the same
     # run_dir is refused in one line, --resume trains again from step 0, with repeats marked.
     launch = [sys.executable, "-m", "tandem.launch.cli", "@", str(tmp_path / "rl.toml"), "--max_steps", "3"]
-    fresh = subprocess.run(launch, capture_output=True, text=True, timeout=120, env=ENV)
+    fresh = subprocess.run(launch, capture_output=True, text=True, timeout=120, env=CPU_ENV)
     assert fresh.returncode == 2 and "pass --resume to continue that run (from step 0" in fresh.stderr
-    resumed = subprocess.run([*launch, "--resume"], capture_output=True, text=True, timeout=480, env=ENV)
+    resumed = subprocess.run([*launch, "--resume"], capture_output=True, text=True, timeout=480, env=CPU_ENV)
     out = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, out[-4000:]
     assert "training again from step 0" in out and "[trainer] step 2 (3/3)" in out
     trainer = read_metrics(run / "metrics.jsonl", "trainer")
     assert [(r["step"], r.get("attempt", 1)) for r in trainer] == [(0, 1), (1, 1), (0, 2), (1, 2), (2, 1)]
-
-
-def test_a_resume_with_every_step_written_retrains_them_and_finishes(tmp_path: Path) -> None:
-    """The trainer stopped in the last steps, after the orchestrator (which runs ahead) wrote
-    every step: --resume retrains from the checkpoint on the written rollouts, and the servers
-    still take each version it sends in memory (the orchestrator used to return at once, and the
-    trainer then waited out transfer_timeout_s for servers nobody told to receive)."""
-    keep = ("--max_steps", "4", "--trainer.ckpt.interval", "2", "--trainer.prune_rollouts", "false")
-    _, run = run_rl(tmp_path, *keep)
-    for kind in ("checkpoints", "weights"):  # what a kill in step 3 leaves
-        shutil.rmtree(run / kind / "step_4")
-    out = launch_rl(tmp_path, *keep, "--resume")
-    assert "all 4 steps are already written; the trainer retrains them from step 2" in out
-    assert "[trainer] step 3 (4/4)" in out and (run / "weights" / "step_4" / "STABLE").is_file()
-    assert "received policy version 4" in (run / "logs" / "inference.log").read_text()
 
 
 def test_two_rank_trainer_broadcasts_to_two_servers(tmp_path: Path) -> None:
@@ -140,47 +97,3 @@ def test_a_prefill_server_computes_the_decode_servers_prompts(tmp_path: Path) ->
     trainer = read_metrics(run / "metrics.jsonl", "trainer")
     assert [r["step"] for r in trainer] == [0, 1]
     assert all(r["mismatch_kl"] <= 1e-6 for r in trainer), trainer
-
-
-def test_a_killed_trainer_stops_the_run_in_one_line_and_resume_loses_no_step(tmp_path: Path) -> None:
-    """SIGKILL of the trainer mid-run: the servers and the orchestrator are stopped, the last
-    lines name the trainer with its log and the step --resume continues from; the resumed run
-    trains every step."""
-    model = build_tiny_model(
-        out=tmp_path / "model", num_layers=2, hidden_size=64, head_dim=16, intermediate_size=128
-    )
-    run = tmp_path / "run"
-    (tmp_path / "rl.toml").write_text(
-        tiny_rl_config(model, run, max_steps=40, extra="[trainer.ckpt]\ninterval = 1")
-    )
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "tandem.launch.cli", "@", str(tmp_path / "rl.toml")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=ENV,
-    )
-    assert launcher.stdout is not None
-    lines, pids = [], {}
-    for line in launcher.stdout:
-        lines.append(line)
-        if m := re.search(r"started (\w+) \(pid (\d+)\)", line):
-            pids[m[1]] = int(m[2])
-        if re.match(r"\[trainer\] step 3 ", line):
-            os.kill(pids["trainer"], signal.SIGKILL)
-            break
-    rest, _ = launcher.communicate(timeout=60)
-    out = "".join(lines) + rest
-    assert launcher.returncode == 1, out[-4000:]
-    last = out.splitlines()[-2:]
-    assert last[0] == f"[rl] trainer failed: killed by SIGKILL (log {run / 'logs' / 'trainer.log'})", last
-    assert re.fullmatch(
-        r"\[rl\] stopped; `rl \.\.\. --resume` continues this run_dir from its checkpoint of step \d+",
-        last[1],
-    )
-    assert (run / "logs" / "FAILED").read_text() == f"rl: {last[0][5:]}\n"
-    assert not any(alive(p) for p in pids.values())
-
-    launch_rl(tmp_path, "--resume")
-    trained = {r["step"] for r in read_metrics(run / "metrics.jsonl", "trainer")}
-    assert trained == set(range(40))
