@@ -22,7 +22,7 @@ from tandem.client.inference import ServerPool
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine import AsyncEngine
 from tandem.inference.server import build_app
-from tandem.net import free_port
+from tandem.net import free_port, is_local_address
 from tandem.orchestrator.weights import PolicySync
 from tandem.trainer.weight_stream import hf_weight_specs, iter_hf_weights
 from tandem.transport.config import WeightsConfig
@@ -33,7 +33,6 @@ from tandem.transport.weight_link import (
     TransferError,
     TransferRefused,
     TransferTimeout,
-    is_local_address,
 )
 from tandem.transport.weight_sender import WeightSender
 from tandem.transport.weights import write_offer

@@ -28,6 +28,7 @@ from tandem.models.source import (
     check_model_source,
 )
 from tandem.monitor.wandb_run import require_wandb
+from tandem.net import WILDCARD
 from tandem.orchestrator.prompt_check import check_prompt_lengths, local_token_counters
 from tandem.trainer.rl.config import CustomLoss
 from tandem.transport.resume import check_fresh_start
@@ -107,9 +108,6 @@ class PlannedPort:
     host: str  # where it will be bound ("0.0.0.0": on every address)
     what: str  # who listens there, for messages
     key: str  # the config key(s) that set it
-
-
-WILDCARD = ("0.0.0.0", "::", "")
 
 
 def planned_ports(plan: RunPlan) -> list[PlannedPort]:

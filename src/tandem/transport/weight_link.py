@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem.net import is_local_address
 from tandem.transport.shared_buffers import gpu_uuid
 
 WARM_UP_ELEMENTS = 1
@@ -167,25 +168,6 @@ def make_plan(servers: list[dict], trainers: list[dict]) -> dict:
         "group_size": group_rank + 1 if group_rank else 0,
         "dtype": dtypes.pop(),
     }
-
-
-def is_local_address(host: str) -> bool:
-    """Whether `host` names an address of this machine (one a socket can bind); an unresolvable
-    name counts as local (the store then says what is wrong with it)."""
-    if host in ("", "0.0.0.0", "::"):
-        return True
-    try:
-        addresses = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return True
-    for family, kind, _, _, address in addresses:
-        with socket.socket(family, kind) as probe:
-            try:
-                probe.bind((address[0], 0))
-                return True
-            except OSError:
-                continue
-    return False
 
 
 class Link:
