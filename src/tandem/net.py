@@ -1,33 +1,40 @@
 """Free TCP ports for a server about to be started (a run's weight group, a test's or an
 evaluation's inference server), and whether a host is this machine.
 
-Both helpers race: a port found free here is released before its server binds it, so another
-process may take it in between. They suit a server started right after, on a machine where little
-else picks ports; a caller that must be sure binds port 0 itself and reads the port back.
+The port pickers race: a port found free here is released before its server binds it, so another
+process may take it in between. They pick below the kernel's ephemeral range, which narrows the
+race to other pickers: a port above it can be given to any outgoing connection (an HTTP client, a
+test running beside) before its server binds it, and a client connecting to such a port before its
+server listens can even connect to itself (TCP simultaneous open) and wait on its own socket.
+A caller that must be sure binds port 0 itself and reads the port back.
 """
 
 import random
 import socket
+from pathlib import Path
 
 WILDCARD = ("0.0.0.0", "::", "")
 """Hosts that mean every address of this machine."""
 
+LOWEST = 20000
+"""Ports are picked from here up to the start of the ephemeral range."""
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port of `host` the kernel just gave out for port 0 (from the ephemeral range, 32768 and up
-    on Linux), free now but not held."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+
+def ephemeral_start() -> int:
+    """The first port the kernel gives out to client sockets (Linux's ip_local_port_range; 32768
+    where the file is missing, as on Linux by default)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_ports(count: int = 8, host: str = "127.0.0.1") -> int:
-    """The first of `count` consecutive ports of `host` free now, for a run whose N servers listen
-    at inference.port … inference.port + N - 1. They are picked below Linux's ephemeral range
-    (32768 and up), where the kernel gives out ports to client sockets: a port above it, free now,
-    can be taken by any outgoing connection (a test running beside) before its server binds it."""
+    """The first of `count` consecutive ports of `host` free now (for a run whose N servers listen
+    at inference.port … inference.port + N - 1), picked at random below the ephemeral range."""
+    top = max(ephemeral_start(), LOWEST + 1000)
     for _ in range(200):
-        base = random.randrange(20000, 32768 - count)
+        base = random.randrange(LOWEST, top - count)
         try:
             for port in range(base, base + count):
                 with socket.socket() as s:
@@ -35,7 +42,12 @@ def free_ports(count: int = 8, host: str = "127.0.0.1") -> int:
         except OSError:
             continue
         return base
-    raise RuntimeError(f"no {count} consecutive free ports below 32768")
+    raise RuntimeError(f"no {count} consecutive free ports of {host} in {LOWEST}..{top - 1}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """One port of `host` free now, below the ephemeral range."""
+    return free_ports(1, host)
 
 
 def is_local_address(host: str) -> bool:

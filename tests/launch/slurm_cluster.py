@@ -13,6 +13,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tandem.net import free_ports
+
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo")
 NODES = ("tnode1", "tnode2", "tnode3")
 END_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL")
@@ -29,16 +31,6 @@ def missing_reason() -> str | None:
     if os.geteuid() != 0:
         return "a local Slurm needs root (slurmd starts jobs as their user)"
     return None
-
-
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 class LocalSlurm:
@@ -71,7 +63,8 @@ class LocalSlurm:
         self._wait(self._idle, timeout_s, f"nodes {', '.join(NODES)} to be idle in sinfo")
 
     def _slurm_conf(self, munge_socket: Path) -> str:
-        ctld, slurmd, *node_ports = _free_ports(2 + len(NODES))
+        ctld = free_ports(2 + len(NODES))
+        slurmd, *node_ports = range(ctld + 1, ctld + 2 + len(NODES))
         host = socket.gethostname().split(".")[0]
         d = self.dir
         nodes = "\n".join(
