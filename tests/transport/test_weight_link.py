@@ -76,8 +76,10 @@ class Linked:
 
 
 @contextmanager
-def linked_server(start: Path, transport: str, bucket_bytes: int = 512 << 20) -> Iterator[Linked]:
-    settings = LinkSettings("127.0.0.1", free_port(), TIMEOUT_S, 60.0, bucket_bytes)
+def linked_server(
+    start: Path, transport: str, bucket_bytes: int = 512 << 20, transfer_timeout_s: float = TIMEOUT_S
+) -> Iterator[Linked]:
+    settings = LinkSettings("127.0.0.1", free_port(), transfer_timeout_s, 60.0, bucket_bytes)
     config = InferenceConfig.model_validate(
         {
             "model": {"name": str(start)},
@@ -216,8 +218,9 @@ def test_an_orchestrator_cancelled_mid_transfer_asks_once(models: dict[str, Path
     receives; the final wait for the last version must then wait for that transfer, not ask the
     server again for a version the trainer streams only once (the second ask would wait for an
     offer that never comes). The receive outlasts client.request_timeout: it is bounded by
-    weights.transfer_timeout_s, as the server's own waits are."""
-    with linked_server(models["a"], "colocated") as server:
+    weights.transfer_timeout_s, as the server's own waits are (30 s here: the gate holds the
+    stream ~2 s, which the short TIMEOUT_S of the other tests left too little room for under load)."""
+    with linked_server(models["a"], "colocated", transfer_timeout_s=30.0) as server:
         model = hf(models["b"])
         gate = threading.Event()
         failure: list[BaseException] = []
