@@ -13,6 +13,7 @@ import pytest
 
 from tandem.cli import UserError
 from tandem.config.loader import ConfigError, parse_config
+from tandem.launch import node as node_module
 from tandem.launch.config import RLConfig
 from tandem.launch.node import PROG, hold_until_stopped, main, run_node
 from tandem.net import free_port
@@ -134,14 +135,18 @@ def test_hold_ends_on_sigterm() -> None:
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
 
 
-@pytest.mark.parametrize("failing", ["inference-0", "trainer-0"])
+@pytest.mark.parametrize(
+    ("failing", "how"), [("inference-0", "port"), ("trainer-0", "port"), ("trainer-1", "crash")]
+)
 def test_a_node_failing_its_checks_stops_the_waiting_nodes_at_once(
-    tmp_path: Path, capsys, monkeypatch, failing: str
+    tmp_path: Path, capsys, monkeypatch, failing: str, how: str
 ) -> None:
     """A node whose preflight fails never joins the roll call; it used to exit alone while the
     others waited cluster.join_timeout_s and then named it without its reason. It now posts its
     line to the roll call (trainer-0 hosting the store for it when it is the one failing), and the
-    others stop within seconds, naming it, its host and the reason."""
+    others stop within seconds, naming it, its host and the reason. A bug before the start (any
+    exception, here raised in its resume preparation) is posted as its type and message, and a
+    node slower to arrive than the others still reads it (trainer-0 keeps the board for it)."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     node_launcher(tmp_path, capsys, "--node", "trainer-3")  # writes the model files and rl.toml
     common = ["--cluster.trainer_nodes=2", "--cluster.hosts=127.0.0.1,127.0.0.1,127.0.0.1"]
@@ -149,6 +154,18 @@ def test_a_node_failing_its_checks_stops_the_waiting_nodes_at_once(
     common += ["--deployment.shutdown_grace_s=10"]
     nodes = ["trainer-0", "trainer-1", "inference-0"]
     errors: dict[str, str] = {}
+    prepare_resume = node_module.prepare_resume
+
+    def crash_here_slow_there(plan: object) -> None:
+        if threading.current_thread().name == failing:
+            time.sleep(1)  # once trainer-0 hosts the board (a post then lands at once)
+            raise OSError("disk on fire")
+        if threading.current_thread().name == "inference-0":
+            time.sleep(4)  # joins after trainer-0 read the failure: it must still find the board
+        prepare_resume(plan)
+
+    if how == "crash":
+        monkeypatch.setattr(node_module, "prepare_resume", crash_here_slow_there)
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", 0))
         taken.listen()
@@ -156,14 +173,16 @@ def test_a_node_failing_its_checks_stops_the_waiting_nodes_at_once(
         key = "inference.port" if failing == "inference-0" else "cluster.weights_group_port"
 
         def node(name: str) -> None:
-            args = [*common, f"--{key}={port}"] if name == failing else common
+            args = [*common, f"--{key}={port}"] if name == failing and how == "port" else common
             try:
                 run_node(parse_config(RLConfig, ["@", str(tmp_path / "rl.toml"), *args], prog=PROG), name)
             except (ConfigError, UserError) as e:
                 errors[name] = str(e)
+            except OSError as e:
+                errors[name] = f"{type(e).__name__}: {e}"
 
         start = time.monotonic()
-        threads = [threading.Thread(target=node, args=(name,)) for name in nodes]
+        threads = [threading.Thread(target=node, args=(name,), name=name) for name in nodes]
         for t in threads:
             t.start()
         for t in threads:
@@ -171,8 +190,13 @@ def test_a_node_failing_its_checks_stops_the_waiting_nodes_at_once(
         took = time.monotonic() - start
     assert set(errors) == set(nodes)
     reason = errors[failing]
-    assert reason.startswith(f"port {port} on 0.0.0.0 is taken (Address already in use)")
+    if how == "port":
+        assert reason.startswith(f"port {port} on 0.0.0.0 is taken (Address already in use)")
+    else:
+        assert reason == "OSError: disk on fire"
     for name in nodes:
         if name != failing:
             assert errors[name] == f"stopping before the start: {failing} (127.0.0.1): {reason}"
+    failed = (tmp_path / "run" / "logs" / failing / "FAILED").read_text().strip()
+    assert failed == f"rl {failing} (127.0.0.1): {reason}"
     assert took < 20  # not cluster.join_timeout_s=30

@@ -3,6 +3,7 @@ directory is caught, and the status board carries one node's failure to the othe
 
 import re
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,33 @@ def test_nodes_join_and_share_failures_and_the_end(tmp_path: Path) -> None:
     trainer.post("trainer failed: exit code 1 (log x)")
     assert inference.peer_failure() == "trainer-0 (127.0.0.1): trainer failed: exit code 1 (log x)"
     trainer.linger(5)  # returns at once: both nodes posted
+
+
+def test_the_board_waits_for_a_node_that_has_not_joined_yet(tmp_path: Path) -> None:
+    """trainer-0 stopping before the start (joined, then a failure) keeps the board until every node
+    read the failure, also a node still on its way (it used to wait only for the nodes that had joined, so a slower node
+    found no store and waited cluster.join_timeout_s, blaming trainer-0)."""
+    cluster = two_nodes(tmp_path, timeout_s=10)
+    said: list[str] = []
+    trainer = RollCall(cluster, cluster.unit("trainer-0"), said.append)
+    inference = RollCall(cluster, cluster.unit("inference-0"), lambda _: None)
+    trainer.post("its preflight failed")  # hosts the store just for this
+    trainer.store.set("joined/trainer-0", "{}")  # as after a failure of a third node it had waited for
+
+    def leave() -> None:
+        trainer.linger(10)
+        trainer.store = None  # leaving: the store closes
+
+    host = threading.Thread(target=leave)
+    host.start()
+    time.sleep(3)  # inference-0's slower preflight; the note says whom the board waits for
+    assert said and said[0].startswith("keeping the node roll call open until inference-0 report")
+    with pytest.raises(UserError) as caught:
+        inference.join(tmp_path, 10)
+    assert str(caught.value) == "stopping before the start: trainer-0 (127.0.0.1): its preflight failed"
+    inference.post(None, stopped_by_peer=True)
+    host.join(timeout=10)
+    assert not host.is_alive()
 
 
 def test_a_run_dir_the_nodes_do_not_share_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -96,11 +96,13 @@ def run_node(config: RLConfig, node: str | None) -> int:
         preflight(plan, create=True)
         prepare_resume(plan)  # before the roll call, so before any process of any node starts
         rollcall.join(config.run_dir, config.cluster.join_timeout_s)
-    except (ConfigError, UserError) as e:
+    except Exception as e:
+        # a check's one line, or a bug's type and message (its traceback goes to this node's stderr)
+        reason = str(e) if isinstance(e, (ConfigError, UserError)) else f"{type(e).__name__}: {e}"
         if plan is not None:
-            record_failure(plan.log_dir, f"{prog}: {e}")
+            record_failure(plan.log_dir, f"{prog}: {reason}")
         # also when this node never joined: the nodes waiting in the roll call stop naming it
-        rollcall.post(str(e), stopped_by_peer=rollcall.stopped_by_peer)
+        rollcall.post(reason, stopped_by_peer=rollcall.stopped_by_peer)
         rollcall.linger(config.deployment.shutdown_grace_s)
         raise
     return _supervise(plan, rollcall, console, prog)

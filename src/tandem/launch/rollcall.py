@@ -91,12 +91,12 @@ class RollCall:
         deadline = time.monotonic() + timeout_s
         units = self.cluster.units()
         while True:
+            if (failed := self.peer_failure()) is not None:  # first: a failed node may have joined
+                self.stopped_by_peer = True
+                raise UserError(f"stopping before the start: {failed}")
             missing = [u for u in units if not self.store.check([f"joined/{u.name}"])]
             if not missing:
                 return
-            if (failed := self.peer_failure()) is not None:
-                self.stopped_by_peer = True
-                raise UserError(f"stopping before the start: {failed}")
             if time.monotonic() > deadline:
                 shown = ", ".join(f"{u.name} ({self.cluster.host(u)})" for u in missing)
                 raise UserError(
@@ -181,30 +181,30 @@ class RollCall:
         return next(u for u in self.cluster.units() if u.role == "orchestrator" or u.with_orchestrator)
 
     def linger(self, timeout_s: float) -> None:
-        """On the hosting node: keep the board until every node that joined has posted how it
-        ended (at most `timeout_s`). If it failed before joining, it waits for every node, so
-        that those still on their way to the roll call read its failure too."""
+        """On the hosting node: keep the board until every node has posted how it ended (at most
+        `timeout_s`). Every node, not only those that joined: after a failure before the start, a
+        node still on its way (a slower preflight) joins, reads the failure and posts `stopped/`;
+        with the store gone it would wait cluster.join_timeout_s and blame trainer-0."""
         if not self.hosting or self.store is None:
             return
         deadline = time.monotonic() + timeout_s
-        next_note = time.monotonic() + 60
+        next_note = time.monotonic() + 2
         pending: list[str] = []
-        everyone = not self.store.check([f"joined/{self.me.name}"])
         while time.monotonic() < deadline:
             pending = [
                 u.name
                 for u in self.cluster.units()
-                if (everyone or self.store.check([f"joined/{u.name}"]))
-                and not any(
-                    self.store.check([f"{state}/{u.name}"]) for state in ("done", "failed", "stopped")
-                )
+                if not any(self.store.check([f"{state}/{u.name}"]) for state in ("done", "failed", "stopped"))
             ]
             if not pending:
                 return
             if time.monotonic() > next_note:
-                self.say(f"keeping the node roll call open until {', '.join(pending)} report how they ended")
+                self.say(
+                    f"keeping the node roll call open until {', '.join(pending)} report how they ended "
+                    f"(at most {deadline - time.monotonic():.0f} s more)"
+                )
                 next_note += 60
-            time.sleep(0.5)
+            time.sleep(0.2)
         self.say(f"leaving although {', '.join(pending)} did not report how it ended")
 
 
