@@ -190,7 +190,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     """Run the evaluation; returns what `out` gets (summary per environment, stats, tasks)."""
     from tandem.envs.mixture import load_mixture, split_tasks
 
-    members = load_mixture(chosen_environments(cfg.env, cfg.envs))  # a wrong name fails before torch loads
+    members = load_mixture(cfg.env, cfg.envs)  # a wrong name fails before torch loads
     for member in members:
         split_tasks(member, "eval")
     from tandem.client.inference import ServerPool

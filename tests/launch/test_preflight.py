@@ -36,6 +36,11 @@ def bad_inputs(tmp_path: Path, model: Path) -> dict[str, tuple[list[str], str]]:
     not_utf8.write_bytes('[model]\nname = "modèle"\n'.encode("latin-1"))
     a_file = tmp_path / "file"
     a_file.write_text("")
+    two_envs = tmp_path / "two_envs.toml"
+    two_envs.write_text(
+        '[[orchestrator.envs]]\nname = "reverse_text"\n'
+        '[[orchestrator.envs]]\nname = "reverse_text"\nlabel = "long"\nargs = { max_lenn = 3 }\n'
+    )
     moe = tmp_path / "moe"  # what preflight reads of a mixture-of-experts checkpoint: its config.json
     shutil.copytree(model, moe)
     no_tokenizer_config = tmp_path / "no_tokenizer_config"  # (ran with a default tokenizer class)
@@ -67,15 +72,19 @@ def bad_inputs(tmp_path: Path, model: Path) -> dict[str, tuple[list[str], str]]:
         ),
         "unknown environment": (
             ["--orchestrator.env.name", "wordel"],
-            "env.name: unknown environment 'wordel'",
+            "orchestrator.env.name: unknown environment 'wordel'",
         ),
         "bad environment args": (
             ["--orchestrator.env.args.max_lenn", "3"],
-            "'env.args.max_lenn': Extra inputs are not permitted",
+            "'orchestrator.env.args.max_lenn': Extra inputs are not permitted",
+        ),
+        "bad args of the second of [[orchestrator.envs]]": (
+            ["@", str(two_envs)],
+            "'orchestrator.envs.1.args.max_lenn': Extra inputs are not permitted",
         ),
         "code problems file missing": (
             ["--orchestrator.env.name", "code", "--orchestrator.env.args.problems_file", str(a_file / "x")],
-            f"env.args.problems_file: cannot read {a_file / 'x'}: Not a directory",
+            f"orchestrator.env.args.problems_file: cannot read {a_file / 'x'}: Not a directory",
         ),
         "empty training split": (
             ["--orchestrator.env.name", "launch_helpers:NoTrainingTasksEnv"],

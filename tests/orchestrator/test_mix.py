@@ -52,14 +52,14 @@ def test_envs_tables_parse_and_mistakes_fail_with_one_line(tmp_path: Path) -> No
         ("short", 3.0, {"max_len": 6}),
         ("long", 1.0, {"min_len": 10}),
     ]
-    assert [m.name for m in load_mixture(cfg.environments)] == ["short", "long"]
+    assert [m.name for m in load_mixture(cfg.env, cfg.envs)] == ["short", "long"]
     assert parse_config(OrchestratorConfig, []).environments == [EnvConfig()]  # the single [env] form
     with pytest.raises(ConfigError, match=r"give either \[env\] or \[\[envs\]\], not both"):
         parse_config(OrchestratorConfig, ["@", str(toml), "--env.name", "math"])
     with pytest.raises(ConfigError, match="envs.0.weight"):
         parse_config(OrchestratorConfig, ["@", str(toml), "--envs", '[{name = "reverse_text", weight = 0}]'])
     with pytest.raises(ConfigError, match="two environments are named 'reverse_text'; give one a `label`"):
-        load_mixture([EnvConfig(), EnvConfig(args={"max_len": 5})])
+        load_mixture(EnvConfig(), [EnvConfig(), EnvConfig(args={"max_len": 5})])
     # the rl launcher writes the orchestrator's config file; the mix survives the round trip
     rl = tmp_path / "rl.toml"
     rl.write_text('[model]\nname = "m"\n\n' + toml.read_text().replace("[[envs]]", "[[orchestrator.envs]]"))
@@ -94,7 +94,7 @@ def test_a_mixed_run_tags_samples_and_logs_metrics_per_environment(
     serve_base_model(server, tiny_model, tmp_path / "base")
     assert run_with_trainer(cfg, tiny_model, first=0) == []
 
-    members = load_mixture(cfg.environments)
+    members = load_mixture(cfg.env, cfg.envs)
     records = read_metrics(run_dir / "metrics.jsonl", source="orchestrator")
     steps = [r for r in records if "reward_mean" in r]
     for step, record in zip(range(2), steps, strict=True):

@@ -34,3 +34,9 @@ def chosen_environments(env: EnvConfig, envs: list[EnvConfig]) -> list[EnvConfig
     if envs and env != EnvConfig():
         raise PydanticCustomError("shape", "give either [env] or [[envs]], not both")
     return list(envs) or [env]
+
+
+def environment_keys(env: EnvConfig, envs: list[EnvConfig], section: str = "") -> list[str]:
+    """Where each of chosen_environments' tables is in the config (`envs.0`, … or `env`), under
+    `section` ("orchestrator." in rl.toml), for errors that name a key."""
+    return [f"{section}envs.{i}" for i in range(len(envs))] if envs else [f"{section}env"]

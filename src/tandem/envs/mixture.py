@@ -16,7 +16,7 @@ from typing import Any
 
 from tandem.config.loader import ConfigError
 from tandem.envs.base import Environment, Split
-from tandem.envs.config import EnvConfig
+from tandem.envs.config import EnvConfig, chosen_environments, environment_keys
 from tandem.envs.registry import load_environment
 
 log = logging.getLogger(__name__)
@@ -31,18 +31,22 @@ class Member:
     weight: float = 1.0
 
 
-def load_mixture(configs: Sequence[EnvConfig]) -> list[Member]:
-    """Build every environment; names (label, else the environment's own name) must be distinct."""
+def load_mixture(env: EnvConfig, envs: list[EnvConfig], section: str = "") -> list[Member]:
+    """Build the run's environments ([[envs]] when given, else [env]); names (label, else the
+    environment's own name) must be distinct. Errors name the table's key under `section`
+    ("orchestrator." in rl.toml): `envs.1.args.max_len`, `orchestrator.env.name`."""
+    configs = chosen_environments(env, envs)
+    keys = environment_keys(env, envs, section)
     members: list[Member] = []
-    for config in configs:
-        env = load_environment(config.name, config.args)
-        name = config.label or env.name or config.name
+    for config, key in zip(configs, keys, strict=True):
+        built = load_environment(config.name, config.args, key)
+        name = config.label or built.name or config.name
         if any(m.name == name for m in members):
-            raise ConfigError(f"envs: two environments are named '{name}'; give one a `label`")
-        env.name = name
-        members.append(Member(name, env, config.weight))
+            raise ConfigError(f"{section}envs: two environments are named '{name}'; give one a `label`")
+        built.name = name
+        members.append(Member(name, built, config.weight))
     if not members:
-        raise ConfigError("envs: no environment given")
+        raise ConfigError(f"{section}envs: no environment given")
     return members
 
 

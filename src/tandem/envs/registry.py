@@ -18,25 +18,28 @@ BUILT_IN = {
 }
 
 
-def resolve(name: str) -> type[Environment]:
+def resolve(name: str, key: str = "env") -> type[Environment]:
+    """The Environment class of `name`; errors name `{key}.name`."""
     target = BUILT_IN.get(name, name)
     module_name, colon, class_name = target.partition(":")
     if not colon:
         known = ", ".join(sorted(BUILT_IN))
         raise ConfigError(
-            f"env.name: unknown environment '{name}' (built in: {known}; or 'module:Class', or 'verifiers:<env id>')"
+            f"{key}.name: unknown environment '{name}' (built in: {known}; or 'module:Class', or 'verifiers:<env id>')"
         )
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as e:
-        raise ConfigError(f"env.name: cannot import '{target}': {e}") from None
+        raise ConfigError(f"{key}.name: cannot import '{target}': {e}") from None
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
-        raise ConfigError(f"env.name: '{target}' is not a tandem Environment subclass")
+        raise ConfigError(f"{key}.name: '{target}' is not a tandem Environment subclass")
     return cls
 
 
-def load_environment(name: str, args: dict[str, Any] | None = None) -> Environment:
-    """Build the environment with validated args; mistakes raise ConfigError naming `env.args.KEY`.
+def load_environment(name: str, args: dict[str, Any] | None = None, key: str = "env") -> Environment:
+    """Build the environment with validated args; mistakes raise ConfigError naming `{key}.args.X`
+    (`key` is where the environment's table is: `env`, `envs.1`, `orchestrator.env` in rl.toml).
+    An environment's own ValueError names its args as `env.args...`; that prefix becomes `key`'s.
 
     `verifiers:<env id>` loads an environment written for verifiers (its args go to the
     environment's own load_environment) through tandem.envs.verifiers_adapter."""
@@ -44,12 +47,15 @@ def load_environment(name: str, args: dict[str, Any] | None = None) -> Environme
         from tandem.envs.verifiers_adapter import VerifiersEnv
 
         return VerifiersEnv.load(name.removeprefix("verifiers:"), args)
-    cls = resolve(name)
+    cls = resolve(name, key)
     try:
         parsed = cls.Args.model_validate(args or {}, strict=True)  # (typed by TOML, as the config)
         return cls(parsed)
     except ValidationError as e:
-        problems = [f"'env.args.{'.'.join(map(str, err['loc']))}': {err['msg']}" for err in e.errors()]
+        problems = [f"'{key}.args.{'.'.join(map(str, err['loc']))}': {err['msg']}" for err in e.errors()]
         raise ConfigError("invalid environment args: " + "; ".join(problems)) from None
     except ValueError as e:
-        raise ConfigError(str(e)) from None
+        message = str(e)
+        if message.startswith("env.args"):
+            message = key + message.removeprefix("env")
+        raise ConfigError(message) from None

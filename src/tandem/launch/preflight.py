@@ -54,7 +54,7 @@ def preflight(plan: RunPlan, create: bool, ports: bool = True) -> None:
         check_ports(plan)
     if isinstance(plan.trainer.loss, CustomLoss):
         check_loss_import(plan.trainer.loss.import_path, plan.trainer.loss.options)
-    members = load_mixture(plan.orchestrator.environments)
+    members = load_mixture(plan.orchestrator.env, plan.orchestrator.envs, "orchestrator.")
     for member in members:
         split_tasks(member, "train")
         if plan.orchestrator.eval.interval:

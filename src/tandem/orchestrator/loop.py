@@ -124,7 +124,7 @@ class Launched:
 class Orchestrator:
     def __init__(self, cfg: OrchestratorConfig) -> None:
         self.cfg = cfg
-        self.members = load_mixture(cfg.environments)
+        self.members = load_mixture(cfg.env, cfg.envs)
         self.pool = ServerPool(cfg.servers, cfg.client, weight_only=cfg.prefill_servers)
         self.policy = PolicySync(cfg.run_dir, self.pool, cfg.weights)
         self.collector = RolloutCollector(self.members, self.pool, cfg)
