@@ -112,11 +112,14 @@ def _supervise(plan: RunPlan, rollcall: RollCall, console: Console, prog: str) -
     plan.write_configs()
     supervisor = plan.supervisor(console, prog, peer_event=rollcall.event)
     supervisor.say(f"configs in {plan.config_dir}, logs in {plan.log_dir}")
-    code = 1
+    code, crash = 1, None
     try:
         code = supervisor.run()
+    except Exception as e:  # a bug of the launcher's own: the others learn its type and message
+        crash = f"the node launcher failed: {type(e).__name__}: {e}"
+        raise
     finally:
-        failure = None if code == 0 else supervisor.failure or f"stopped (exit code {code})"
+        failure = None if code == 0 else supervisor.failure or crash or f"stopped (exit code {code})"
         rollcall.post(failure, stopped_by_peer=supervisor.stopped_by_peer)
         rollcall.linger(LINGER_S)
     return code
