@@ -36,7 +36,7 @@ hosts = ["127.0.0.1", "127.0.0.1"]
 rdzv_port = {free_port()}
 join_timeout_s = 2
 [deployment]
-shutdown_grace_s = 1  # how long trainer-0 failing its checks hosts the roll call for the others
+shutdown_grace_s = 1
 """
     )
     with pytest.raises(SystemExit) as exit_info:
@@ -151,7 +151,6 @@ def test_a_node_failing_its_checks_stops_the_waiting_nodes_at_once(
     node_launcher(tmp_path, capsys, "--node", "trainer-3")  # writes the model files and rl.toml
     common = ["--cluster.trainer_nodes=2", "--cluster.hosts=127.0.0.1,127.0.0.1,127.0.0.1"]
     common += [f"--cluster.rdzv_port={free_port()}", "--cluster.join_timeout_s=30"]
-    common += ["--deployment.shutdown_grace_s=10"]
     nodes = ["trainer-0", "trainer-1", "inference-0"]
     errors: dict[str, str] = {}
     prepare_resume = node_module.prepare_resume

@@ -103,7 +103,9 @@ def run_node(config: RLConfig, node: str | None) -> int:
             record_failure(plan.log_dir, f"{prog}: {reason}")
         # also when this node never joined: the nodes waiting in the roll call stop naming it
         rollcall.post(reason, stopped_by_peer=rollcall.stopped_by_peer)
-        rollcall.linger(config.deployment.shutdown_grace_s)
+        if rollcall.hosting:  # it keeps the board for the nodes still on their way: say why first
+            console.line(prog, reason if rollcall.stopped_by_peer else f"not starting: {reason}")
+        rollcall.linger(config.cluster.join_timeout_s)
         raise
     return _supervise(plan, rollcall, console, prog)
 

@@ -14,7 +14,7 @@ carrying the orchestrator posts `done/<unit>` when the orchestrator finished, wh
 nodes that only serve; a node stopped for another's failure posts `stopped/<unit>`. A node that
 fails before it joined (its preflight) still posts `failed/<unit>`, trying for a few seconds, so
 the nodes waiting in the roll call stop at once naming it; trainer-0 failing so hosts the store
-for it (at most deployment.shutdown_grace_s). The hosting node keeps the store until every node
+for it. The hosting node keeps the store until every node
 has posted (bounded), so no node loses the board while it is still finishing.
 """
 
@@ -188,7 +188,7 @@ class RollCall:
         if not self.hosting or self.store is None:
             return
         deadline = time.monotonic() + timeout_s
-        next_note = time.monotonic() + 2
+        next_note = time.monotonic()
         pending: list[str] = []
         while time.monotonic() < deadline:
             pending = [
@@ -199,9 +199,14 @@ class RollCall:
             if not pending:
                 return
             if time.monotonic() > next_note:
+                who = (
+                    f"{pending[0]} reports how it"
+                    if len(pending) == 1
+                    else f"{', '.join(pending)} report how they"
+                )
                 self.say(
-                    f"keeping the node roll call open until {', '.join(pending)} report how they ended "
-                    f"(at most {deadline - time.monotonic():.0f} s more)"
+                    f"keeping the node roll call open until {who} ended "
+                    f"(at most {deadline - time.monotonic():.0f} s more; Ctrl-C leaves now)"
                 )
                 next_note += 60
             time.sleep(0.2)
