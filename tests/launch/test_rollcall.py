@@ -94,7 +94,9 @@ def test_the_board_waits_for_a_node_that_has_not_joined_yet(tmp_path: Path) -> N
     host = threading.Thread(target=leave)
     host.start()
     time.sleep(3)  # inference-0's slower preflight; the note says whom the board waits for
-    assert said and said[0].startswith("keeping the node roll call open until inference-0 reports how it ended")
+    assert said and said[0].startswith(
+        "keeping the node roll call open until inference-0 posted how it ended"
+    )
     with pytest.raises(UserError) as caught:
         inference.join(tmp_path, 10)
     assert str(caught.value) == "stopping before the start: trainer-0 (127.0.0.1): its preflight failed"

@@ -14,8 +14,8 @@ carrying the orchestrator posts `done/<unit>` when the orchestrator finished, wh
 nodes that only serve; a node stopped for another's failure posts `stopped/<unit>`. A node that
 fails before it joined (its preflight) still posts `failed/<unit>`, trying for a few seconds, so
 the nodes waiting in the roll call stop at once naming it; trainer-0 failing so hosts the store
-for it. The hosting node keeps the store until every node
-has posted (bounded), so no node loses the board while it is still finishing.
+for it. The hosting node keeps the store until every node has posted (bounded), also those still
+on their way to the roll call, so no node loses the board while it is still starting or finishing.
 """
 
 import json
@@ -188,8 +188,8 @@ class RollCall:
         if not self.hosting or self.store is None:
             return
         deadline = time.monotonic() + timeout_s
-        next_note = time.monotonic()
-        pending: list[str] = []
+        next_note = time.monotonic() + 2  # (at a normal end the others post within a second)
+        names, it = "", "it"
         while time.monotonic() < deadline:
             pending = [
                 u.name
@@ -198,19 +198,15 @@ class RollCall:
             ]
             if not pending:
                 return
+            names, it = ", ".join(pending), "it" if len(pending) == 1 else "they"
             if time.monotonic() > next_note:
-                who = (
-                    f"{pending[0]} reports how it"
-                    if len(pending) == 1
-                    else f"{', '.join(pending)} report how they"
-                )
                 self.say(
-                    f"keeping the node roll call open until {who} ended "
+                    f"keeping the node roll call open until {names} posted how {it} ended "
                     f"(at most {deadline - time.monotonic():.0f} s more; Ctrl-C leaves now)"
                 )
                 next_note += 60
             time.sleep(0.2)
-        self.say(f"leaving although {', '.join(pending)} did not report how it ended")
+        self.say(f"leaving although {names} did not post how {it} ended")
 
 
 def _read(path: Path) -> str | None:
