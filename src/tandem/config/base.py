@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
+from tandem.models.registry import FAMILIES
+
 
 class Section(BaseModel):
     """A config section. Unknown keys are errors; values are validated on assignment too; inf and
@@ -80,7 +82,7 @@ class ModelConfig(Section):
     impl: Literal["auto", "tandem", "hf"] = Field(
         "auto",
         description="Trainer model code: tandem's own implementation of the checkpoint's model type "
-        "(qwen3, qwen3_moe), transformers' (hf), or auto = tandem's when the type has one.",
+        f"({', '.join(FAMILIES)}), transformers' (hf), or auto = tandem's when the type has one.",
     )
     attention: Literal["auto", "flex", "varlen", "cudnn", "sdpa", "sdpa_docs"] = Field(
         "auto",
