@@ -35,8 +35,6 @@ inference_nodes = 1
 hosts = ["127.0.0.1", "127.0.0.1"]
 rdzv_port = {free_port()}
 join_timeout_s = 2
-[deployment]
-shutdown_grace_s = 1
 """
     )
     with pytest.raises(SystemExit) as exit_info:
