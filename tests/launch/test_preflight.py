@@ -72,7 +72,7 @@ def bad_inputs(tmp_path: Path, model: Path) -> dict[str, tuple[list[str], str]]:
         ),
         "unknown environment": (
             ["--orchestrator.env.name", "wordel"],
-            "orchestrator.env.name: unknown environment 'wordel'",
+            "orchestrator.env.name: unknown environment 'wordel' (did you mean 'wordle'? built in: ",
         ),
         "bad environment args": (
             ["--orchestrator.env.args.max_lenn", "3"],

@@ -1,5 +1,6 @@
 """Environments by name: `load_environment("reverse_text", {...})` or an import path `pkg.mod:Class`."""
 
+import difflib
 import importlib
 from typing import Any
 
@@ -23,9 +24,12 @@ def resolve(name: str, key: str = "env") -> type[Environment]:
     target = BUILT_IN.get(name, name)
     module_name, colon, class_name = target.partition(":")
     if not colon:
+        close = difflib.get_close_matches(name, BUILT_IN, n=1, cutoff=0.6)
+        guess = f"did you mean '{close[0]}'? " if close else ""
         known = ", ".join(sorted(BUILT_IN))
         raise ConfigError(
-            f"{key}.name: unknown environment '{name}' (built in: {known}; or 'module:Class', or 'verifiers:<env id>')"
+            f"{key}.name: unknown environment '{name}' ({guess}built in: {known}; or 'module:Class', or "
+            "'verifiers:<env id>')"
         )
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
