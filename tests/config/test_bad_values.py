@@ -150,6 +150,17 @@ def test_unknown_keys_and_types_suggest_what_exists(argv: list[str], message: st
     assert error(["--model.name", "m", *argv]) == f"invalid config: {message}"
 
 
+def test_an_unknown_key_like_none_lists_its_sections_keys() -> None:
+    from tandem.trainer.config import OptimConfig
+
+    keys = ", ".join(sorted(OptimConfig.model_fields))
+    assert error(["--model.name", "m", "--trainer.optim.nope", "1"]) == (
+        f"invalid config: unknown key 'trainer.optim.nope' ([trainer.optim] has: {keys})"
+    )
+    top = error(["--model.name", "m", "--bogus", "1"])
+    assert top.startswith("invalid config: unknown key 'bogus' (the top level has: cluster, deployment, ")
+
+
 @pytest.mark.parametrize(
     ("argv", "key"),
     [

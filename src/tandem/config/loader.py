@@ -330,6 +330,10 @@ def _got(kind: str, given: Any, in_file: bool) -> str:
     return f"got {given!r}"
 
 
+MAX_KEYS_LISTED = 16
+"""An unknown key with no close match lists its section's keys, when it has at most this many."""
+
+
 def format_validation_error(
     error: ValidationError,
     cls: type[BaseModel] | None = None,
@@ -337,8 +341,9 @@ def format_validation_error(
 ) -> str:
     """All of `error`'s problems in one line, keys named as written (given `cls`, the validated
     model), each after the file it came from (given `origins`: key → file, from build_config).
-    An unknown key gets the closest known one as a suggestion. A shared field's problem is named
-    once, not again for each section it flowed into."""
+    An unknown key gets the closest known one as a suggestion, else its section's keys (up to
+    MAX_KEYS_LISTED). A shared field's problem is named once, not again for each section it
+    flowed into."""
     problems: dict[tuple[str, str], str] = {}  # (key, what is wrong) → the text naming both
     for item in error.errors():
         loc = item["loc"]
@@ -349,7 +354,13 @@ def format_validation_error(
         if item["type"] == "extra_forbidden":
             known = _section_keys(cls, loc)
             close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
-            suggestion = f" (did you mean '{'.'.join([*keys[:-1], close[0]])}'?)" if close else ""
+            if close:
+                suggestion = f" (did you mean '{'.'.join([*keys[:-1], close[0]])}'?)"
+            elif 0 < len(known) <= MAX_KEYS_LISTED:
+                section = f"[{'.'.join(keys[:-1])}]" if len(keys) > 1 else "the top level"
+                suggestion = f" ({section} has: {', '.join(sorted(known))})"
+            else:
+                suggestion = ""
             what, text = "unknown", f"unknown key '{key}'{suggestion}"
         elif item["type"] == "missing":
             what, text = "missing", f"missing required key '{key}'"
