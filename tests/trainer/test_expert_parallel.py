@@ -20,6 +20,8 @@ from process_output import failure
 
 from tandem.models.tiny import build_tiny_model
 
+pytestmark = pytest.mark.slow  # (tests/conftest.py hands this file out first)
+
 WORKER = Path(__file__).parent / "ep_worker.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 

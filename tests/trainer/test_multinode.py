@@ -5,6 +5,7 @@ exactly as one node with two ranks does."""
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 from process_output import failure
 from rl_helpers import sample_reverse_text, small_model, write_rollouts
@@ -15,6 +16,8 @@ from tandem.launch.plan import torchrun_command
 from tandem.models.loading import load_tokenizer
 from tandem.monitor.metrics import read_metrics
 from tandem.net import free_port
+
+pytestmark = pytest.mark.slow  # (tests/conftest.py hands this file out first)
 
 
 def one_node_two_ranks(module: str, args: list[str]) -> None:

@@ -14,6 +14,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
+import pytest
 from rl_helpers import inference_server, sample_from_server, small_model, write_rollouts
 
 from tandem.config import build_config
@@ -22,6 +23,8 @@ from tandem.net import free_port
 from tandem.trainer.rl.config import RLTrainerConfig
 from tandem.trainer.rl.train import train
 from tandem.transport.weights import offered_version, stable_versions
+
+pytestmark = pytest.mark.slow  # (tests/conftest.py hands this file out first)
 
 TEMPERATURE = 0.8
 STEPS = 3
