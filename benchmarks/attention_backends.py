@@ -49,7 +49,7 @@ FLEX_OPTIONS = {
     "flex+fwd128": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_warps": 8, "fwd_num_stages": 3},
     "flex+tma+bwd128": {"USE_TMA": True, **_BWD128, "bwd_num_warps": 8, "bwd_num_stages": 3},
 }
-BACKENDS = ("flex", "varlen", "cudnn", "cudnn-exact", "sdpa_docs", "sdpa", *FLEX_OPTIONS)
+BACKENDS = ("flex", "varlen", "cudnn", "cudnn-exact", "flash", "sdpa_docs", "sdpa", *FLEX_OPTIONS)
 BATCHES = {"mfu": (4, 4096, 256, 2304), "rl": (4, 2048, 20, 200)}  # rows, width, shortest, longest
 
 

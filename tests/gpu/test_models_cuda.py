@@ -35,6 +35,11 @@ CUDNN = pytest.param(
     "cudnn",
     marks=pytest.mark.skipif(find_spec("cudnn") is None, reason="nvidia-cudnn-frontend not installed"),
 )
+# FlashAttention 4's kernels need its optional package (flash-attn-4)
+FLASH = pytest.param(
+    "flash",
+    marks=pytest.mark.skipif(find_spec("flash_attn") is None, reason="flash-attn-4 not installed"),
+)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -80,12 +85,12 @@ def assert_backend_matches_masked_sdpa(
         assert rel(got, want) < 2e-2, (name, rel(got, want))
 
 
-@pytest.mark.parametrize("backend", ["flex", "varlen", CUDNN, "sdpa_docs"])
+@pytest.mark.parametrize("backend", ["flex", "varlen", CUDNN, FLASH, "sdpa_docs"])
 def test_attention_backends_match_masked_sdpa(backend: str) -> None:
     assert_backend_matches_masked_sdpa(packed_positions([[100, 300, 112], [512]]), backend)
 
 
-@pytest.mark.parametrize("backend", ["varlen", CUDNN])
+@pytest.mark.parametrize("backend", ["varlen", CUDNN, FLASH])
 def test_many_short_documents_match_masked_sdpa(backend: str) -> None:
     """23 documents of 1 to 300 tokens: cudnn pads them to 32 with empty ones and rounds the
     longest up to 512 (layers/cudnn_attention.py); neither may change a value."""
@@ -177,7 +182,7 @@ def test_adamw_kernel_follows_its_torch_form_on_cuda(moments: torch.dtype) -> No
 
 @pytest.mark.parametrize("master", ["model", "optimizer"], ids=["fp32-params", "fp32-masters"])
 @pytest.mark.parametrize("keep", [False, True], ids=["reshard", "keep-gathered"])
-@pytest.mark.parametrize("attention", ["flex", "varlen", CUDNN])
+@pytest.mark.parametrize("attention", ["flex", "varlen", CUDNN, FLASH])
 def test_bf16_trainer_model_follows_transformers_and_trains(
     tiny_moe: Path, attention: str, keep: bool, master: str
 ) -> None:
@@ -223,7 +228,7 @@ def test_bf16_trainer_model_follows_transformers_and_trains(
             assert torch.equal(shard, master.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("backend", ["flex", "varlen", CUDNN, "sdpa_docs", "sdpa"])
+@pytest.mark.parametrize("backend", ["flex", "varlen", CUDNN, FLASH, "sdpa_docs", "sdpa"])
 def test_query_columns_attend_like_the_whole_row(backend: str) -> None:
     """Rank 1 of ring cp = 2 (chunks 1 and 2 of 4) against the whole rows' keys equals those
     columns of whole-row attention, for documents that cross the chunk boundaries."""
@@ -244,9 +249,9 @@ def test_query_columns_attend_like_the_whole_row(backend: str) -> None:
         assert rel(a, b) < 2e-2, (name, rel(a, b))
 
 
-@pytest.mark.parametrize("backend", ["varlen", CUDNN])
+@pytest.mark.parametrize("backend", ["varlen", CUDNN, FLASH])
 def test_selective_checkpointing_keeps_custom_attention_outputs(backend: str) -> None:
-    """varlen's and cudnn's kernels are custom operators, opaque to selective checkpointing: the
+    """varlen's, cudnn's and flash's kernels are custom operators, opaque to selective checkpointing: the
     policy names them (models/parallelism.py), so the backward's recomputation of a block runs
     its elementwise work again but not attention (and the gradients stay those of no checkpoint)."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -258,7 +263,11 @@ def test_selective_checkpointing_keeps_custom_attention_outputs(backend: str) ->
         calls = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-            Attentions.calls += str(func) in ("torch_attn._varlen_attn.default", "cudnn.sdpa_fwd.default")
+            Attentions.calls += str(func) in (
+                "torch_attn._varlen_attn.default",
+                "cudnn.sdpa_fwd.default",
+                "tandem.flash_varlen_fwd.default",
+            )
             return func(*args, **(kwargs or {}))
 
     docs = PackedDocs.from_positions(packed_positions([[100, 300, 112], [512]]), backend)

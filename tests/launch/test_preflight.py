@@ -290,13 +290,21 @@ def test_wandb_section_without_the_package_is_one_line(model: Path, tmp_path: Pa
             ], (why, lines)
 
 
-def test_cudnn_attention_without_its_package_is_one_line(model: Path, tmp_path: Path) -> None:
-    """The cudnn module hidden (as without nvidia-cudnn-frontend): model.attention = "cudnn" fails
-    before any process starts, in one line."""
-    lines = rl_without("cudnn", model, tmp_path, "--model.attention", "cudnn", "--dry-run")
+@pytest.mark.parametrize(
+    ("attention", "module", "needs"),
+    [
+        ("cudnn", "cudnn", "NVIDIA's cuDNN frontend: pip install nvidia-cudnn-frontend"),
+        ("flash", "flash_attn", "FlashAttention 4: pip install flash-attn-4"),
+    ],
+)
+def test_attention_without_its_package_is_one_line(
+    model: Path, tmp_path: Path, attention: str, module: str, needs: str
+) -> None:
+    """The backend's module hidden (as without its optional package): model.attention = "cudnn"
+    or "flash" fails before any process starts, in one line."""
+    lines = rl_without(module, model, tmp_path, "--model.attention", attention, "--dry-run")
     assert lines == [
-        "rl: error: model.attention = 'cudnn' needs NVIDIA's cuDNN frontend: pip install "
-        "nvidia-cudnn-frontend (or another model.attention)",
+        f"rl: error: model.attention = '{attention}' needs {needs} (or another model.attention)",
         "exit 2",
     ], lines
 

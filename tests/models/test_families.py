@@ -340,10 +340,11 @@ def test_bad_config_and_parallel_settings_fail_with_one_line(checkpoint: Path, t
     assert "\n" not in str(error.value)
     with pytest.raises(UserError, match="ep = 2 does not divide the world size 1"):
         build_trainer_model(ModelConfig(name=str(checkpoint), device="cpu"), world, ParallelConfig(ep=2))
-    with pytest.raises(UserError, match="model.attention = 'cudnn' trains on CUDA only"):
-        build_trainer_model(
-            ModelConfig(name=str(checkpoint), device="cpu", attention="cudnn"), world, ParallelConfig()
-        )
+    for attention in ("cudnn", "flash"):
+        with pytest.raises(UserError, match=f"model.attention = '{attention}' trains on CUDA only"):
+            build_trainer_model(
+                ModelConfig(name=str(checkpoint), device="cpu", attention=attention), world, ParallelConfig()
+            )
 
 
 def test_cudnn_attention_without_its_package_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -356,6 +357,18 @@ def test_cudnn_attention_without_its_package_says_what_to_install(monkeypatch: p
     ):
         cudnn_attention.require_cudnn_frontend()
     cudnn_attention._register_operator.cache_clear()
+
+
+def test_flash_attention_without_its_package_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tandem.models.layers import flash_attention
+
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # as if not installed
+    flash_attention._interface.cache_clear()
+    with pytest.raises(
+        ValueError, match="model.attention = 'flash' needs FlashAttention 4: pip install flash-attn-4"
+    ):
+        flash_attention.require_flash_attention()
+    flash_attention._interface.cache_clear()
 
 
 def test_keeping_gathered_weights_trains_as_resharding(checkpoint: Path) -> None:

@@ -84,10 +84,11 @@ class ModelConfig(Section):
         description="Trainer model code: tandem's own implementation of the checkpoint's model type "
         f"({', '.join(FAMILIES)}), transformers' (hf), or auto = tandem's when the type has one.",
     )
-    attention: Literal["auto", "flex", "varlen", "cudnn", "sdpa", "sdpa_docs"] = Field(
+    attention: Literal["auto", "flex", "varlen", "cudnn", "flash", "sdpa", "sdpa_docs"] = Field(
         "auto",
         description="Packed-sequence attention of tandem's models: auto = the fastest measured on CUDA, "
-        "sdpa on CPU; cudnn needs the nvidia-cudnn-frontend package (docs/trainer.md).",
+        "sdpa on CPU; cudnn needs the nvidia-cudnn-frontend package, flash the flash-attn-4 package "
+        "(docs/trainer.md).",
     )
     head_logits: Literal["recompute", "keep"] = Field(
         "recompute",

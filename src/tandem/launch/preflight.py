@@ -7,8 +7,8 @@ environment (its name, its args, a training split that loads and is not empty, t
 too with evaluation on, and for the code environment the sandbox's isolation, which is logged),
 the longest prompt plus max_tokens against seq_len, a custom loss's import path, the ports the
 run will listen on (planned_ports) and trainer.parallel.ep against the checkpoint's experts;
-with [monitor.wandb], that the wandb package is installed, and with model.attention = "cudnn",
-the cuDNN frontend package.
+with [monitor.wandb], that the wandb package is installed, and with model.attention = "cudnn" or
+"flash", that backend's package.
 Nothing here imports torch unless the configured custom loss does.
 """
 
@@ -68,17 +68,25 @@ def preflight(plan: RunPlan, create: bool, ports: bool = True) -> None:
         make_run_dir(config.run_dir)
 
 
+ATTENTION_PACKAGES = {
+    "cudnn": ("cudnn", "NVIDIA's cuDNN frontend: pip install nvidia-cudnn-frontend"),
+    "flash": ("flash_attn.cute", "FlashAttention 4: pip install flash-attn-4"),
+}
+"""The backends of an optional package (models/layers/cudnn_attention.py, flash_attention.py):
+the module it provides, and what to install."""
+
+
 def check_attention_package(attention: str) -> None:
-    """model.attention = "cudnn" needs NVIDIA's cuDNN frontend package (models/layers/cudnn_attention.py)."""
+    """model.attention = "cudnn" or "flash" needs its package."""
+    if attention not in ATTENTION_PACKAGES:
+        return
+    module, needs = ATTENTION_PACKAGES[attention]
     try:
-        found = attention != "cudnn" or importlib.util.find_spec("cudnn") is not None
+        found = importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
         found = False
     if not found:
-        raise UserError(
-            "model.attention = 'cudnn' needs NVIDIA's cuDNN frontend: pip install nvidia-cudnn-frontend "
-            "(or another model.attention)"
-        )
+        raise UserError(f"model.attention = '{attention}' needs {needs} (or another model.attention)")
 
 
 def check_run_dir(run_dir: Path) -> None:

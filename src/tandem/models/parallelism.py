@@ -79,9 +79,10 @@ class ParallelPlan:
 @functools.cache
 def _saved_ops() -> frozenset:
     """The ops whose outputs selective checkpointing keeps. The attention backends that are custom
-    operators (varlen's `torch_attn::_varlen_attn`, cudnn's `cudnn::sdpa_fwd`) are opaque to SAC,
-    which sees them and not the kernels inside: they are listed by their own names (cudnn's only
-    once its package registered it, which resolve_backend does before any forward)."""
+    operators (varlen's `torch_attn::_varlen_attn`, cudnn's `cudnn::sdpa_fwd`, flash's
+    `tandem::flash_varlen_fwd`) are opaque to SAC, which sees them and not the kernels inside: they
+    are listed by their own names (cudnn's only once its package registered it, which
+    resolve_backend does before any forward)."""
     aten = torch.ops.aten
     names = (
         "mm", "addmm", "bmm", "_scaled_mm", "_grouped_mm", "_flash_attention_forward",
@@ -91,7 +92,8 @@ def _saved_ops() -> frozenset:
     ops = {getattr(aten, name).default for name in names if hasattr(aten, name)}
     with contextlib.suppress(ImportError):
         importlib.import_module("torch.nn.attention.varlen")  # registers torch_attn::_varlen_attn
-    for namespace, name in (("torch_attn", "_varlen_attn"), ("cudnn", "sdpa_fwd")):
+    custom = (("torch_attn", "_varlen_attn"), ("cudnn", "sdpa_fwd"), ("tandem", "flash_varlen_fwd"))
+    for namespace, name in custom:
         with contextlib.suppress(AttributeError):
             ops.add(getattr(getattr(torch.ops, namespace), name).default)
     return frozenset(ops | {torch.ops.higher_order.flex_attention})

@@ -12,6 +12,8 @@ before it in its own document, and to nothing else, whichever backend runs:
   (CUDA, bf16/fp16 only).
 - `cudnn`: cuDNN's variable-length kernels through NVIDIA's cuDNN frontend package, keyed by
   cu_seqlens like `varlen` (CUDA, bf16/fp16; optional package; layers/cudnn_attention.py).
+- `flash`: FlashAttention 4's variable-length kernels (FlashAttention 3's design on Hopper),
+  keyed by cu_seqlens like `varlen` (CUDA, bf16/fp16; optional package; layers/flash_attention.py).
 - `sdpa_docs`: one scaled_dot_product_attention call per document (exact, any device; slow
   when there are many short documents).
 - `sdpa`: one SDPA call per row with a dense block-diagonal causal mask [rows, 1, width, width]
@@ -44,8 +46,9 @@ import torch
 import torch.nn.functional as F
 
 from tandem.models.layers.cudnn_attention import cudnn_buckets, cudnn_causal, require_cudnn_frontend
+from tandem.models.layers.flash_attention import flash_causal, require_flash_attention, round_up_length
 
-AttentionBackend = Literal["auto", "flex", "varlen", "cudnn", "sdpa", "sdpa_docs"]
+AttentionBackend = Literal["auto", "flex", "varlen", "cudnn", "flash", "sdpa", "sdpa_docs"]
 CUDA_DEFAULT = "flex"
 """The fastest backend for packed documents on an H200 (docs/trainer.md, "Attention")."""
 
@@ -53,12 +56,14 @@ CUDA_DEFAULT = "flex"
 def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         return CUDA_DEFAULT if device.type == "cuda" else "sdpa"
-    if backend in ("varlen", "flex", "cudnn") and device.type != "cuda":
+    if backend in ("varlen", "flex", "cudnn", "flash") and device.type != "cuda":
         raise ValueError(
             f"model.attention = {backend!r} trains on CUDA only (use 'sdpa' or 'sdpa_docs' on CPU)"
         )
     if backend == "cudnn":
         require_cudnn_frontend()
+    if backend == "flash":
+        require_flash_attention()
     return backend
 
 
@@ -71,8 +76,10 @@ class PackedDocs:
     """
 
     backend: str
-    cu_seqlens: torch.Tensor | None = None  # varlen, cudnn, sdpa_docs: int32 [docs + 1], flattened offsets
-    max_seqlen: int = 0  # varlen, cudnn: the longest document
+    cu_seqlens: torch.Tensor | None = (
+        None  # varlen, cudnn, flash, sdpa_docs: int32 [docs + 1], flattened offsets
+    )
+    max_seqlen: int = 0  # varlen, cudnn, flash: the longest document (cudnn, flash: rounded up)
     mask: torch.Tensor | None = None  # sdpa: [rows, 1, queries, width] bool, True = attend
     block_mask: object | None = None  # flex: a BlockMask
     # only with query_columns (per-document backends): each segment's keys, flattened
@@ -124,6 +131,10 @@ class PackedDocs:
             docs = cls(backend, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         if backend == "cudnn":  # here, not in the (compiled) layers: see layers/cudnn_attention.py
             docs = dataclasses.replace(docs, **cudnn_buckets(docs))
+        if backend == "flash":
+            docs.max_seqlen = round_up_length(docs.max_seqlen)
+            if docs.cu_seqlens_k is not None:
+                docs.max_seqlen_k = round_up_length(docs.max_seqlen_k)
         return docs
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -184,8 +195,8 @@ def packed_attention(
     k, v = (t.reshape(-1, t.shape[2], dim) for t in (k, v))
     if docs.kv_index is not None:
         k, v = k[docs.kv_index], v[docs.kv_index]
-    if docs.backend in ("varlen", "cudnn"):
-        kernel = varlen_causal if docs.backend == "varlen" else cudnn_causal
+    if docs.backend in ("varlen", "cudnn", "flash"):
+        kernel = {"varlen": varlen_causal, "cudnn": cudnn_causal, "flash": flash_causal}[docs.backend]
         out = kernel(q, k, v, docs.cu_seqlens, docs.max_seqlen, scale, docs.cu_seqlens_k, docs.max_seqlen_k)
     elif docs.backend == "sdpa_docs":
         key_bounds = docs.cu_seqlens if docs.cu_seqlens_k is None else docs.cu_seqlens_k
