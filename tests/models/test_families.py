@@ -347,28 +347,28 @@ def test_bad_config_and_parallel_settings_fail_with_one_line(checkpoint: Path, t
             )
 
 
-def test_cudnn_attention_without_its_package_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tandem.models.layers import cudnn_attention
+@pytest.mark.parametrize(
+    ("backend", "module", "install"),
+    [
+        ("cudnn", "cudnn", "pip install nvidia-cudnn-frontend"),
+        ("flash", "flash_attn", "pip install flash-attn-4"),
+    ],
+)
+def test_attention_without_its_package_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, backend: str, module: str, install: str
+) -> None:
+    from tandem.models.layers import cudnn_attention, flash_attention
 
-    monkeypatch.setitem(sys.modules, "cudnn", None)  # as if not installed
-    cudnn_attention._register_operator.cache_clear()
-    with pytest.raises(
-        ValueError, match="model.attention = 'cudnn' needs .* pip install nvidia-cudnn-frontend"
-    ):
-        cudnn_attention.require_cudnn_frontend()
-    cudnn_attention._register_operator.cache_clear()
-
-
-def test_flash_attention_without_its_package_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tandem.models.layers import flash_attention
-
-    monkeypatch.setitem(sys.modules, "flash_attn", None)  # as if not installed
-    flash_attention._interface.cache_clear()
-    with pytest.raises(
-        ValueError, match="model.attention = 'flash' needs FlashAttention 4: pip install flash-attn-4"
-    ):
-        flash_attention.require_flash_attention()
-    flash_attention._interface.cache_clear()
+    imports = {"cudnn": cudnn_attention._register_operator, "flash": flash_attention._interface}[backend]
+    require = {
+        "cudnn": cudnn_attention.require_cudnn_frontend,
+        "flash": flash_attention.require_flash_attention,
+    }
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+    imports.cache_clear()
+    with pytest.raises(ValueError, match=f"model.attention = '{backend}' needs .*: {install}"):
+        require[backend]()
+    imports.cache_clear()
 
 
 def test_keeping_gathered_weights_trains_as_resharding(checkpoint: Path) -> None:
