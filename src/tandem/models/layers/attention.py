@@ -76,9 +76,7 @@ class PackedDocs:
     """
 
     backend: str
-    cu_seqlens: torch.Tensor | None = (
-        None  # varlen, cudnn, flash, sdpa_docs: int32 [docs + 1], flattened offsets
-    )
+    cu_seqlens: torch.Tensor | None = None  # varlen, cudnn, flash, sdpa_docs: int32 [docs + 1], offsets
     max_seqlen: int = 0  # varlen, cudnn, flash: the longest document (cudnn, flash: rounded up)
     mask: torch.Tensor | None = None  # sdpa: [rows, 1, queries, width] bool, True = attend
     block_mask: object | None = None  # flex: a BlockMask
