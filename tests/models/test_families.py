@@ -347,6 +347,20 @@ def test_bad_config_and_parallel_settings_fail_with_one_line(checkpoint: Path, t
             )
 
 
+def test_half_precision_attention_refuses_a_float32_trainer() -> None:
+    """varlen, cudnn and flash run bf16/fp16 kernels only: a trainer computing in float32 on CUDA
+    (compute_dtype = "float32") is told at build, not by a kernel at the first forward."""
+    from tandem.models.layers.attention import resolve_backend
+
+    cuda = torch.device("cuda")  # named only: resolve_backend checks, it runs nothing there
+    with pytest.raises(
+        ValueError, match="'varlen' computes in bfloat16 or float16 only, .* computes in float32"
+    ):
+        resolve_backend("varlen", cuda, torch.float32)
+    assert resolve_backend("varlen", cuda, torch.bfloat16) == "varlen"
+    assert resolve_backend("flex", cuda, torch.float32) == "flex"
+
+
 @pytest.mark.parametrize(
     ("backend", "module", "install"),
     [

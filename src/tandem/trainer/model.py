@@ -145,16 +145,17 @@ def build_trainer_model(
         return model
 
     fam = family(config.model_type)
+    compute = compute_dtype_of(world.device, weights, compute_dtype)
     try:
         with torch.device("meta"):
-            model = fam.build(config, resolve_backend(cfg.attention, world.device)).to(weights)
+            model = fam.build(config, resolve_backend(cfg.attention, world.device, compute)).to(weights)
         keep_fp32(model)
     except UnsupportedConfig as e:
         raise UserError(f"{cfg.name}: {e}; use model.impl = 'hf'") from None
     except ValueError as e:
         raise UserError(f"{cfg.name}: {e}") from None
     if master:
-        _cast_parameters(model, compute_dtype_of(world.device, weights, compute_dtype))
+        _cast_parameters(model, compute)
     layouts = fam.hf_layout(config)
     if lora is not None:
         _inject(model, linear_parts(layouts, model), lora, cfg.name, world)

@@ -53,12 +53,19 @@ CUDA_DEFAULT = "flex"
 """The fastest backend for packed documents on an H200 (docs/trainer.md, "Attention")."""
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
+def resolve_backend(backend: str, device: torch.device, compute_dtype: torch.dtype | None = None) -> str:
+    """The backend `auto` stands for; a one-line ValueError for one that cannot run here (CUDA
+    only, its package missing, or a half-precision kernel asked to compute in `compute_dtype`)."""
     if backend == "auto":
         return CUDA_DEFAULT if device.type == "cuda" else "sdpa"
     if backend in ("varlen", "flex", "cudnn", "flash") and device.type != "cuda":
         raise ValueError(
             f"model.attention = {backend!r} trains on CUDA only (use 'sdpa' or 'sdpa_docs' on CPU)"
+        )
+    if backend in ("varlen", "cudnn", "flash") and compute_dtype not in (None, torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"model.attention = {backend!r} computes in bfloat16 or float16 only, and this trainer computes "
+            f"in {str(compute_dtype).removeprefix('torch.')} (use 'flex' or 'sdpa_docs')"
         )
     if backend == "cudnn":
         require_cudnn_frontend()
