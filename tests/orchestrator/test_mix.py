@@ -11,7 +11,7 @@ import pytest
 from orchestrator_helpers import run_with_trainer, serve_base_model
 
 from tandem.config.loader import ConfigError, parse_config
-from tandem.envs.config import EnvConfig
+from tandem.envs.config import EnvConfig, chosen_environments
 from tandem.envs.mixture import allocate, load_mixture
 from tandem.launch.config import RLConfig
 from tandem.launch.plan import plan_run
@@ -48,12 +48,13 @@ def test_envs_tables_parse_and_mistakes_fail_with_one_line(tmp_path: Path) -> No
         '[[envs]]\nname = "reverse_text"\nlabel = "long"\nargs = { min_len = 10 }\n'
     )
     cfg = parse_config(OrchestratorConfig, ["@", str(toml)])
-    assert [(e.label, e.weight, e.args) for e in cfg.environments] == [
+    assert [(e.label, e.weight, e.args) for e in chosen_environments(cfg.env, cfg.envs)] == [
         ("short", 3.0, {"max_len": 6}),
         ("long", 1.0, {"min_len": 10}),
     ]
     assert [m.name for m in load_mixture(cfg.env, cfg.envs)] == ["short", "long"]
-    assert parse_config(OrchestratorConfig, []).environments == [EnvConfig()]  # the single [env] form
+    default = parse_config(OrchestratorConfig, [])
+    assert chosen_environments(default.env, default.envs) == [EnvConfig()]  # the single [env] form
     with pytest.raises(ConfigError, match=r"give either \[env\] or \[\[envs\]\], not both"):
         parse_config(OrchestratorConfig, ["@", str(toml), "--env.name", "math"])
     with pytest.raises(ConfigError, match="envs.0.weight"):
@@ -64,7 +65,8 @@ def test_envs_tables_parse_and_mistakes_fail_with_one_line(tmp_path: Path) -> No
     rl = tmp_path / "rl.toml"
     rl.write_text('[model]\nname = "m"\n\n' + toml.read_text().replace("[[envs]]", "[[orchestrator.envs]]"))
     written = plan_run(parse_config(RLConfig, ["@", str(rl)]), visible_gpus=[]).files()["orchestrator"]
-    assert OrchestratorConfig.model_validate(tomllib.loads(written)).environments == cfg.environments
+    reread = OrchestratorConfig.model_validate(tomllib.loads(written))
+    assert chosen_environments(reread.env, reread.envs) == chosen_environments(cfg.env, cfg.envs)
 
 
 def test_a_mixed_run_tags_samples_and_logs_metrics_per_environment(

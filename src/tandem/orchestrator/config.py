@@ -190,11 +190,6 @@ class OrchestratorConfig(Section):
         return self
 
     @property
-    def environments(self) -> list[EnvConfig]:
-        """The environments of the run: [[envs]] when given, else the single [env]."""
-        return chosen_environments(self.env, self.envs)
-
-    @property
     def width_multiple(self) -> int:
         """What every micro-batch's width is a multiple of, for the trainer's context parallelism."""
         return cp_width_multiple(self.cp, self.cp_style)
