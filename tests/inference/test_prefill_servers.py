@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from tandem.config.loader import ConfigError, parse_config
 from tandem.inference.config import InferenceConfig
 
+pytestmark = pytest.mark.slow  # its three slowest parts took 149 s in a CI run: handed out first (conftest.py)
 BLOCK = 16
 
 
