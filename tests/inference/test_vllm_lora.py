@@ -33,7 +33,7 @@ from tandem.trainer.weight_publisher import update_stream
 from tandem.transport.weight_link import LinkSettings
 from tandem.transport.weight_sender import WeightSender
 
-pytestmark = [needs_vllm, pytest.mark.slow]
+pytestmark = [*needs_vllm, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
