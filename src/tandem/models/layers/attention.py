@@ -45,8 +45,13 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from tandem.models.layers.cudnn_attention import cudnn_buckets, cudnn_causal, require_cudnn_frontend
-from tandem.models.layers.flash_attention import flash_causal, require_flash_attention, round_up_length
+from tandem.models.layers.cudnn_attention import (
+    cudnn_buckets,
+    cudnn_causal,
+    require_cudnn_frontend,
+    rounded_lengths,
+)
+from tandem.models.layers.flash_attention import flash_causal, require_flash_attention
 
 AttentionBackend = Literal["auto", "flex", "varlen", "cudnn", "flash", "sdpa", "sdpa_docs"]
 CUDA_DEFAULT = "flex"
@@ -137,9 +142,7 @@ class PackedDocs:
         if backend == "cudnn":  # here, not in the (compiled) layers: see layers/cudnn_attention.py
             docs = dataclasses.replace(docs, **cudnn_buckets(docs))
         if backend == "flash":
-            docs.max_seqlen = round_up_length(docs.max_seqlen)
-            if docs.cu_seqlens_k is not None:
-                docs.max_seqlen_k = round_up_length(docs.max_seqlen_k)
+            docs = dataclasses.replace(docs, **rounded_lengths(docs))
         return docs
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -49,17 +49,24 @@ def _register_operator() -> None:
 
 def cudnn_buckets(docs: "PackedDocs") -> dict:
     """`docs`' offsets padded to a power of two of documents (at least MIN_DOCUMENTS) with empty
-    ones, and its longest lengths rounded up to a power of two (at least MIN_LENGTH), as
-    PackedDocs fields. Registers the operator on first use. Runs where PackedDocs is built, outside
-    compiled code (it reads lengths on the host)."""
+    ones, and its longest lengths rounded up (`rounded_lengths`), as PackedDocs fields. Registers
+    the operator on first use. Runs where PackedDocs is built, outside compiled code (it reads
+    lengths on the host)."""
     require_cudnn_frontend()
     documents = _bucket(len(docs.cu_seqlens) - 1, MIN_DOCUMENTS)
-    fields = {
-        "cu_seqlens": _pad_documents(docs.cu_seqlens, documents),
-        "max_seqlen": _bucket(docs.max_seqlen, MIN_LENGTH),
-    }
+    fields = {"cu_seqlens": _pad_documents(docs.cu_seqlens, documents), **rounded_lengths(docs)}
     if docs.cu_seqlens_k is not None:  # keys of their own (ring context parallelism)
         fields["cu_seqlens_k"] = _pad_documents(docs.cu_seqlens_k, documents)
+    return fields
+
+
+def rounded_lengths(docs: "PackedDocs") -> dict:
+    """`docs`' longest lengths (queries, and keys where they have their own offsets) rounded up to
+    a power of two, at least MIN_LENGTH, as PackedDocs fields: a bound that changes no value, and
+    takes few values, so that compiled blocks (which see it as a constant) and cached kernel
+    graphs serve changing batches. Also flash's bounds (layers/flash_attention.py)."""
+    fields = {"max_seqlen": _bucket(docs.max_seqlen, MIN_LENGTH)}
+    if docs.cu_seqlens_k is not None:
         fields["max_seqlen_k"] = _bucket(docs.max_seqlen_k, MIN_LENGTH)
     return fields
 

@@ -16,7 +16,8 @@ package version may move it (the GPU tests would fail, not the results silently 
 
 The package is optional (CUDA only; `pip install flash-attn-4`, which brings the CuTe DSL, ~100 MB):
 `model.attention = "flash"` says at start when it is missing. Its kernels are compiled per
-head size, dtype and GQA ratio, not per length, so changing batches do not recompile them
+head size, dtype and GQA ratio, not per length (the length bound is rounded up as cudnn's:
+cudnn_attention.rounded_lengths), so changing batches do not recompile them
 (a new batch's first call: 4 ms on an H100). There its kernels take cuDNN's time and its host
 work, ~1 ms a layer's forward and backward, is felt on RL's small layers (docs/trainer.md).
 """
@@ -40,13 +41,6 @@ def require_flash_attention() -> None:
 @functools.cache
 def _interface():  # noqa: ANN202 (the package's module)
     return importlib.import_module("flash_attn.cute.interface")
-
-
-def round_up_length(n: int) -> int:
-    """A document-length bound for the kernels' host heuristics: the longest length rounded up
-    to a power of two (at least 128), so that the compiled blocks, which take it as a constant,
-    see a few values rather than one per batch. A larger bound changes no value."""
-    return max(128, 1 << (n - 1).bit_length())
 
 
 @torch.library.custom_op("tandem::flash_varlen_fwd", mutates_args=())
