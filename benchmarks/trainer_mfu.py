@@ -20,7 +20,9 @@ drawn once with a fixed seed), random-init weights, one optimizer step per itera
   `tandem_master_keep`, `moe:tandem_master_keep_logits_bf16moments`; `ac` and `sac`: full and
   selective activation checkpointing (`parallel.activation_checkpointing`); `short`: GLM-5 skips
   its indexers where no document is longer than index_topk (`model.sparse_attention =
-  "long_documents"`; with `--max-doc-tokens 2048`: `glm-5:tandem_short,glm-5:tandem`). With `master` on one GPU
+  "long_documents"`; with `--max-doc-tokens 2048`: `glm-5:tandem_short,glm-5:tandem`); `overlap`:
+  `master`'s optimizer step on a stream of its own, beside the next forward (`optim.overlap_step`).
+  With `master` on one GPU
   the model is not wrapped by FSDP at all (nothing to shard or cast), so `keep` changes nothing
   there. With `--nproc N` a tandem variant runs on N GPUs through torchrun: FSDP over all N,
   each rank training its own copy of the batch (tokens/s and MFU are per GPU, rank 0's), and
@@ -202,8 +204,10 @@ DEVICE = "cuda"  # --device: cpu checks the flow of tandem variants (the smoke s
 
 
 def synchronize() -> None:
+    """Wait for the current stream, as a trainer's step does when it reads its loss: an optimizer
+    step running on a stream of its own (`optim.overlap_step`) goes on into the next step."""
     if DEVICE == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
 
 
 def profile(step, name: str) -> None:  # noqa: ANN001
@@ -270,6 +274,7 @@ def run_tandem(
     ep: int = 1,
     checkpointing: str = "none",
     short: bool = False,
+    overlap_step: bool = False,
 ) -> dict:
     from tandem.config.base import ModelConfig
     from tandem.trainer.config import OptimConfig, ParallelConfig
@@ -295,7 +300,9 @@ def run_tandem(
         )
     model.init_weights()
     moments = "bfloat16" if bf16_moments else "float32"
-    optim_cfg = OptimConfig(lr=1e-5, master_weights=master_weights, moments_dtype=moments)
+    optim_cfg = OptimConfig(
+        lr=1e-5, master_weights=master_weights, moments_dtype=moments, overlap_step=overlap_step
+    )
     optimizer = build_optimizer(model, optim_cfg)
     ids, positions, docs = packed_batch(config.vocab_size, world.device)
     mask = positions > 0
@@ -319,6 +326,7 @@ def run_tandem(
             ("ac", checkpointing == "full"),
             ("sac", checkpointing == "selective"),
             ("short", short),
+            ("overlap", overlap_step),
         )
         if on
     )
@@ -449,11 +457,12 @@ def run_one(variant: str, steps: int, warmup: int) -> list[dict]:
         return [{"variant": variant, **run_rl(impl, steps, warmup)}]
     if impl.startswith("tandem"):
         backend = impl.split("-", 1)[1] if "-" in impl else "auto"
-        # tandem_<flag>_<flag>: bf16, keep, master, logits, bf16moments, ep<N>, ac or sac, short
-        # (whole tokens of a set)
+        # tandem_<flag>_<flag>: bf16, keep, master, logits, bf16moments, ep<N>, ac or sac, short,
+        # overlap (whole tokens of a set)
         flags = set(impl.split("-", 1)[0].split("_")[1:])
         ep = next((int(f[2:]) for f in flags if re.fullmatch(r"ep[1-9][0-9]*", f)), 1)
-        known = {"bf16", "keep", "master", "logits", "bf16moments", "short", f"ep{ep}", *CHECKPOINTING}
+        known = {"bf16", "keep", "master", "logits", "bf16moments", "short", "overlap", f"ep{ep}"}
+        known |= set(CHECKPOINTING)
         unknown = flags - known
         if unknown:
             raise ValueError(f"unknown tandem flags {sorted(unknown)} in {variant}")
@@ -463,7 +472,7 @@ def run_one(variant: str, steps: int, warmup: int) -> list[dict]:
         weights = "bfloat16" if "bf16" in flags else FAMILY_WEIGHTS.get(shape, "auto")
         run = run_tandem(
             shape, backend, steps, warmup, weights, "keep" in flags, "master" in flags, "logits" in flags,
-            "bf16moments" in flags, ep, checkpointing, "short" in flags,
+            "bf16moments" in flags, ep, checkpointing, "short" in flags, "overlap" in flags,
         )  # fmt: skip
         return [{"variant": variant, **run}]
     return [{"variant": variant, **run_hf(shape, impl == "hf_compiled", steps, warmup)}]

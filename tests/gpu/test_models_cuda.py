@@ -22,8 +22,9 @@ from tandem.models.tiny import build_tiny_model
 from tandem.trainer.config import OptimConfig, ParallelConfig
 from tandem.trainer.master_weights import local
 from tandem.trainer.model import build_trainer_model
-from tandem.trainer.optim import build_optimizer
+from tandem.trainer.optim import build_optimizer, clip_grad_norm
 from tandem.trainer.parallel import init_distributed
+from tandem.trainer.weight_stream import persistent_tensors
 
 pytestmark = [
     pytest.mark.gpu,
@@ -222,10 +223,51 @@ def test_bf16_trainer_model_follows_transformers_and_trains(
         losses.append(float(loss))
     assert losses[-1] < losses[0], losses
     if master == "optimizer":
+        optimizer.settle()  # (the step runs on a stream of its own: optim.overlap_step)
         for param, state in optimizer.state.items():
             shard, master = local(param), local(state["master"])
             assert shard.dtype == torch.bfloat16 and master.dtype == torch.float32
             assert torch.equal(shard, master.to(torch.bfloat16))
+
+
+def test_overlapped_optimizer_step_trains_as_the_inline_step(tiny_moe: Path) -> None:
+    """optim.overlap_step: the step on a stream of its own, unit by unit beside the next forward,
+    takes the same steps as the step in line (the same kernels on the same tensors; only the
+    backward's atomics may differ between runs), and what is read after it, the tensors a
+    publisher sends and the masters, are the updated ones."""
+    world = init_distributed("cuda")
+    positions = packed_positions([[40, 60, 28], [128]])
+    ids = torch.randint(0, 512, positions.shape, device=CUDA, generator=torch.Generator(CUDA).manual_seed(0))
+    runs = {}
+    for overlap in (False, True):
+        model = build_trainer_model(
+            ModelConfig(name=str(tiny_moe)), world, ParallelConfig(), master_weights="optimizer"
+        )
+        optimizer = build_optimizer(
+            model,
+            OptimConfig(lr=1e-3, master_weights="optimizer", moments_dtype="bfloat16", overlap_step=overlap),
+        )
+        assert (optimizer.step_stream is not None) == overlap
+        losses = []
+        for _ in range(4):
+            logprobs, _ = model.sequence_logprobs(ids, positions)
+            loss = -logprobs.mean()
+            loss.backward()
+            clip_grad_norm(optimizer, 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss))
+        published = {name: t.detach().clone() for name, t in persistent_tensors(model).items()}
+        masters = [optimizer.master(p).clone() for p in model.parameters()]
+        for param, master in zip(model.parameters(), masters, strict=True):
+            assert torch.equal(local(param), local(master).to(param.dtype))
+        runs[overlap] = losses, published, masters
+    (losses, published, masters), (losses_o, published_o, masters_o) = runs[False], runs[True]
+    assert losses_o == pytest.approx(losses, rel=1e-4) and losses[-1] < losses[0], (losses, losses_o)
+    for name, tensor in published.items():
+        torch.testing.assert_close(published_o[name], tensor, rtol=1e-2, atol=1e-5, msg=name)
+    for a, b in zip(masters_o, masters, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)
 
 
 @pytest.mark.parametrize("backend", ["flex", "varlen", CUDNN, FLASH, "sdpa_docs", "sdpa"])

@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM
 from tandem.config.loader import ConfigError, parse_config
 from tandem.inference.config import InferenceConfig
 
-pytestmark = pytest.mark.slow  # its three slowest parts took 149 s in a CI run: handed out first (conftest.py)
+# its three slowest parts took 149 s in a CI run: handed out first (conftest.py)
+pytestmark = pytest.mark.slow
 BLOCK = 16
 
 

@@ -385,6 +385,17 @@ def test_attention_without_its_package_says_what_to_install(
     imports.cache_clear()
 
 
+def test_weight_units_hold_every_parameter_once(checkpoint: Path) -> None:
+    """The units an overlapped optimizer step updates in turn (trainer/step_stream.py) cover the
+    model, in the order a forward reads them, so `optim.overlap_step` applies to every family."""
+    model, _ = tandem_model(checkpoint)
+    units = model.weight_units()
+    assert len(units) == len(model.layers) + 2
+    assert units[0] == [model.embed.weight]
+    assert units[1] == list(model.layers[0].parameters())
+    assert sorted(id(p) for unit in units for p in unit) == sorted(id(p) for p in model.parameters())
+
+
 def test_keeping_gathered_weights_trains_as_resharding(checkpoint: Path) -> None:
     """reshard_after_forward = false gives the same steps as FSDP's default, also after forwards
     that no backward follows (with grad and under no_grad), which leave the weights gathered."""

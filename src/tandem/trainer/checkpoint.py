@@ -40,6 +40,7 @@ from tandem.cli import UserError
 from tandem.trainer.base_identity import RECORD as BASE_RECORD
 from tandem.trainer.base_identity import check_base
 from tandem.trainer.parallel import World, barrier
+from tandem.trainer.step_stream import settle_weights
 from tandem.transport.layout import checkpoint_dir, checkpoint_steps
 
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -66,6 +67,7 @@ def _trained(model: nn.Module) -> StateDictOptions:
 
 
 def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    settle_weights(model)  # (saved from, or loaded into: no optimizer step may still be running)
     options = _trained(model)
     return {
         "model": get_model_state_dict(model, options=options),

@@ -34,6 +34,10 @@ for k > 1 about 6 + 10·(k − 1). `gradient(p)` reads them, the parameters' own
 Clipping (trainer/optim.py `clip_grad_norm`) measures the norm over these gradients and hands
 the coefficient to `scale_grads`; the step multiplies the gradients by it as it reads them.
 
+With `units` (`[optim] overlap_step`, one CUDA GPU) the step runs on a CUDA stream of its own,
+unit by unit in the order the next forward reads the weights (trainer/step_stream.py): read the
+state after `settle()` (state_dict, load_state_dict and `master` do that).
+
 Invariants: every parameter equals its master rounded to the parameter's dtype after each step
 and each `load_state_dict`; the masters are copied from the parameters when the optimizer is
 built (a resume then loads them from the checkpoint, exactly), so change the weights through the
@@ -49,6 +53,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tandem.trainer import stochastic_round
+from tandem.trainer.step_stream import StepStream
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -127,13 +132,17 @@ class MasterAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         moments_dtype: torch.dtype = torch.float32,
+        units: list[list[nn.Parameter]] | None = None,
     ) -> None:
+        """`units` (CUDA): step on a stream of its own, unit by unit in this order (trainer/step_stream.py);
+        they must hold every parameter of `params` once."""
         if moments_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"moments_dtype must be torch.float32 or torch.bfloat16, got {moments_dtype}")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.grads: dict[nn.Parameter, torch.Tensor] = {}  # this rank's shards, bf16 or fp32
         self._scale: torch.Tensor | None = None
         self._noise_keys: dict[nn.Parameter, int] = {}  # per shard: its bf16 moments' rounding noise
+        self._groups = {param: group for group in self.param_groups for param in group["params"]}
         for index, param in enumerate(self._params()):
             if not param.is_contiguous():
                 raise ValueError(
@@ -150,6 +159,13 @@ class MasterAdamW(torch.optim.Optimizer):
             if previous is not None:  # an earlier MasterAdamW over the same parameters: this one takes over
                 previous.remove()
             param._master_weights_hook = param.register_post_accumulate_grad_hook(self._take_grad)
+        self._units = units
+        self.step_stream: StepStream | None = None
+        if units is not None:
+            in_units = [p for unit in units for p in unit]
+            if len(in_units) != len(set(in_units)) or set(in_units) != set(self._params()):
+                raise ValueError("MasterAdamW's units must hold every parameter it updates exactly once")
+            self.step_stream = StepStream(in_units[0].device)
 
     def _params(self) -> Iterable[nn.Parameter]:
         return chain.from_iterable(group["params"] for group in self.param_groups)
@@ -171,7 +187,8 @@ class MasterAdamW(torch.optim.Optimizer):
         return None if grad is None else like(param, grad)
 
     def master(self, param: nn.Parameter) -> torch.Tensor:
-        """The fp32 master of `param`, sharded like it."""
+        """The fp32 master of `param`, sharded like it (after the last step: `settle`)."""
+        self.settle()
         return self.state[param]["master"]
 
     def scale_grads(self, scale: torch.Tensor) -> None:
@@ -182,30 +199,55 @@ class MasterAdamW(torch.optim.Optimizer):
         self.grads.clear()
         self._scale = None
 
+    def settle(self) -> None:
+        """Make the current stream wait for the last step where it runs on a stream of its own."""
+        if self.step_stream is not None:
+            self.step_stream.settle()
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for param in group["params"]:
-                grad = self.grads.get(param)
-                if grad is None:
-                    continue
-                state = self.state[param]
-                state["step"] += 1
-                if not grad.numel():  # an empty shard (uneven sharding)
-                    continue
-                if self._scale is None or self._scale.device != grad.device:
-                    self._scale = torch.ones((), device=grad.device)
-                update = _update_fn(grad.device)
-                step = int(state["step"].item())
-                update(
-                    local(param), grad, local(state["master"]), local(state["exp_avg"]),
-                    local(state["exp_avg_sq"]), self._scale, float(group["lr"]), beta1, beta2,
-                    group["eps"], group["weight_decay"], step,
-                    stochastic_round.noise_seed(step, self._noise_keys[param]),
-                )  # fmt: skip
+        stream = self.step_stream
+        if stream is None or self._units is None:
+            for param in self._params():
+                self._update(param)
+            return loss
+        stream.begin()
+        if self._scale is not None:
+            stream.keep(self._scale)
+        with torch.cuda.stream(stream.stream):
+            for unit in self._units:
+                for param in unit:
+                    grad = self.grads.get(param)
+                    if grad is not None:
+                        stream.keep(grad)
+                    self._update(param)
+                stream.unit_done()
         return loss
+
+    def _update(self, param: nn.Parameter) -> None:
+        grad = self.grads.get(param)
+        if grad is None:
+            return
+        state = self.state[param]
+        state["step"] += 1
+        if not grad.numel():  # an empty shard (uneven sharding)
+            return
+        if self._scale is None or self._scale.device != grad.device:
+            self._scale = torch.ones((), device=grad.device)
+        group = self._groups[param]
+        beta1, beta2 = group["betas"]
+        step = int(state["step"].item())
+        _update_fn(grad.device)(
+            local(param), grad, local(state["master"]), local(state["exp_avg"]),
+            local(state["exp_avg_sq"]), self._scale, float(group["lr"]), beta1, beta2,
+            group["eps"], group["weight_decay"], step,
+            stochastic_round.noise_seed(step, self._noise_keys[param]),
+        )  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        self.settle()
+        return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Copy the saved state into this optimizer's tensors (torch's would cast them to the
@@ -213,6 +255,7 @@ class MasterAdamW(torch.optim.Optimizer):
         optimizer's dtype whatever the saved one: fp32 moments load into bf16 rounded to nearest
         (once; the steps after round stochastically), bf16 ones into fp32 exactly. (A resume
         through DCP, trainer/checkpoint.py, reads into these tensors in place, converting alike.)"""
+        self.settle()
         saved_groups = state_dict["param_groups"]
         if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.param_groups]:
             raise ValueError("the saved optimizer state has other parameter groups than this optimizer")

@@ -6,6 +6,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -34,9 +35,13 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     groups = [g for g in groups if g["params"]]
     if cfg.master_weights == "optimizer":
         moments = getattr(torch, cfg.moments_dtype)
+        units = _step_units(model, params) if cfg.overlap_step else None
         optimizer: torch.optim.Optimizer = MasterAdamW(
-            groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, moments_dtype=moments
+            groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, moments_dtype=moments, units=units
         )
+        if units is not None:
+            model.weights_barrier = optimizer.step_stream.barrier
+            model.register_state_dict_pre_hook(lambda *_: optimizer.settle())
     else:
         meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}
         fused = all(p.is_cuda for p in params) and len(meshes) <= 1
@@ -46,6 +51,21 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     if keeps_gathered:
         optimizer.register_step_post_hook(lambda *_: drop_gathered_weights(model))
     return optimizer
+
+
+def _step_units(model: nn.Module, params: list[nn.Parameter]) -> list[list[nn.Parameter]] | None:
+    """The model's weight units (trainer/step_stream.py) where the step can run on a stream of
+    its own: a tandem model on one CUDA device, not wrapped by FSDP (whose gathers read the
+    weights on streams of their own), every trainable parameter in one unit; None elsewhere."""
+    if not hasattr(model, "weight_units") or isinstance(model, FSDPModule):
+        return None
+    if not all(p.is_cuda for p in params) or len({p.device for p in params}) != 1:
+        return None
+    trainable = set(params)
+    units = [[p for p in unit if p in trainable] for unit in model.weight_units()]
+    if sorted(map(id, (p for unit in units for p in unit))) != sorted(map(id, params)):
+        return None
+    return units
 
 
 def lr_factor(step: int, cfg: OptimConfig, max_steps: int) -> float:

@@ -35,11 +35,13 @@ from tandem.models.hf_checkpoint import Layout, expected_sources, split_full
 from tandem.models.layers.transformer import CausalLM
 from tandem.models.lora import adapter_layouts, is_adapter_tensor, lora_layers
 from tandem.models.registry import family
+from tandem.trainer.step_stream import settle_weights
 from tandem.transport.weight_buckets import TensorSpec
 
 
 def persistent_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers by name (LoRA adapters included): what a checkpoint holds."""
+    settle_weights(model)  # (the readers of these tensors: an optimizer step must be done)
     tensors = dict(model.named_parameters())
     for module_name, module in model.named_modules():
         for name, buffer in module.named_buffers(recurse=False):

@@ -113,7 +113,8 @@ class IndexedCausalLM(CausalLM):
         ):
             docs = docs.with_packed(self.attention_backend)
         chosen = None
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers, start=1):
+            self.await_weights(index)
             x, chosen = layer(x, cos, sin, docs, chosen)
         return x
 

@@ -14,6 +14,8 @@ still given the whole rows of the micro-batch, and runs on this rank's columns o
 `hidden_states` and `sequence_logprobs` then return [rows, this rank's columns].
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -114,6 +116,9 @@ class CausalLM(nn.Module):
         self.context_parallel = None  # a ContextParallel when the rows are split over ranks
         self.shared_prompts = False  # the rows may hold shared prompts (layers/attention.py); set per batch
         self.keep_head_logits = False  # model.head_logits = "keep" (layers/chunked_head.py)
+        # set by an optimizer whose step runs on a stream of its own (trainer/step_stream.py):
+        # called with a `weight_units` index before that unit is used, with None before all of them
+        self.weights_barrier: Callable[[int | None], None] | None = None
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -124,6 +129,18 @@ class CausalLM(nn.Module):
         """Whether rows with shared prompts can be attended as they must (layers/attention.py)."""
         return self.attention_backend in ("sdpa", "flex") and self.context_parallel is None
 
+    def weight_units(self) -> list[list[nn.Parameter]]:
+        """The parameters in the order a forward first uses them, one list per `await_weights`
+        unit: the embedding (with a tied head), each block, then the final norm and an untied head."""
+        last = [*self.norm.parameters(), *(self.head.parameters() if self.head is not None else ())]
+        return [list(self.embed.parameters()), *(list(layer.parameters()) for layer in self.layers), last]
+
+    def await_weights(self, unit: int | None = None) -> None:
+        """Before unit `unit` of `weight_units` (None: any weight) is read: wait for an optimizer
+        step still running on a stream of its own (trainer/step_stream.py); nothing otherwise."""
+        if self.weights_barrier is not None:
+            self.weights_barrier(unit)
+
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         if self.context_parallel is None:
             docs = self.documents(position_ids)
@@ -131,9 +148,12 @@ class CausalLM(nn.Module):
             input_ids, position_ids, docs = self.context_parallel.shard(
                 input_ids, position_ids, self.attention_backend
             )
+        self.await_weights(0)
         x = self.embed(input_ids)
         cos, sin = self.rotary(position_ids, x.dtype)
-        return self.norm(self.blocks(x, cos, sin, docs, position_ids))
+        x = self.blocks(x, cos, sin, docs, position_ids)
+        self.await_weights(len(self.layers) + 1)
+        return self.norm(x)
 
     def documents(self, position_ids: torch.Tensor) -> PackedDocs:
         """What every layer's attention needs to know of the rows' documents (a family whose
@@ -151,7 +171,8 @@ class CausalLM(nn.Module):
         position_ids: torch.Tensor,
     ) -> torch.Tensor:
         """The decoder layers over x (a family that passes more between layers overrides this)."""
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers, start=1):
+            self.await_weights(index)
             x = layer(x, cos, sin, docs)
         return x
 
