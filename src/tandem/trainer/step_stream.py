@@ -15,10 +15,11 @@ ready), so the setting is off by default.
 
 Invariants (nothing reads a weight or optimizer state that the step still writes, and the step
 reads nothing that has been freed):
-- the model's forward waits unit by unit (`wait`);
+- the model's forward (training, the held-out evaluation) waits unit by unit (`wait`);
 - everything else that reads the weights or the optimizer's state waits for the whole step first
-  (`settle`): the optimizer's state_dict and load_state_dict, the model's state_dict (a hook), the
-  weight publisher, checkpoints, the Hugging Face export and the held-out evaluation;
+  (`settle`): the optimizer's state_dict, load_state_dict and `master`, the model's state_dict (a
+  hook), and whatever reads `weight_stream.persistent_tensors` or a checkpoint's state (the weight
+  publisher, the Hugging Face export, checkpoints and their resume);
 - the gradients and clipping's coefficient, which the trainer drops after `step()`, are marked
   as used by the step's stream (`record_stream`), so the allocator does not hand their memory to
   the next forward before the step has read them.
