@@ -159,7 +159,7 @@ class MasterAdamW(torch.optim.Optimizer):
             if previous is not None:  # an earlier MasterAdamW over the same parameters: this one takes over
                 previous.remove()
             param._master_weights_hook = param.register_post_accumulate_grad_hook(self._take_grad)
-        self._units = units
+        self._units = units or []
         self.step_stream: StepStream | None = None
         if units is not None:
             in_units = [p for unit in units for p in unit]
@@ -208,19 +208,16 @@ class MasterAdamW(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = closure() if closure is not None else None
         stream = self.step_stream
-        if stream is None or self._units is None:
+        if stream is None:
             for param in self._params():
                 self._update(param)
             return loss
         stream.begin()
-        if self._scale is not None:
-            stream.keep(self._scale)
+        for tensor in (*self.grads.values(), *([] if self._scale is None else [self._scale])):
+            stream.keep(tensor)
         with torch.cuda.stream(stream.stream):
             for unit in self._units:
                 for param in unit:
-                    grad = self.grads.get(param)
-                    if grad is not None:
-                        stream.keep(grad)
                     self._update(param)
                 stream.unit_done()
         return loss

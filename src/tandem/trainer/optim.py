@@ -63,9 +63,7 @@ def _step_units(model: nn.Module, params: list[nn.Parameter]) -> list[list[nn.Pa
         return None
     trainable = set(params)
     units = [[p for p in unit if p in trainable] for unit in model.weight_units()]
-    if sorted(map(id, (p for unit in units for p in unit))) != sorted(map(id, params)):
-        return None
-    return units
+    return units if {p for unit in units for p in unit} == trainable else None
 
 
 def lr_factor(step: int, cfg: OptimConfig, max_steps: int) -> float:
