@@ -19,11 +19,9 @@ part mfu 200 python3 benchmarks/trainer_mfu.py --steps 8 --warmup 3 --out "$OUT/
 tail -n 5 "$OUT/mfu.log"
 work=$(mktemp -d)
 python3 -m tandem.models.tiny --out "$work/tiny" > /dev/null
-sft() {
-  python3 -m tandem.trainer.sft.cli @ examples/reverse_text/sft.toml --model.name "$work/tiny" --model.device cuda \
-    --optim.master-weights optimizer --optim.overlap-step true --eval.final false --run-dir "$work/run" "$@"
-}
-part sft 40 sft --max-steps 40 --ckpt.interval 20
-part sft_resume 30 sft --max-steps 50 --ckpt.interval 20
+sft=(python3 -m tandem.trainer.sft.cli @ examples/reverse_text/sft.toml --model.name "$work/tiny" --model.device cuda
+  --optim.master-weights optimizer --optim.overlap-step true --eval.final false --run-dir "$work/run")
+part sft 40 "${sft[@]}" --max-steps 40 --ckpt.interval 20
+part sft_resume 30 "${sft[@]}" --max-steps 50 --ckpt.interval 20 --resume true
 grep -hE "sft: (done|resumed)|Error" "$OUT/sft.log" "$OUT/sft_resume.log"
 rm -rf "$work"
