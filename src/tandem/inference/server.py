@@ -7,7 +7,6 @@ events, and aborts a request in the engine as soon as its client goes away.
 """
 
 import asyncio
-import base64
 import itertools
 import logging
 import os
@@ -22,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from tandem.inference.config import InferenceConfig
-from tandem.inference.engine.api import Engine, SamplingParams, WeightLoadError, WeightUpdateConflict
+from tandem.inference.engine.api import Engine, WeightLoadError, WeightUpdateConflict
 from tandem.inference.engine.streams import RequestTimes, request_times
 from tandem.inference.errors import APIError, error_body
 from tandem.inference.generation import Choice, PromptJob, collect, merge, run_prompt, sampling_params
@@ -35,15 +34,12 @@ from tandem.inference.http import (
     until_disconnect,
     wait_for_resume,
 )
+from tandem.inference.kv_routes import add_kv_routes
 from tandem.inference.metrics import RateMeter, ServerCounters, render_metrics
 from tandem.inference.prefill import PrefillServers, StagingLeases
 from tandem.inference.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    KVExportRequest,
-    KVReleaseRequest,
-    KVSendRequest,
-    KVUnlinkRequest,
     SamplingFields,
     UpdateWeightsRequest,
 )
@@ -55,9 +51,6 @@ log = logging.getLogger("tandem.inference")
 TIMING_HEADER = "x-tandem-timing"
 """A whole response carries its request's times (RequestTimes) in this header when the request
 has it (any value): benchmarks/inference_throughput.py reads where a batch's time went."""
-
-PREFILL_ONLY = SamplingParams(temperature=0.0, max_tokens=1)
-"""What POST /v1/kv/export asks of the engine: the prompt computed, one token drawn and dropped."""
 
 OFF_LOOP_CHARS = 1 << 15
 """A request whose text to tokenise (a completion's text prompts; a chat's body) is longer than
@@ -458,82 +451,7 @@ def build_app(engine: Engine, tokenizer: Any, config: InferenceConfig) -> FastAP
         log.info("loaded weights from %s as version %d", path, version)
         return {"weight_version": version, "path": str(path)}
 
-    @app.post("/v1/kv/export")
-    async def export_kv(request: Request) -> Response:
-        """Compute a prompt (prefix-cache hits included) and answer its reusable blocks' keys and
-        values after `skip_tokens`, for a decode server (prefill.py, engine/kv_prefix.py)."""
-        req = await read_body(request, KVExportRequest)
-        if not config.engine.prefix_caching:
-            raise APIError(
-                400, "this server's prefix cache is off (engine.prefix_caching): it keeps no blocks"
-            )
-        server.check_prompt_ids(req.prompt)
-        if req.skip_tokens % config.engine.block_size:
-            raise APIError(
-                400,
-                f"skip_tokens must be a multiple of the block size {config.engine.block_size} "
-                f"(got {req.skip_tokens})",
-                "skip_tokens",
-            )
-        await server.wait_until_resumed(request)
-        try:
-            async with aclosing(
-                engine.generate(server.new_request_id("kv"), req.prompt, PREFILL_ONLY, stream=False)
-            ) as updates:
-                async for _ in updates:
-                    pass
-            lent = server.staging.lend() if req.staged else None
-            if lent is not None:
-                buffer, lease = lent
-                try:
-                    staged = await engine.export_prompt_staged(req.prompt, req.skip_tokens, buffer)
-                except ValueError as e:  # (too large for a buffer: the body carries it)
-                    server.staging.release(buffer, lease)
-                    log.debug("export not staged: %s", e)
-                else:
-                    staged["handle"] = base64.b64encode(staged["handle"]).decode()
-                    server.counters.kv_exports_total += 1
-                    server.counters.kv_exports_staged_total += 1
-                    return FastJSONResponse({"staged": staged, "lease": lease})
-            data = await engine.export_prompt(req.prompt, req.skip_tokens)
-        except ValueError as e:
-            raise APIError(400, f"cannot prefill this prompt: {e}", "prompt") from None
-        server.counters.kv_exports_total += 1
-        return Response(data, media_type="application/octet-stream")
-
-    @app.post("/v1/kv/release")
-    async def release_kv(request: Request) -> dict:
-        """A decode server is done with the staging buffer of an export (prefill.py)."""
-        req = await read_body(request, KVReleaseRequest)
-        return {"released": server.staging.release(req.buffer, req.lease)}
-
-    @app.post("/v1/kv/link")
-    async def open_kv_link() -> dict:
-        """A link for a decode server whose blocks travel by `p2p` (engine/kv_link.py)."""
-        if not config.engine.prefix_caching:
-            raise APIError(
-                400, "this server's prefix cache is off (engine.prefix_caching): it keeps no blocks"
-            )
-        return await engine.open_link()
-
-    @app.post("/v1/kv/send")
-    async def send_kv(request: Request) -> dict:
-        """Send a staged export's blocks over a link; answered once the send is queued."""
-        req = await read_body(request, KVSendRequest)
-        if not server.staging.holds(req.buffer, req.lease):
-            raise APIError(400, f"lease {req.lease} does not hold staging buffer {req.buffer}", "lease")
-        try:
-            await engine.send_staged(req.link, req.buffer, req.nbytes, req.lease)
-        except (ValueError, RuntimeError) as e:
-            raise APIError(400, f"cannot send: {e}", "link") from None
-        server.counters.kv_sends_total += 1
-        return {"sent": req.nbytes}
-
-    @app.post("/v1/kv/unlink")
-    async def close_kv_link(request: Request) -> dict:
-        req = await read_body(request, KVUnlinkRequest)
-        await engine.close_link(req.link)
-        return {"closed": req.link}
+    add_kv_routes(app, server)
 
     @app.post("/pause")
     async def pause() -> dict:
