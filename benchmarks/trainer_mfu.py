@@ -21,9 +21,10 @@ drawn once with a fixed seed), random-init weights, one optimizer step per itera
   selective activation checkpointing (`parallel.activation_checkpointing`); `short`: GLM-5 skips
   its indexers where no document is longer than index_topk (`model.sparse_attention =
   "long_documents"`; with `--max-doc-tokens 2048`: `glm-5:tandem_short,glm-5:tandem`); `overlap`:
-  `master`'s optimizer step on a stream of its own, beside the next forward (`optim.overlap_step`).
-  With `master` on one GPU
-  the model is not wrapped by FSDP at all (nothing to shard or cast), so `keep` changes nothing
+  `master`'s optimizer step on a stream of its own, beside the next forward (`optim.overlap_step`,
+  which the trainers turn on by default with `master` on one GPU; without the flag the step runs
+  in line, so `_overlap` is the trainers' default form). With `master` on one GPU the model is
+  not wrapped by FSDP at all (nothing to shard or cast), so `keep` changes nothing
   there. With `--nproc N` a tandem variant runs on N GPUs through torchrun: FSDP over all N,
   each rank training its own copy of the batch (tokens/s and MFU are per GPU, rank 0's), and
   `_ep<N>` splits a MoE shape's experts over N of them (`moe:tandem_master_ep2 --nproc 2`).
