@@ -6,6 +6,8 @@
 # (fp8_decode.py). Prints issue 11's table (engine_report.py) and the trainer's row. (The 24 GB
 # example with prompt-step graphs, once a part here, is measured: they do not fit its 9 GiB cap.)
 # On the device: R=$OUT; OUT=/tmp/targets BUNDLE=$R/targets.tgz bash ...
+# With H200_ONLY=1 it stops at once on any other card: the targets are an H200's, and a call that
+# lands on an H100 then costs its start only (~30-90 s of device time), so it can be retried.
 # Without uv: PYTHONPATH=src plus the carried wheels.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
@@ -17,10 +19,12 @@ source "$(dirname "$0")/gpu_part.sh"
 
 nvidia-smi --query-gpu=name,memory.total,power.limit,driver_version --format=csv,noheader > "$OUT/device.txt" 2>&1
 cat "$OUT/device.txt"
+if [ -n "${H200_ONLY:-}" ] && ! grep -q H200 "$OUT/device.txt"; then echo "not an H200: nothing run"; exit 0; fi
 part http 200 python3 benchmarks/inference_throughput.py --num-requests 256 --prompt-len 128 --output-len 256 \
   --skip-transformers --compare-prompt-graphs --out "$OUT/http_pieces.json"
-part mfu 110 python3 benchmarks/trainer_mfu.py --variants 1.7b:tandem_master_logits_bf16moments-cudnn \
-  --steps 10 --warmup 3 --out "$OUT/trainer_mfu.jsonl"
+FAST=1.7b:tandem_master_logits_bf16moments  # with _overlap: the trainers' default form (optim.overlap_step)
+part mfu 130 python3 benchmarks/trainer_mfu.py --variants "${FAST}_overlap-cudnn,$FAST-cudnn,${FAST}_overlap-cudnn" \
+  --steps 8 --warmup 3 --out "$OUT/trainer_mfu.jsonl"
 part fp8 150 python3 benchmarks/fp8_decode.py --concurrency 64 256 --kernel rowwise --out "$OUT/fp8.json"
 python3 benchmarks/engine_report.py "$OUT" | grep -E "^\| (measure|HTTP|FP8|bf16)|^\|---"
 grep -E "^variant|^1\.7b" "$OUT/mfu.log"
