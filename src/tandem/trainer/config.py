@@ -51,8 +51,8 @@ class OptimConfig(Section):
         True,
         description="With master_weights = 'optimizer' on one CUDA GPU (no FSDP): run the optimizer step on a "
         "CUDA stream of its own, block by block in the order the next forward reads the weights, so that "
-        "forward starts while the later blocks are still being updated (1.2 % faster a step at the "
-        "Qwen3-1.7B shape on an H100; docs/trainer.md, 'Master weights'). Elsewhere, or with false, the "
+        "forward starts while the later blocks are still being updated (0.4-1.7 % faster a step at the "
+        "Qwen3-1.7B shape on H100s; docs/trainer.md, 'Master weights'). Elsewhere, or with false, the "
         "step runs in line.",
     )
 
