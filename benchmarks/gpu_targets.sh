@@ -3,8 +3,9 @@
 # in the order of what they may close: the 1.7B trainer at its fastest settings (trainer_mfu.py,
 # cuDNN attention, the optimizer step overlapped and in line), FP8 against bf16 decode at 64 and
 # 256 concurrent requests at a Qwen3-8B shape (fp8_decode.py), HTTP whole responses and streaming
-# with the defaults (prompt-step graphs on) against plain prompt steps (inference_throughput.py). Prints issue 11's table (engine_report.py) and the trainer's row. (The 24 GB
-# example with prompt-step graphs, once a part here, is measured: they do not fit its 9 GiB cap.)
+# with the defaults (prompt-step graphs on) against plain prompt steps (inference_throughput.py).
+# Prints issue 11's table (engine_report.py) and the trainer's rows. (The 24 GB example with
+# prompt-step graphs, once a part here, is measured: they do not fit its 9 GiB cap.)
 # On the device: R=$OUT; OUT=/tmp/targets BUNDLE=$R/targets.tgz bash ...
 # With H200_ONLY=1 it stops at once on any other card: the targets are an H200's, and a call that
 # lands on an H100 then costs its start only (~30-90 s of device time), so it can be retried.
