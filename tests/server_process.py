@@ -9,14 +9,14 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import uvicorn
 
-from tandem.net import free_port
+from tandem.net import free_port, free_ports
 
 
 @dataclass
@@ -46,7 +46,45 @@ def start_server(
 
     `threads` sets the server's OMP_NUM_THREADS (default: the caller's, else 2); `entry` is what
     python runs (`("-c", code)` for a server with an injected fault); `env` adds variables."""
-    port = free_port()
+    server = _spawn(args, log_path, threads, entry, env)
+    try:
+        _wait_healthy(server, timeout_s)
+        yield server
+    finally:
+        _stop(server.process)
+
+
+@contextmanager
+def start_servers(
+    servers: list[tuple[list[str], Path]], first_port: int | None = None, timeout_s: float = 120.0
+) -> Iterator[list[RunningServer]]:
+    """`start_server(ARGS, LOG_PATH)` for each (ARGS, LOG_PATH) of `servers`, with their start-ups
+    overlapping: every process is started before any is waited for, then each must answer
+    /health within `timeout_s`. For servers that talk to each other only once requests come (a
+    prefill server and its decode server); server i listens on `first_port` + i (default: the
+    first of len(servers) consecutive free ports), so that one's URL can be in another's ARGS.
+    Stopped afterwards, the last first."""
+    first_port = free_ports(len(servers)) if first_port is None else first_port
+    with ExitStack() as stack:
+        running = []
+        for i, (args, log_path) in enumerate(servers):
+            server = _spawn(args, log_path, None, ("-m", "tandem.inference.cli"), None, first_port + i)
+            stack.callback(_stop, server.process)
+            running.append(server)
+        for server in running:
+            _wait_healthy(server, timeout_s)
+        yield running
+
+
+def _spawn(
+    args: list[str],
+    log_path: Path,
+    threads: str | None,
+    entry: tuple[str, ...],
+    env: dict[str, str] | None,
+    port: int | None = None,
+) -> RunningServer:
+    port = port or free_port()
     threads = threads or os.environ.get("OMP_NUM_THREADS", "2")
     env = {**os.environ, "OMP_NUM_THREADS": threads, **(env or {})}
     with log_path.open("w") as log:
@@ -56,30 +94,34 @@ def start_server(
             stderr=subprocess.STDOUT,
             env=env,
         )
-    server = RunningServer(f"http://127.0.0.1:{port}", process, log_path)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited with {process.returncode}:\n{server.log()[-3000:]}")
-            try:
-                if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"the server did not answer /health within {timeout_s:g} s:\n{server.log()[-3000:]}"
-                )
-            time.sleep(0.2)
-        yield server
-    finally:
-        process.terminate()
+    return RunningServer(f"http://127.0.0.1:{port}", process, log_path)
+
+
+def _wait_healthy(server: RunningServer, timeout_s: float) -> None:
+    process = server.process
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}:\n{server.log()[-3000:]}")
         try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=15)
+            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"the server did not answer /health within {timeout_s:g} s:\n{server.log()[-3000:]}"
+            )
+        time.sleep(0.2)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=15)
 
 
 @contextmanager

@@ -60,7 +60,7 @@ def test_a_receive_without_a_send_fails_the_link_by_its_deadline() -> None:
 def test_a_pair_out_of_step_fails_the_link_instead_of_adopting_the_bytes(wrong: str) -> None:
     """The receiver expects export 5's 100 bytes; the peer sends another export's, or more of
     them (gloo would complete a receive from a shorter or longer send without complaint)."""
-    prefill, p, decode, d = linked_pair()
+    prefill, p, decode, d = linked_pair(timeout_s=2.0)  # (the unreceived payload fails at its deadline)
     try:
         sent = prefill.get(p).send(
             torch.ones(120 if wrong == "size" else 100, dtype=torch.uint8), 6 - (wrong == "size")

@@ -13,11 +13,13 @@ from typing import Any
 
 import httpx
 import pytest
+from server_process import start_servers
 from test_server import metrics, reference_greedy
 from transformers import AutoModelForCausalLM
 
 from tandem.config.loader import ConfigError, parse_config
 from tandem.inference.config import InferenceConfig
+from tandem.net import free_ports
 
 # its three slowest parts took 149 s in a CI run: handed out first (conftest.py)
 pytestmark = pytest.mark.slow
@@ -25,19 +27,20 @@ BLOCK = 16
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, launch_server) -> Any:
+def servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     logs = tmp_path_factory.mktemp("logs")
     common = ["--model", str(tiny_model), "--engine.block-size", str(BLOCK), "--engine.max-model-len", "512"]
-    with launch_server(common, logs / "prefill.log") as prefill:
-        decode_args = [
-            *common,
-            "--engine.core-process", "true",  # (the engine calls cross the process pipe)
-            "--prefill.servers", json.dumps([prefill.url]),
-            "--prefill.min-tokens", "32",
-            "--prefill.timeout-s", "30",
-        ]  # fmt: skip
-        with launch_server(decode_args, logs / "decode.log") as decode:
-            yield prefill, decode
+    port = free_ports(2)  # the prefill server's, then the decode server's
+    decode_args = [
+        *common,
+        "--engine.core-process", "true",  # (the engine calls cross the process pipe)
+        "--prefill.servers", json.dumps([f"http://127.0.0.1:{port}"]),
+        "--prefill.min-tokens", "32",
+        "--prefill.timeout-s", "30",
+    ]  # fmt: skip
+    # started together: a decode server calls its prefill server only once requests come
+    with start_servers([(common, logs / "prefill.log"), (decode_args, logs / "decode.log")], port) as both:
+        yield tuple(both)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +149,7 @@ def test_staging_buffers_on_one_machine(
         assert metrics(decode)["tandem_prefill_remote_prompts_total"] == 6
 
 
-def test_p2p_links_between_servers(tiny_model: Path, tmp_path: Path, launch_server, model: Any) -> None:
+def test_p2p_links_between_servers(tiny_model: Path, tmp_path: Path, model: Any) -> None:
     """transport = p2p (gloo on CPU): the link forms in the background while the first prompts'
     blocks come in bodies; then 8 prompts at once are each sent over it; a link the prefill
     server dropped costs one prompt computed here, and bodies carry the blocks after that."""
@@ -158,48 +161,47 @@ def test_p2p_links_between_servers(tiny_model: Path, tmp_path: Path, launch_serv
         "--prefill.staging-buffers",
         "8",
     ]  # one a prompt
-    with launch_server(prefill_args, tmp_path / "prefill.log") as prefill:
-        args = [
-            *common, "--prefill.servers", json.dumps([prefill.url]), "--prefill.min-tokens", "32",
-            "--prefill.transport", "p2p", "--engine.core-process", "true",
-        ]  # fmt: skip
-        with launch_server(args, tmp_path / "decode.log") as decode:
-            for k in range(40):  # until the link is up
-                ids = prompt(60 + k, 50)
-                assert complete(decode, ids) == reference_greedy(model, ids, 8)
-                if metrics(prefill).get("tandem_kv_sends_total"):
-                    break
-                time.sleep(0.1)
-            assert metrics(prefill)["tandem_kv_sends_total"] == 1
-            assert "blocks come over a p2p link" in decode.log()
+    port = free_ports(2)  # the prefill server's, then the decode server's (started together)
+    args = [
+        *common, "--prefill.servers", json.dumps([f"http://127.0.0.1:{port}"]), "--prefill.min-tokens", "32",
+        "--prefill.transport", "p2p", "--engine.core-process", "true",
+    ]  # fmt: skip
+    logs = [tmp_path / "prefill.log", tmp_path / "decode.log"]
+    with start_servers([(prefill_args, logs[0]), (args, logs[1])], port) as (prefill, decode):
+        for k in range(40):  # until the link is up
+            ids = prompt(60 + k, 50)
+            assert complete(decode, ids) == reference_greedy(model, ids, 8)
+            if metrics(prefill).get("tandem_kv_sends_total"):
+                break
+            time.sleep(0.1)
+        assert metrics(prefill)["tandem_kv_sends_total"] == 1
+        assert "blocks come over a p2p link" in decode.log()
 
-            prompts = [prompt(100 + k, 40 + 9 * k) for k in range(8)]
-            before_p, before_d = metrics(prefill), metrics(decode)
+        prompts = [prompt(100 + k, 40 + 9 * k) for k in range(8)]
+        before_p, before_d = metrics(prefill), metrics(decode)
 
-            async def all_at_once() -> list[list[int]]:
-                return await asyncio.gather(*(asyncio.to_thread(complete, decode, ids) for ids in prompts))
+        async def all_at_once() -> list[list[int]]:
+            return await asyncio.gather(*(asyncio.to_thread(complete, decode, ids) for ids in prompts))
 
-            for ids, reply in zip(prompts, asyncio.run(all_at_once()), strict=True):
-                assert reply == reference_greedy(model, ids, 8)
-            assert delta(prefill, before_p, "tandem_kv_sends_total") == 8
-            computed = sum(len(ids) - (len(ids) - 1) // BLOCK * BLOCK for ids in prompts)  # the last tokens
-            assert delta(decode, before_d, "tandem_prefill_tokens_computed_total") == computed
-            assert delta(decode, before_d, "tandem_prefill_remote_prompts_total") == 8
-            assert delta(decode, before_d, "tandem_prefill_remote_failures_total") == 0
+        for ids, reply in zip(prompts, asyncio.run(all_at_once()), strict=True):
+            assert reply == reference_greedy(model, ids, 8)
+        assert delta(prefill, before_p, "tandem_kv_sends_total") == 8
+        computed = sum(len(ids) - (len(ids) - 1) // BLOCK * BLOCK for ids in prompts)  # the last tokens
+        assert delta(decode, before_d, "tandem_prefill_tokens_computed_total") == computed
+        assert delta(decode, before_d, "tandem_prefill_remote_prompts_total") == 8
+        assert delta(decode, before_d, "tandem_prefill_remote_failures_total") == 0
 
-            link = int(re.search(r"blocks come over a p2p link \(its link (\d+)\)", decode.log())[1])
-            assert (
-                httpx.post(prefill.url + "/v1/kv/unlink", json={"link": link}, timeout=10).status_code == 200
-            )
-            before_p, before_d = metrics(prefill), metrics(decode)
-            for k in range(2):
-                ids = prompt(200 + k, 60)
-                assert complete(decode, ids) == reference_greedy(model, ids, 8)
-            assert delta(decode, before_d, "tandem_prefill_remote_failures_total") == 1
-            assert delta(decode, before_d, "tandem_prefill_remote_prompts_total") == 1  # by body
-            assert delta(prefill, before_p, "tandem_kv_sends_total") == 0
-            assert "p2p link: HTTP 400" in decode.log()
-            assert "cannot be mapped" not in decode.log()  # (a link's failure is not the mapping's)
+        link = int(re.search(r"blocks come over a p2p link \(its link (\d+)\)", decode.log())[1])
+        assert httpx.post(prefill.url + "/v1/kv/unlink", json={"link": link}, timeout=10).status_code == 200
+        before_p, before_d = metrics(prefill), metrics(decode)
+        for k in range(2):
+            ids = prompt(200 + k, 60)
+            assert complete(decode, ids) == reference_greedy(model, ids, 8)
+        assert delta(decode, before_d, "tandem_prefill_remote_failures_total") == 1
+        assert delta(decode, before_d, "tandem_prefill_remote_prompts_total") == 1  # by body
+        assert delta(prefill, before_p, "tandem_kv_sends_total") == 0
+        assert "p2p link: HTTP 400" in decode.log()
+        assert "cannot be mapped" not in decode.log()  # (a link's failure is not the mapping's)
 
 
 def test_short_prompts_are_computed_here(servers: Any, model: Any) -> None:

@@ -121,7 +121,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
         while not predicate():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"local Slurm: timed out after {timeout_s:g} s waiting for {what}")
-            time.sleep(0.5)
+            time.sleep(0.1)
 
     def job(self, job_id: str) -> dict[str, str]:
         """`scontrol show job` as key → value."""
@@ -137,7 +137,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
             if time.monotonic() > deadline:
                 subprocess.run(["scancel", job_id], env=self.env, check=False)
                 raise TimeoutError(f"Slurm job {job_id} still {info.get('JobState')} after {timeout_s:g} s")
-            time.sleep(1)
+            time.sleep(0.2)
         return info
 
     def stop(self) -> None:

@@ -10,12 +10,12 @@ written after the last step only. (The filesystem transport: test_rl_server_cons
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
 import pytest
-from rl_helpers import inference_server, sample_from_server, small_model, write_rollouts
+from rl_helpers import sample_from_server, small_model, write_rollouts
+from server_process import start_servers
 
 from tandem.config import build_config
 from tandem.monitor.metrics import read_metrics
@@ -80,18 +80,18 @@ def test_broadcast_and_colocated_keep_servers_equal_to_trainer(tmp_path: Path) -
     common += ["--served_model_name", "policy", "--engine.max_model_len", "512"]
     for key, value in link.items():
         common += [f"--{key}", str(value)]
-    with ExitStack() as stack, ThreadPoolExecutor(3) as pool:
-        urls = [
-            stack.enter_context(
-                inference_server(
-                    [*common, "--weights.server_index", str(i), "--weights.transport", transport, *more],
-                    tmp_path / f"server_{i}.log",
-                )
-            )
-            for i, (transport, more) in enumerate(
-                [("broadcast", []), ("colocated", ["--engine.core_process", "true"])]
-            )
-        ]
+    servers = [
+        (
+            [*common, "--weights.server_index", str(i), "--weights.transport", transport, *more],
+            tmp_path / f"server_{i}.log",
+        )
+        for i, (transport, more) in enumerate(
+            [("broadcast", []), ("colocated", ["--engine.core_process", "true"])]
+        )
+    ]
+    # (started together: each joins the trainer's weight group in the background, once it is up)
+    with start_servers(servers, timeout_s=180) as running, ThreadPoolExecutor(3) as pool:
+        urls = [server.url for server in running]
         trainer = threading.Thread(target=run_trainer, daemon=True)
         trainer.start()
         for step in range(STEPS):
