@@ -16,6 +16,8 @@ for dtype, vocab, temperature in [(torch.float32, 5000, 0.7), (torch.bfloat16, 4
     logits = (torch.randn(rows, vocab, generator=gen) * 4).to(dtype)
     logits[3, 11] = 40.0  # one dominant logit: the online max must rescale what came before
     logits[5, vocab - 2] = 40.0  # and one in the last block of columns
+    logits[7, 0] = 40.0  # and one in the first column
+    logits[9] = 2.5  # all equal: each step ties the running max
     targets = torch.randint(0, vocab, (rows,), generator=gen)
     g_lp, g_ent = torch.randn(rows, generator=gen), torch.randn(rows, generator=gen)
     want = chunked_head.token_stats(logits.double(), targets, temperature)
