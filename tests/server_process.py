@@ -18,6 +18,8 @@ import uvicorn
 
 from tandem.net import free_port, free_ports
 
+SERVER_ENTRY = ("-m", "tandem.inference.cli")  # what python runs for an inference server
+
 
 @dataclass
 class RunningServer:
@@ -39,7 +41,7 @@ def start_server(
     log_path: Path,
     timeout_s: float = 120.0,
     threads: str | None = None,
-    entry: tuple[str, ...] = ("-m", "tandem.inference.cli"),
+    entry: tuple[str, ...] = SERVER_ENTRY,
     env: dict[str, str] | None = None,
 ) -> Iterator[RunningServer]:
     """Run `inference ARGS --port P` in a subprocess until /health answers; stop it afterwards.
@@ -68,7 +70,7 @@ def start_servers(
     with ExitStack() as stack:
         running = []
         for i, (args, log_path) in enumerate(servers):
-            server = _spawn(args, log_path, None, ("-m", "tandem.inference.cli"), None, first_port + i)
+            server = _spawn(args, log_path, None, SERVER_ENTRY, None, first_port + i)
             stack.callback(_stop, server.process)
             running.append(server)
         for server in running:
