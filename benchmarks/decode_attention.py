@@ -1,9 +1,10 @@
 """The engine's paged decode-attention kernel (engine/triton_decode.py) on CUDA: its launch
-parameters swept at the Qwen3-0.6B shape (16 query heads, 8 KV heads of 128, 16-token blocks),
-bandwidth of the keys and values read, the fastest first.
+parameters swept at the Qwen3-0.6B shape (16 query heads, 8 KV heads of 128, 16-token blocks)
+or another head layout, bandwidth of the keys and values read, the fastest first.
 
     python3 benchmarks/decode_attention.py                   # batch 256, context 256; the best again at 64 / 128 / 384
     python3 benchmarks/decode_attention.py --batch 64 --context 384 --top 10
+    python3 benchmarks/decode_attention.py --heads 32 --batch 64 256 --context 160 320   # Qwen3-8B's heads, each pair swept
 
 Each configuration is checked against the gather + SDPA path before it is timed; the cache's
 blocks are a random permutation (as a long-running engine's are). Times are medians of
@@ -20,13 +21,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-HEADS, KV_HEADS, DIM, BLOCK = 16, 8, 128, 16
+HEADS, KV_HEADS, DIM, BLOCK = 16, 8, 128, 16  # the defaults: Qwen3-0.6B's attention
 
 
 def candidates() -> list[dict]:
     """Launch parameters worth timing: more KV heads per program want more warps, fewer tokens."""
     grids = {  # (one KV head per program: 64 / 2 warps / 3 stages won a wider sweep on 2026-12-01)
-        1: dict(BLOCK_N=(64, 128), num_warps=(2, 4), num_stages=(3,), KV_HEAD_FASTEST=(False, True)),
+        1: dict(BLOCK_N=(32, 64, 128), num_warps=(2, 4), num_stages=(2, 3), KV_HEAD_FASTEST=(False, True)),
         2: dict(BLOCK_N=(32, 64), num_warps=(2, 4), num_stages=(3,), KV_HEAD_FASTEST=(False, True)),
         4: dict(BLOCK_N=(16, 32, 64), num_warps=(4, 8), num_stages=(2, 3), KV_HEAD_FASTEST=(True,)),
         8: dict(BLOCK_N=(16, 32), num_warps=(4, 8), num_stages=(1, 2), KV_HEAD_FASTEST=(False,)),
@@ -38,29 +39,31 @@ def candidates() -> list[dict]:
     return out
 
 
-def inputs(batch: int, context: int, seed: int = 0) -> tuple:
+def inputs(batch: int, context: int, heads: int = HEADS, kv_heads: int = KV_HEADS, seed: int = 0) -> tuple:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     pages = -(-context // BLOCK)
     blocks = batch * pages + 1
     k_cache, v_cache = torch.randn(
-        2, blocks, BLOCK, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen
+        2, blocks, BLOCK, kv_heads, DIM, device="cuda", dtype=torch.bfloat16, generator=gen
     )
-    q = torch.randn(batch, HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(batch, heads, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
     tables = (torch.randperm(blocks - 1, device="cuda", generator=gen) + 1).view(batch, pages)
     lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
     return q, k_cache, v_cache, tables, lens
 
 
-def time_configs(configs: list[dict], batch: int, context: int) -> list[dict]:
+def time_configs(
+    configs: list[dict], batch: int, context: int, heads: int = HEADS, kv_heads: int = KV_HEADS
+) -> list[dict]:
     import triton
 
     from tandem.inference.engine.attention import decode_attention
     from tandem.inference.engine.triton_decode import paged_decode_attention
 
-    q, k_cache, v_cache, tables, lens = inputs(batch, context)
+    q, k_cache, v_cache, tables, lens = inputs(batch, context, heads, kv_heads)
     scale = DIM**-0.5
     ref = decode_attention(q[:8].float(), k_cache.float(), v_cache.float(), tables[:8], lens[:8], scale)
-    gigabytes = 2 * batch * context * KV_HEADS * DIM * 2 / 1e9
+    gigabytes = 2 * batch * context * kv_heads * DIM * 2 / 1e9
     rows = []
     for config in configs:
         try:
@@ -96,8 +99,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--batch", type=int, nargs="+", default=[256])
+    parser.add_argument("--context", type=int, nargs="+", default=[256])
+    parser.add_argument("--heads", type=int, default=HEADS, help="query heads (Qwen3-8B: 32)")
+    parser.add_argument("--kv-heads", type=int, default=KV_HEADS)
     parser.add_argument("--top", type=int, default=8)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -107,14 +112,28 @@ def main() -> None:
     from tandem.inference.engine.triton_decode import CONFIG
 
     default = dict(CONFIG)
-    rows = time_configs(candidates(), args.batch, args.context)
-    show(rows, f"batch {args.batch}, context {args.context} (default {default})", args.top)
-    results = {"sweep": rows}
-    best = [{k: v for k, v in r.items() if k not in ("us", "TB/s")} for r in rows[:3]]
-    for batch, context in ((args.batch, 128), (args.batch, 384), (64, args.context)):
-        again = time_configs([default, *best], batch, context)
-        show(again, f"batch {batch}, context {context}: the default and the best three", 4)
-        results[f"{batch}x{context}"] = again
+    shape = dict(heads=args.heads, kv_heads=args.kv_heads)
+    results = {}
+    if len(args.batch) == len(args.context) == 1:  # one sweep, its best three again at other sizes
+        swept_batch, swept_context = args.batch[0], args.context[0]
+        rows = time_configs(candidates(), swept_batch, swept_context, **shape)
+        show(rows, f"batch {swept_batch}, context {swept_context} (default {default})", args.top)
+        results["sweep"] = rows
+        best = [{k: v for k, v in r.items() if k not in ("us", "TB/s")} for r in rows[:3]]
+        for batch, context in ((swept_batch, 128), (swept_batch, 384), (64, swept_context)):
+            again = time_configs([default, *best], batch, context, **shape)
+            show(again, f"batch {batch}, context {context}: the default and the best three", 4)
+            results[f"{batch}x{context}"] = again
+    else:  # a sweep at every (batch, context), and where the default stands in it
+        for batch, context in itertools.product(args.batch, args.context):
+            rows = time_configs(candidates(), batch, context, **shape)
+            show(rows, f"batch {batch}, context {context}, {args.heads}/{args.kv_heads} heads", args.top)
+            mine = [r for r in rows if all(r[k] == v for k, v in default.items())]
+            if mine:
+                print(
+                    f"default {default}: {mine[0]['us']:.1f} µs, rank {rows.index(mine[0]) + 1} of {len(rows)}"
+                )
+            results[f"{batch}x{context}"] = rows
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
 
