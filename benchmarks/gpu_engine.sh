@@ -32,7 +32,7 @@ want mixed && part mixed 200 python3 benchmarks/engine_throughput.py --num-reque
   --output-len 256 --skip-hf --mixed-lengths --out "$OUT/engine_mixed.json"
 want http && part http 300 python3 benchmarks/inference_throughput.py --num-requests 256 --prompt-len 128 --output-len 256 \
   --skip-transformers --compare-prefix-cache --compare-prompt-attention auto,varlen --out "$OUT/http.json"
-want fp8 && part fp8 240 python3 benchmarks/fp8_decode.py --concurrency 16 64 256 --kernel rowwise triton \
+want fp8 && part fp8 270 python3 benchmarks/fp8_decode.py --concurrency 16 64 256 --kernel rowwise triton \
   --out "$OUT/fp8.json"
 want moe && part moe 110 python3 benchmarks/moe_decode.py --num-layers 12 --out "$OUT/moe.json"
 want pieces && part pieces 300 python3 benchmarks/prompt_graphs.py --out "$OUT/prompt_graphs.json"

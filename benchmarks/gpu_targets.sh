@@ -24,7 +24,7 @@ if [ -n "${H200_ONLY:-}" ] && ! grep -q H200 "$OUT/device.txt"; then echo "not a
 FAST=1.7b:tandem_master_logits_bf16moments  # with _overlap: the trainers' default form (optim.overlap_step)
 part mfu 130 python3 benchmarks/trainer_mfu.py --variants "${FAST}_overlap-cudnn,$FAST-cudnn,${FAST}_overlap-cudnn" \
   --steps 8 --warmup 3 --out "$OUT/trainer_mfu.jsonl"
-part fp8 150 python3 benchmarks/fp8_decode.py --concurrency 64 256 --kernel rowwise --out "$OUT/fp8.json"
+part fp8 170 python3 benchmarks/fp8_decode.py --concurrency 64 256 --kernel rowwise --out "$OUT/fp8.json"
 part http 200 python3 benchmarks/inference_throughput.py --num-requests 256 --prompt-len 128 --output-len 256 \
   --skip-transformers --compare-prompt-graphs --out "$OUT/http_pieces.json"
 python3 benchmarks/engine_report.py "$OUT" | grep -E "^\| (measure|HTTP|FP8|bf16)|^\|---"
