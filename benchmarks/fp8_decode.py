@@ -13,8 +13,8 @@ one the FP8 engine then runs with (`--kernel` names one or more instead; for the
 matmul). Engines: random-init Qwen3-8B shape
 (bf16; `bench_models.py`), P prompt + O output tokens, temperature 1; the bf16 engine runs first and
 again last (`--bf16-once`: first only), and each ratio is taken against the mean of its two runs
-(an H200 gave one bf16 run 9 % below the next call's, 2026-12-07: a drift between engines shows as
-the two runs' ratio, "bf16 last / first"). Mismatch: the tokens the
+(an H200 gave one bf16 run 9 % below the next call's, 2026-12-07: a drift between engines shows
+in the two runs, printed beside their mean, and in `bf16_drift_C` of --out). Mismatch: the tokens the
 FP8 engine sampled (and the bf16 engine, as the baseline) are scored by transformers in bf16 —
 the trainer's stand-in — and KL(sampler ‖ trainer) is estimated per token as mean(log μ − log π)
 (k1) and mean((π/μ − 1) − log(π/μ)) (k3). A random-init model's next-token distribution is
@@ -254,7 +254,7 @@ def main() -> None:
                 core, c, args.prompt_len, args.output_len, seed=c
             )
             print(name, json.dumps(results[f"{name}_decode_{c}"]), flush=True)
-        if args.profile:
+        if args.profile and name != "bf16-last":
             print(
                 f"{name} at {args.concurrency[0]} concurrent:",
                 profile_decode(core, args.concurrency[0], args),
