@@ -25,6 +25,7 @@ def node_launcher(tmp_path: Path, capsys: pytest.CaptureFixture, *args: str) -> 
     for name in ("config.json", "tokenizer_config.json", "tokenizer.json", "model.safetensors"):
         (tmp_path / name).write_text("{}")  # enough for the model checks; nothing loads them
     config = tmp_path / "rl.toml"
+    port = free_port()  # rdzv_port; weights_group_port beside it (its default, 29500, may be the one drawn)
     config.write_text(
         f"""
 run_dir = "{tmp_path / "run"}"
@@ -33,7 +34,8 @@ name = "{tmp_path}"
 [cluster]
 inference_nodes = 1
 hosts = ["127.0.0.1", "127.0.0.1"]
-rdzv_port = {free_port()}
+rdzv_port = {port}
+weights_group_port = {port + 2}
 join_timeout_s = 2
 """
     )
@@ -148,7 +150,12 @@ def test_a_node_failing_its_checks_stops_the_waiting_nodes_at_once(
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     node_launcher(tmp_path, capsys, "--node", "trainer-3")  # writes the model files and rl.toml
     common = ["--cluster.trainer_nodes=2", "--cluster.hosts=127.0.0.1,127.0.0.1,127.0.0.1"]
-    common += [f"--cluster.rdzv_port={free_port()}", "--cluster.join_timeout_s=30"]
+    port = free_port()
+    common += [
+        f"--cluster.rdzv_port={port}",
+        f"--cluster.weights_group_port={port + 2}",
+        "--cluster.join_timeout_s=30",
+    ]
     nodes = ["trainer-0", "trainer-1", "inference-0"]
     errors: dict[str, str] = {}
     prepare_resume = node_module.prepare_resume

@@ -18,7 +18,11 @@ from tandem.net import free_port
 
 def two_nodes(tmp_path: Path, timeout_s: float = 3) -> Cluster:
     overrides = {"model.name": "tiny", "run_dir": str(tmp_path), "cluster.inference_nodes": 1}
-    overrides |= {"cluster.hosts": ["127.0.0.1", "127.0.0.1"], "cluster.rdzv_port": free_port() - 1}
+    # the roll call listens at rdzv_port + 1; the weights group's and the servers' ports are set
+    # beside it, for their defaults (29500, 8000…) may be what free_port drew (a CI run failed so)
+    roll_call = free_port()
+    overrides |= {"cluster.hosts": ["127.0.0.1", "127.0.0.1"], "cluster.rdzv_port": roll_call - 1}
+    overrides |= {"cluster.weights_group_port": roll_call + 1, "inference.port": roll_call + 2}
     overrides |= {"cluster.join_timeout_s": timeout_s}
     return resolve_cluster(build_config(RLConfig, overrides=list(overrides.items())))
 
