@@ -232,11 +232,9 @@ def main() -> None:
     results["kernels"] = kernels
     path = build_random(args.shape, args.work_dir / args.shape, torch.device("cuda"))
     samples = {}
-    engines = (
-        [("bf16", {})]
-        + [(f"fp8-{k}", {"quantization": "fp8", "fp8_kernel": k}) for k in kernels]
-        + [("bf16-last", {})] * (not args.bf16_once)
-    )
+    engines = [("bf16", {})] + [(f"fp8-{k}", {"quantization": "fp8", "fp8_kernel": k}) for k in kernels]
+    if not args.bf16_once:
+        engines.append(("bf16-last", {}))
     unit_rows, fuse = fp8_module.UNIT_SCALED_ROWS, fp8_module.fuse_launches
     for name, settings in engines:
         start = time.perf_counter()
