@@ -5,7 +5,11 @@ or another head layout, bandwidth of the keys and values read, the fastest first
     python3 benchmarks/decode_attention.py                   # batch 256, context 256; the best again at 64 / 128 / 384
     python3 benchmarks/decode_attention.py --batch 64 --context 384 --top 10
     python3 benchmarks/decode_attention.py --heads 32 --batch 64 256 --context 160 320   # Qwen3-8B's heads, each pair swept
+    python3 benchmarks/decode_attention.py --heads 32 --batch 8 64 256 --context 320 4096 --splits 1 2 4 8 16
 
+The sweep runs each configuration with the kernel's default split count ("auto": from the batch
+and the KV-head groups, engine/triton_decode.py's decode_splits); the best of each sweep is then
+timed at every count of --splits (1: the single kernel, more: split-KV and the combine kernel).
 Each configuration is checked against the gather + SDPA path before it is timed; the cache's
 blocks are a random permutation (as a long-running engine's are). Times are medians of
 triton.testing.do_bench.
@@ -86,13 +90,21 @@ def time_configs(
 
 def show(rows: list[dict], title: str, top: int) -> None:
     print(f"\n{title}")
-    print("| HEADS | KV_HEAD_FASTEST | BLOCK_N | warps | stages | µs | TB/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| HEADS | KV_HEAD_FASTEST | BLOCK_N | warps | stages | splits | µs | TB/s |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows[:top]:
         print(
             f"| {r['HEADS']} | {r['KV_HEAD_FASTEST']} | {r['BLOCK_N']} | {r['num_warps']} | {r['num_stages']} "
-            f"| {r['us']:.1f} | {r['TB/s']:.2f} |"
+            f"| {r.get('splits', 'auto')} | {r['us']:.1f} | {r['TB/s']:.2f} |"
         )
+
+
+def time_splits(rows: list[dict], splits: list[int], batch: int, context: int, **shape: int) -> list[dict]:
+    """The fastest configuration of a sweep (`rows`, the fastest first) again at each split count."""
+    best = {k: v for k, v in rows[0].items() if k not in ("us", "TB/s")}
+    again = time_configs([{**best, "splits": n} for n in splits], batch, context, **shape)
+    show(again, f"batch {batch}, context {context}: the fastest at each split count", len(again))
+    return again
 
 
 def main() -> None:
@@ -104,6 +116,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=HEADS, help="query heads (Qwen3-8B: 32)")
     parser.add_argument("--kv-heads", type=int, default=KV_HEADS)
     parser.add_argument("--top", type=int, default=8)
+    parser.add_argument(
+        "--splits", type=int, nargs="+", default=[1, 2, 4, 8], help="split counts (powers of two)"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -119,6 +134,7 @@ def main() -> None:
         rows = time_configs(candidates(), swept_batch, swept_context, **shape)
         show(rows, f"batch {swept_batch}, context {swept_context} (default {default})", args.top)
         results["sweep"] = rows
+        results["splits"] = time_splits(rows, args.splits, swept_batch, swept_context, **shape)
         best = [{k: v for k, v in r.items() if k not in ("us", "TB/s")} for r in rows[:3]]
         for batch, context in ((swept_batch, 128), (swept_batch, 384), (64, swept_context)):
             again = time_configs([default, *best], batch, context, **shape)
@@ -134,6 +150,7 @@ def main() -> None:
                     f"default {default}: {mine[0]['us']:.1f} µs, rank {rows.index(mine[0]) + 1} of {len(rows)}"
                 )
             results[f"{batch}x{context}"] = rows
+            results[f"{batch}x{context} splits"] = time_splits(rows, args.splits, batch, context, **shape)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
 

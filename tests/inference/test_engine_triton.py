@@ -1,7 +1,7 @@
 """The engine's Triton kernels, run by Triton's CPU interpreter: the decode kernel against the
-gather + SDPA path (one KV head or several per program), the fused kernels end to end against transformers' greedy tokens, the fused
-sampler against the torch sampler, and the q/k norm + rotary + cache-write kernel against the
-torch path."""
+gather + SDPA path (one KV head or several per program, the context whole or split), the fused
+kernels end to end against transformers' greedy tokens, the fused sampler against the torch
+sampler, and the q/k norm + rotary + cache-write kernel against the torch path."""
 
 import pytest
 from triton_interpreter import run_interpreted
@@ -21,7 +21,7 @@ for kv_heads, heads, dim in [(2, 4, 64), (8, 16, 128), (4, 4, 32)]:
     lens = torch.tensor([40, 17, 80])
     ref = decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5)
     for per_program, fastest in [(1, False), (2, True), (4, False), (8, True)]:
-        config = {"BLOCK_N": 32, "HEADS": per_program, "KV_HEAD_FASTEST": fastest}
+        config = {"BLOCK_N": 32, "HEADS": per_program, "KV_HEAD_FASTEST": fastest, "splits": 1}
         out = paged_decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5, config)
         err = (out - ref).abs().max().item()
         assert err < 1e-5, (kv_heads, heads, dim, per_program, fastest, err)
@@ -31,6 +31,68 @@ print("ok")
 
 def test_decode_kernel_matches_gather_path_in_interpreter() -> None:
     run_interpreted(SCRIPT, timeout=120)
+
+
+SPLIT_SCRIPT = """
+import torch
+from tandem.inference.engine.attention import decode_attention
+from tandem.inference.engine.triton_decode import paged_decode_attention
+
+torch.manual_seed(0)
+# contexts of one batch: 1 (every split but the first empty), 7 (under one BLOCK_N), 33 (most of
+# 8 splits empty), 97 (not a multiple of the block size; BLOCK_N 16 in 8 splits: the seventh
+# holds 1 token, the eighth none)
+lens = torch.tensor([1, 7, 33, 97])
+tables = torch.randperm(28).view(4, 7)
+for kv_heads, heads in [(2, 4), (2, 8)]:  # query heads per KV head: 2 and 4
+    k_cache, v_cache = torch.randn(2, 28, 16, kv_heads, 16).unbind(0)
+    q = torch.randn(4, heads, 16)
+    ref = decode_attention(q, k_cache, v_cache, tables, lens, 0.25)
+    for splits in (1, 2, 4, 8, None):  # None: the default, MAX_SPLITS for so few programs
+        for per_program, block_n in [(1, 16), (2, 32)]:
+            config = {"BLOCK_N": block_n, "HEADS": per_program, "KV_HEAD_FASTEST": per_program == 1}
+            out = paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, {**config, "splits": splits})
+            err = (out - ref).abs().max().item()  # NaN fails too
+            assert err < 1e-5, (kv_heads, heads, splits, per_program, err)
+print("ok")
+"""
+
+
+def test_split_decode_matches_gather_path_in_interpreter() -> None:
+    """The context split 1, 2, 4 and 8 ways (then combined) against gather + SDPA in fp32, with
+    empty splits, partial blocks and contexts of several lengths in one batch, GQA groups 2 and
+    4, one and two KV heads per program."""
+    run_interpreted(SPLIT_SCRIPT, timeout=120)
+
+
+def test_decode_splits_fill_the_gpu_from_the_batch_alone() -> None:
+    """The default split count: a power of two, 1 once the programs are enough, else the fewest
+    splits that make TARGET_PROGRAMS, capped at MAX_SPLITS; an explicit count must be a power of
+    two."""
+    import torch
+
+    from tandem.inference.engine.triton_decode import (
+        CONFIG,
+        MAX_SPLITS,
+        TARGET_PROGRAMS,
+        decode_splits,
+        paged_decode_attention,
+    )
+
+    assert decode_splits(TARGET_PROGRAMS, 1) == decode_splits(TARGET_PROGRAMS // 8, 8) == 1
+    assert decode_splits(1, 1) == MAX_SPLITS
+    for batch in range(1, 2 * TARGET_PROGRAMS, 7):
+        for groups in (1, 2, 3, 8):
+            splits, programs = decode_splits(batch, groups), batch * groups
+            assert splits & (splits - 1) == 0 and 1 <= splits <= MAX_SPLITS, (batch, groups, splits)
+            if splits < MAX_SPLITS:
+                assert programs * splits >= TARGET_PROGRAMS, (batch, groups, splits)
+            if splits > 1:
+                assert programs * splits // 2 < TARGET_PROGRAMS, (batch, groups, splits)
+    cache = torch.zeros(2, 16, 1, 16)
+    args = (torch.zeros(1, 1, 16), cache, cache, torch.zeros(1, 1), torch.ones(1), 1.0)
+    with pytest.raises(ValueError, match="power of two"):
+        paged_decode_attention(*args, {**CONFIG, "splits": 3})
 
 
 MODEL_SCRIPT = """
