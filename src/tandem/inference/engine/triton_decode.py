@@ -10,16 +10,16 @@ query head against its own KV head, and each row keeps only its own columns of t
 `KV_HEAD_FASTEST` orders the programs so that the groups of one sequence run side by side (the
 cache rows of a block are read together).
 
-Two paths, by the number of programs (`decode_splits`):
+Two forms of the one kernel, by the number of programs (`decode_splits`):
 
-- one split: `_decode_kernel` walks the whole context and writes the output.
+- SPLITS = 1: each program walks its sequence's whole context and writes the output.
 - SPLITS > 1 ("flash decoding"), when batch × groups programs are too few to keep the GPU's
-  memory busy (small batches, long contexts): `_split_kernel` has a third grid axis, program s
-  walking tokens [s × chunk, (s + 1) × chunk) with chunk = cdiv(cdiv(ctx, SPLITS), BLOCK_N) ×
-  BLOCK_N computed in the kernel from the sequence's context; it writes its unnormalized fp32
-  partials (running max, denominator, weighted sum of values), and `_combine_kernel` rescales
-  them to the common maximum and writes the output. A split past the context writes m = -inf,
-  denominator and sum 0, which the combine weighs by 0.
+  memory busy (small batches, long contexts): a third grid axis, program s walking tokens
+  [s × chunk, (s + 1) × chunk) with chunk = cdiv(cdiv(ctx, SPLITS), BLOCK_N) × BLOCK_N computed
+  in the kernel from the sequence's context; it writes its unnormalized fp32 partials (running
+  max, denominator, weighted sum of values), and `_combine_kernel` rescales them to the common
+  maximum and writes the output. A split past the context writes m = -inf, denominator and sum
+  0, which the combine weighs by 0.
 
 SPLITS is chosen on the host from the batch size and head layout alone, never from the contexts
 (which live on the GPU and grow every step): the grid and the workspace are fixed per batch, so
@@ -33,71 +33,6 @@ import triton.language as tl
 
 
 @triton.jit
-def _attend(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    table_ptr,
-    seq,
-    head_group,
-    lo,
-    hi,
-    scale,
-    stride_q_batch,
-    stride_q_head,
-    stride_kv_block,
-    stride_kv_token,
-    stride_kv_head,
-    GROUP: tl.constexpr,
-    ROWS_PAD: tl.constexpr,
-    HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    """Online softmax of the program's query rows over tokens [lo, hi) of the sequence whose
-    block-table row is `table_ptr`. Returns the running max and denominator [ROWS_PAD], the
-    unnormalized sum of values [ROWS_PAD, HEADS × HEAD_DIM], and the offsets and mask of each
-    row's own columns in a tensor laid out like q. An empty range leaves m = -inf, denominator
-    and sum 0."""
-    r = tl.arange(0, ROWS_PAD)  # query rows: HEADS × GROUP real ones
-    c = tl.arange(0, HEADS * HEAD_DIM)  # the group's key columns: HEADS × HEAD_DIM
-    row_real = r < HEADS * GROUP
-    own = ((r // GROUP)[:, None] == (c // HEAD_DIM)[None, :]) & row_real[:, None]  # [rows, cols]
-    heads = head_group * HEADS * GROUP + r
-    q_offsets = seq * stride_q_batch + heads[:, None] * stride_q_head + (c % HEAD_DIM)[None, :]
-    q = tl.load(q_ptr + q_offsets, mask=own, other=0.0)
-    kv_cols = (head_group * HEADS + c // HEAD_DIM) * stride_kv_head + c % HEAD_DIM
-    m = tl.full([ROWS_PAD], float("-inf"), tl.float32)
-    denom = tl.zeros([ROWS_PAD], tl.float32)
-    acc = tl.zeros([ROWS_PAD, HEADS * HEAD_DIM], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        valid = n < hi
-        block = tl.load(table_ptr + n // BLOCK_SIZE, mask=valid, other=0)
-        kv_rows = block * stride_kv_block + (n % BLOCK_SIZE) * stride_kv_token
-        kv_offsets = kv_rows[:, None] + kv_cols[None, :]
-        k = tl.load(k_ptr + kv_offsets, mask=valid[:, None], other=0.0)
-        v = tl.load(v_ptr + kv_offsets, mask=valid[:, None], other=0.0)
-        if IEEE:  # noqa: SIM108 (a compile-time branch of the kernel)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(valid[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every block of the range has a token
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        denom = denom * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
-    return m, denom, acc, q_offsets, own
-
-
-@triton.jit
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -105,47 +40,8 @@ def _decode_kernel(
     tables_ptr,
     lens_ptr,
     out_ptr,
-    scale,
-    stride_q_batch,
-    stride_q_head,
-    stride_kv_block,
-    stride_kv_token,
-    stride_kv_head,
-    stride_table,
-    GROUP: tl.constexpr,
-    ROWS_PAD: tl.constexpr,
-    HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    KV_HEAD_FASTEST: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    """The whole context of one (sequence, KV-head group): the output, normalized."""
-    if KV_HEAD_FASTEST:
-        head_group, seq = tl.program_id(0), tl.program_id(1)
-    else:
-        seq, head_group = tl.program_id(0), tl.program_id(1)
-    ctx = tl.load(lens_ptr + seq)
-    m, denom, acc, offsets, own = _attend(
-        q_ptr, k_ptr, v_ptr, tables_ptr + seq * stride_table, seq, head_group, 0, ctx, scale,
-        stride_q_batch, stride_q_head, stride_kv_block, stride_kv_token, stride_kv_head,
-        GROUP, ROWS_PAD, HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, IEEE,
-    )  # fmt: skip
-    out = acc / denom[:, None]
-    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=own)
-
-
-@triton.jit
-def _split_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    tables_ptr,
-    lens_ptr,
     m_ptr,
     denom_ptr,
-    acc_ptr,
     scale,
     stride_q_batch,
     stride_q_head,
@@ -153,7 +49,7 @@ def _split_kernel(
     stride_kv_token,
     stride_kv_head,
     stride_table,
-    stride_acc_split,
+    stride_out_split,
     stride_m_split,
     stride_m_batch,
     GROUP: tl.constexpr,
@@ -166,28 +62,65 @@ def _split_kernel(
     IEEE: tl.constexpr,
     SPLITS: tl.constexpr,
 ):
-    """Split `program_id(2)` of one (sequence, KV-head group): its fp32 partials. The sum of
-    values is [SPLITS, *q.shape] (each split's laid out like q, which is contiguous); the max
-    and denominator are [SPLITS, batch, heads]."""
+    """One (sequence, KV-head group). SPLITS = 1: its whole context, the normalized output to
+    `out_ptr` (laid out like q). SPLITS > 1: split `program_id(2)` of the context, its fp32
+    partials: the unnormalized sum of values to `out_ptr` ([SPLITS, *q.shape]), the running max and
+    denominator to `m_ptr` and `denom_ptr` ([SPLITS, batch, heads]); a split without tokens writes
+    m = -inf, denominator and sum 0."""
     if KV_HEAD_FASTEST:
         head_group, seq = tl.program_id(0), tl.program_id(1)
     else:
         seq, head_group = tl.program_id(0), tl.program_id(1)
-    split = tl.program_id(2)
     ctx = tl.load(lens_ptr + seq)
-    # whole BLOCK_N tiles: the splits' tiles are the single kernel's (the last one partial)
-    chunk = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    m, denom, acc, offsets, own = _attend(
-        q_ptr, k_ptr, v_ptr, tables_ptr + seq * stride_table, seq, head_group, lo,
-        tl.minimum(ctx, lo + chunk), scale, stride_q_batch, stride_q_head, stride_kv_block,
-        stride_kv_token, stride_kv_head, GROUP, ROWS_PAD, HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, IEEE,
-    )  # fmt: skip
-    tl.store(acc_ptr + split * stride_acc_split + offsets, acc, mask=own)
-    r = tl.arange(0, ROWS_PAD)
-    rows = split * stride_m_split + seq * stride_m_batch + head_group * HEADS * GROUP + r
-    tl.store(m_ptr + rows, m, mask=r < HEADS * GROUP)
-    tl.store(denom_ptr + rows, denom, mask=r < HEADS * GROUP)
+    if SPLITS == 1:
+        lo, hi = 0, ctx
+    else:  # whole BLOCK_N tiles: the splits' tiles are the single kernel's (the last one partial)
+        chunk = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
+        lo = tl.program_id(2) * chunk
+        hi = tl.minimum(ctx, lo + chunk)
+    r = tl.arange(0, ROWS_PAD)  # query rows: HEADS × GROUP real ones
+    c = tl.arange(0, HEADS * HEAD_DIM)  # the group's key columns: HEADS × HEAD_DIM
+    row_real = r < HEADS * GROUP
+    own = ((r // GROUP)[:, None] == (c // HEAD_DIM)[None, :]) & row_real[:, None]  # [rows, cols]
+    heads = head_group * HEADS * GROUP + r
+    q_offsets = seq * stride_q_batch + heads[:, None] * stride_q_head + (c % HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=own, other=0.0)
+    kv_cols = (head_group * HEADS + c // HEAD_DIM) * stride_kv_head + c % HEAD_DIM
+    table = tables_ptr + seq * stride_table
+    m = tl.full([ROWS_PAD], float("-inf"), tl.float32)
+    denom = tl.zeros([ROWS_PAD], tl.float32)
+    acc = tl.zeros([ROWS_PAD, HEADS * HEAD_DIM], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        valid = n < hi
+        block = tl.load(table + n // BLOCK_SIZE, mask=valid, other=0)
+        kv_rows = block * stride_kv_block + (n % BLOCK_SIZE) * stride_kv_token
+        kv_offsets = kv_rows[:, None] + kv_cols[None, :]
+        k = tl.load(k_ptr + kv_offsets, mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_offsets, mask=valid[:, None], other=0.0)
+        if IEEE:  # noqa: SIM108 (a compile-time branch of the kernel)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every tile of the range has a token
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        denom = denom * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    if SPLITS == 1:
+        out = acc / denom[:, None]
+        tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=own)
+    else:
+        split = tl.program_id(2)
+        tl.store(out_ptr + split * stride_out_split + q_offsets, acc, mask=own)
+        rows = split * stride_m_split + seq * stride_m_batch + heads
+        tl.store(m_ptr + rows, m, mask=row_real)
+        tl.store(denom_ptr + rows, denom, mask=row_real)
 
 
 @triton.jit
@@ -273,17 +206,18 @@ def paged_decode_attention(
         IEEE=q.dtype == torch.float32,
         **config,
     )
-    if splits == 1:
+    if splits == 1:  # m_ptr and denom_ptr unused: `out` stands in
         _decode_kernel[grid](
-            q, k_cache, v_cache, block_tables, context_lens, out, scale, *strides, **constants
-        )
+            q, k_cache, v_cache, block_tables, context_lens, out, out, out, scale, *strides, 0, 0, 0,
+            **constants, SPLITS=1,
+        )  # fmt: skip
         return out
     # fp32 partials, fresh each call: inside a CUDA graph they come from its memory pool
     acc = torch.empty(splits, *q.shape, dtype=torch.float32, device=q.device)
     m = torch.empty(splits, batch, heads, dtype=torch.float32, device=q.device)
     denom = torch.empty_like(m)
-    _split_kernel[(*grid, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, m, denom, acc, scale, *strides,
+    _decode_kernel[(*grid, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, acc, m, denom, scale, *strides,
         acc.stride(0), m.stride(0), m.stride(1), **constants, SPLITS=splits,
     )  # fmt: skip
     _combine_kernel[(batch * heads,)](m, denom, acc, out, batch * heads, SPLITS=splits, HEAD_DIM=head_dim)
