@@ -146,13 +146,13 @@ def _combine_kernel(m_ptr, denom_ptr, acc_ptr, out_ptr, rows, SPLITS: tl.constex
 # "splits" entry the split count is `decode_splits`'s.
 CONFIG = {"BLOCK_N": 128, "HEADS": 1, "KV_HEAD_FASTEST": True, "num_warps": 4, "num_stages": 3}
 
-# Programs below which the context is split. Measured on an H100 (2026-12-07, Qwen3-8B's 32/8
-# heads, benchmarks/decode_attention.py --splits): 8 sequences (64 programs) read keys and values
-# at 0.64 TB/s unsplit and 2.11 TB/s in 8 splits at 4,096 tokens (208.5 → 63.6 µs; 4 splits 74.1),
-# 271.7 → 105.6 µs at 8,192; 32 sequences gain 3–11 % in 2 splits, which decode through the engine
-# did not show (−4 %, one run); 64 sequences (512 programs) and more are fastest unsplit. A split
-# program walks fewer tokens, so its start and end cost more per byte, and the combine is one more
-# launch: split only where most of the GPU would sit idle.
+# Programs below which the context is split. Measured on H100s (2026-12-07, Qwen3-8B's 32/8 heads,
+# benchmarks/decode_attention.py --splits): 8 sequences (64 programs) of 4,096 tokens take 94.4 µs
+# unsplit at 128-token tiles (1.42 TB/s), 63.5 in 4 splits (2.11 TB/s); 32 sequences gain 3–11 %
+# in 2 splits, which decode through the engine did not show (−4 %, one run); 64 sequences (512
+# programs) and more are fastest unsplit. A split program walks fewer tokens, so its start and end
+# cost more per byte, and the combine is one more launch: split only where most of the GPU would
+# sit idle. Through the engine, 8 concurrent requests of 3,800-token prompts decode 14 % faster.
 TARGET_PROGRAMS = 256
 # At most this many splits: each writes fp32 partials the combine reads back, and at short
 # contexts most splits of a large count hold no tokens (they still launch).
