@@ -142,7 +142,7 @@ def test_errors_name_the_file_that_gave_the_key(tmp_path: Path) -> None:
         ),
         (
             ["--trainer.loss.type", "grpo"],
-            "'trainer.loss.type': 'grpo' is not one of 'masked_is', 'ppo_clip', 'tis', 'custom'",
+            "'trainer.loss.type': 'grpo' is not one of 'masked_is', 'ppo_clip', 'tis', 'gspo', 'custom'",
         ),
     ],
 )

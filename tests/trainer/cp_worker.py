@@ -7,7 +7,8 @@ ranks do (RANK, WORLD_SIZE, MASTER_ADDR/PORT), so the 4-rank test pays for one i
 instead of five. Each rank runs every case of CASES in turn on the same global batch: builds the
 trainer's model with that case's trainer.parallel settings, runs the SFT or the RL trainer's
 micro-batch loss over its data-parallel group's share (the trainers' own functions, normalised
-by the global loss-token count and scaled by the world size as they do) and one backward; RL
+by the global loss-token count, or for GSPO per sample, and scaled by the world size as they do)
+and one backward; RL
 cases then also take the RL trainer's whole step and keep the statistics it logs. Rank 0
 writes, per case, the global loss and the full gradients (in checkpoint names) to OUT
 (torch.save); the test compares each case with its cp = 1 case; `shard_width` is how many
@@ -61,6 +62,9 @@ CASES = {
     "rl": ("dense", "rl", {}),
     "rl-ring2": ("dense", "rl", {"cp": 2, "cp_style": "ring"}),
     "rl-ulysses4": ("dense", "rl", {"cp": 4}),
+    "gspo": ("dense", "gspo", {}),  # per-sample ratios: a sample's sums all-reduced over its cp group
+    "gspo-ring2": ("dense", "gspo", {"cp": 2, "cp_style": "ring"}),
+    "gspo-ulysses4": ("dense", "gspo", {"cp": 4}),
     "moe": ("moe", "sft", {}),
     "moe-ulysses2-ep2-full": ("moe", "sft", {"cp": 2, "ep": 2, "activation_checkpointing": "full"}),
     "moe-ring2-ep2": ("moe", "sft", {"cp": 2, "cp_style": "ring", "ep": 2}),
@@ -120,10 +124,15 @@ def rl_micro_batches(model: torch.nn.Module, group: int, groups: int, parallel: 
     return per_group[group]
 
 
+def rl_config(parallel: ParallelConfig, loss: str) -> RLTrainerConfig:
+    """ "rl": the default loss (masked_is, per token); "gspo": GSPO, normalised per sample."""
+    return RLTrainerConfig(parallel=parallel, loss={"type": "gspo"} if loss == "gspo" else {})
+
+
 def rl_loss(
-    model: torch.nn.Module, world_size: int, group: int, groups: int, parallel: ParallelConfig
+    model: torch.nn.Module, world_size: int, group: int, groups: int, parallel: ParallelConfig, loss: str
 ) -> float:
-    cfg = RLTrainerConfig(parallel=parallel)
+    cfg = rl_config(parallel, loss)
     objective = build_objective(cfg.loss)
     total = torch.zeros(())
     for mb in rl_micro_batches(model, group, groups, parallel):
@@ -134,10 +143,10 @@ def rl_loss(
 
 
 def rl_step_stats(
-    model: torch.nn.Module, world: World, group: int, groups: int, parallel: ParallelConfig
+    model: torch.nn.Module, world: World, group: int, groups: int, parallel: ParallelConfig, loss: str
 ) -> dict:
     """The RL trainer's whole step (trainer/rl/train.py train_step) and the statistics it logs."""
-    cfg = RLTrainerConfig(parallel=parallel)
+    cfg = rl_config(parallel, loss)
     optimizer = build_optimizer(model, cfg.optim)
     micro_batches = rl_micro_batches(model, group, groups, parallel)
     stats = train_step(model, build_objective(cfg.loss), optimizer, micro_batches, 0, cfg, world)
@@ -176,14 +185,14 @@ def run_rank(paths: dict[str, str], out: str) -> None:
         if loss == "sft":
             value = sft_loss(model, world.size, group, groups)
         else:
-            value = rl_loss(model, world.size, group, groups, parallel)
+            value = rl_loss(model, world.size, group, groups, parallel, loss)
         grads = {n: g.clone() for n, g in iter_hf_weights(model, of=lambda t: t.grad)}
         cp = model.context_parallel
         shard = WIDTH if cp is None else len(cp.columns(cp.padded_width(WIDTH), torch.device("cpu")))
         results[name] = {"loss": value, "grads": grads, "shard_width": shard}
-        if loss == "rl":
+        if loss != "sft":
             model.zero_grad(set_to_none=True)
-            results[name]["stats"] = rl_step_stats(model, world, group, groups, parallel)
+            results[name]["stats"] = rl_step_stats(model, world, group, groups, parallel, loss)
     if world.is_main:
         torch.save(results, out)
     shutdown(completed=True)

@@ -3,7 +3,7 @@
 One launch of 4 gloo ranks (forked after one import of torch) runs every case of cp_worker.py on packed rows whose documents
 cross the shard boundaries: tiny Qwen3 with cp = 2 and 4, Ulysses (4 ranks: KV heads replicated)
 and ring (zigzag; with both CPU attention backends), with selective activation checkpointing;
-the RL trainer's loss; tiny Qwen3-MoE with cp = 2 and ep = 2 on the same 4 ranks (with full
+the RL trainer's loss (masked_is per token, GSPO per sample); tiny Qwen3-MoE with cp = 2 and ep = 2 on the same 4 ranks (with full
 checkpointing); tiny GLM-5 (latent attention gathered in both styles, the indexer's choice of 4
 keys per query shared by a later layer, dense and sparse attention, ep = 2, the RL loss). Each case matches its cp = 1 case: the loss within 1e-5, every gradient within
 1e-5 of that tensor's largest entry (the tied embedding's gradient reaches ~70 here, where fp32

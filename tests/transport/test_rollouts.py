@@ -102,6 +102,7 @@ def test_packing_recovers_every_sample(num_ranks: int) -> None:
         for mb in micro_batches:
             assert mb.input_ids.shape[0] <= 2 and mb.input_ids.shape[1] <= 64
             assert mb.num_loss_tokens == total_loss_tokens and mb.step == 5
+            assert mb.num_loss_samples == sum(any(s.completion_mask) for s in samples)
             assert mb.loss_mask.dtype == torch.bool and mb.sampler_logprobs.dtype == torch.float32
             # loss tokens never sit on padding, and never at a row start (they need a context)
             assert not mb.loss_mask[mb.sample_index < 0].any()
@@ -164,6 +165,7 @@ def test_round_trip_through_files(tmp_path: Path) -> None:
                 assert torch.equal(getattr(a, name), getattr(b, name)), name
             assert a.samples == b.samples
             assert (a.step, a.temperature, a.num_loss_tokens) == (7, 0.7, b.num_loss_tokens)
+            assert a.num_loss_samples == b.num_loss_samples is not None
     check_unpacked(samples, read)
 
 

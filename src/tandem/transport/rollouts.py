@@ -114,6 +114,8 @@ class MicroBatch:
 
     `num_loss_tokens` counts the loss tokens of the whole step across all ranks: the loss of
     every micro-batch is divided by it, so gradients sum to the global per-token mean.
+    `num_loss_samples` counts the step's samples with at least one loss token, the divisor of a
+    loss normalised per sample (None in files written before it was recorded).
     """
 
     input_ids: torch.Tensor  # int64
@@ -126,6 +128,7 @@ class MicroBatch:
     step: int
     temperature: float
     num_loss_tokens: int
+    num_loss_samples: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -203,6 +206,7 @@ def build_micro_batch(
     temperature: float,
     num_loss_tokens: int,
     width_multiple: int = 1,
+    num_loss_samples: int | None = None,
 ) -> MicroBatch:
     """Lay out `rows` (lists of packing units, each a list of sample indices) as tensors padded
     to the longest row, rounded up to a multiple of `width_multiple`."""
@@ -267,6 +271,7 @@ def build_micro_batch(
         step=step,
         temperature=temperature,
         num_loss_tokens=num_loss_tokens,
+        num_loss_samples=num_loss_samples,
     )
 
 
@@ -300,6 +305,7 @@ def pack_samples(
         s.check(seq_len)
     rows_per_micro_batch = micro_batch_tokens // seq_len
     num_loss_tokens = sum(sum(map(bool, s.completion_mask)) for s in samples)
+    num_loss_samples = sum(any(s.completion_mask) for s in samples)
     units = prompt_units(samples, seq_len, share_prompts)
     lengths = {u: unit_len(unit, samples) for u, unit in enumerate(units)}
     per_rank_rows = [
@@ -320,6 +326,7 @@ def pack_samples(
                 temperature,
                 num_loss_tokens,
                 width_multiple,
+                num_loss_samples,
             )
             for k in range(num_micro_batches)
         ]
@@ -350,6 +357,7 @@ def encode(micro_batches: list[MicroBatch], step: int, rank: int) -> bytes:
             {
                 "temperature": mb.temperature,
                 "num_loss_tokens": mb.num_loss_tokens,
+                "num_loss_samples": mb.num_loss_samples,
                 "samples": [asdict(m) for m in mb.samples],
             }
             for mb in micro_batches
@@ -391,6 +399,9 @@ def decode(data: bytes, path: Path, step: int, rank: int) -> list[MicroBatch]:
                     step=step,
                     temperature=float(mb["temperature"]),
                     num_loss_tokens=int(mb["num_loss_tokens"]),
+                    num_loss_samples=None
+                    if mb.get("num_loss_samples") is None
+                    else int(mb["num_loss_samples"]),
                 )
             )
     except RolloutError:

@@ -22,6 +22,11 @@ class LossBase(Section):
     kl_estimator: Literal["k3", "sq_log_ratio"] = Field(
         "k3", description="KL estimator: k3 = r − 1 − log r, or sq_log_ratio = (log r)²."
     )
+    normalize: Literal["token", "sample"] = Field(
+        "token",
+        description="token: the step's loss is the mean over its loss tokens (every token weighs the same); "
+        "sample: the mean over samples of each sample's mean over its tokens (gspo's default).",
+    )
 
 
 class MaskedISLoss(LossBase):
@@ -66,6 +71,20 @@ class TISLoss(LossBase):
     cap: float = Field(2.0, gt=0, description="Truncation C of the importance ratio.")
 
 
+class GSPOLoss(LossBase):
+    """GSPO: PPO's clipped surrogate on the sample's ratio, the geometric mean of its tokens' ratios."""
+
+    type: Literal["gspo"]
+    eps_low: float = Field(
+        3e-4, gt=0, lt=1, description="The sample's ratio is clipped below at 1 − eps_low."
+    )
+    eps_high: float = Field(4e-4, gt=0, description="The sample's ratio is clipped above at 1 + eps_high.")
+    normalize: Literal["token", "sample"] = Field(
+        "sample",
+        description="sample (GSPO's own): the mean over samples of each sample's token mean; token: over tokens.",
+    )
+
+
 class CustomLoss(LossBase):
     """A user objective `fn(inputs: LossInputs, **options) -> LossTerms` (tandem.trainer.rl.loss)."""
 
@@ -85,6 +104,7 @@ LossConfig = Annotated[
     Annotated[MaskedISLoss, Tag("masked_is")]
     | Annotated[PPOClipLoss, Tag("ppo_clip")]
     | Annotated[TISLoss, Tag("tis")]
+    | Annotated[GSPOLoss, Tag("gspo")]
     | Annotated[CustomLoss, Tag("custom")],
     Discriminator(loss_type),
 ]
@@ -132,7 +152,7 @@ class RLTrainerConfig(Section):
     )
     loss: LossConfig = Field(
         MaskedISLoss(),
-        description="The policy loss: masked_is (the default), ppo_clip, tis or custom (docs/algorithms.md).",
+        description="The policy loss: masked_is (the default), ppo_clip, tis, gspo or custom (docs/algorithms.md).",
     )
     ckpt: CheckpointConfig = CheckpointConfig()
     weights: WeightsConfig = WeightsConfig()

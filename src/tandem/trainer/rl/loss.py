@@ -3,7 +3,10 @@
 Every objective is a function `(LossInputs, **options) -> LossTerms` giving a loss per token and
 which tokens it excluded (masked, clipped or truncated). `policy_loss` adds the optional KL term,
 sums over loss tokens and divides by the number of loss tokens of the whole step (all
-micro-batches, all ranks), so summing the micro-batch losses gives the global per-token mean.
+micro-batches, all ranks), so summing the micro-batch losses gives the global per-token mean;
+with `normalize = "sample"` each token is weighted by 1 / its sample's loss tokens and the sum
+divided by the step's samples. Objectives taken per sample (gspo) read per-sample means through
+`LossInputs.sample_mean`, which adds a sample's tokens up across a context-parallel group.
 docs/algorithms.md has the math. A custom objective is named by `loss.import_path`.
 """
 
@@ -15,11 +18,50 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from tandem.cli import UserError
-from tandem.trainer.rl.config import MAX_LOG_RATIO, CustomLoss, LossConfig, MaskedISLoss, PPOClipLoss, TISLoss
+from tandem.trainer.rl.config import (
+    MAX_LOG_RATIO,
+    CustomLoss,
+    GSPOLoss,
+    LossConfig,
+    MaskedISLoss,
+    PPOClipLoss,
+    TISLoss,
+)
 
 """|log r| is clamped here before exp, so a wildly off token cannot overflow to inf (or NaN grads)."""
+
+
+@dataclass
+class SampleTokens:
+    """Which sample each token of a micro-batch belongs to.
+
+    `index` [rows, width]: the token's sample (its index in the step), −1 on padding.
+    `loss_tokens` [S] float64, S > every index: each sample's loss tokens, all of them — under
+    context parallelism a sample's other tokens lie on the other ranks of `group`, which is why
+    per-sample sums are all-reduced over it.
+    """
+
+    index: torch.Tensor
+    loss_tokens: torch.Tensor
+    group: dist.ProcessGroup | None = None
+
+    def mean(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Per token: the mean of `values` over the `mask` tokens of its sample (no gradient)."""
+        index = self.index.clamp(min=0)
+        with torch.no_grad():  # (no boolean indexing: it would wait for the GPU)
+            masked = torch.where(mask, values.double(), 0.0)
+            sums = torch.zeros_like(self.loss_tokens).index_add_(0, index.flatten(), masked.flatten())
+            if self.group is not None:
+                dist.all_reduce(sums, group=self.group)
+            means = sums / self.loss_tokens.clamp(min=1)
+        return means[index].to(values.dtype)
+
+    def weights(self) -> torch.Tensor:
+        """Per token: 1 / its sample's loss tokens (1 on padding)."""
+        return 1 / self.loss_tokens.clamp(min=1)[self.index.clamp(min=0)]
 
 
 @dataclass
@@ -31,10 +73,18 @@ class LossInputs:
     advantages: torch.Tensor
     loss_mask: torch.Tensor  # bool: tokens the loss is taken over
     entropy: torch.Tensor  # of π_θ at each position, differentiable (entropy bonuses)
+    samples: SampleTokens | None = None  # the tokens' samples (objectives and normalisation per sample)
 
     @property
     def log_ratio(self) -> torch.Tensor:
         return (self.logprobs - self.sampler_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+
+    def sample_mean(self, values: torch.Tensor) -> torch.Tensor:
+        """Per token: the mean of `values` over its sample's loss tokens, detached; e.g. of
+        `log_ratio`, the log of the sample's geometric-mean ratio."""
+        if self.samples is None:
+            raise ValueError("LossInputs.samples is not set: per-sample means need the tokens' samples")
+        return self.samples.mean(values.detach(), self.loss_mask)
 
 
 @dataclass
@@ -66,6 +116,16 @@ def tis(inputs: LossInputs, cap: float) -> LossTerms:
     """−sg(min(r, C))·A·log π: the policy gradient weighted by a truncated importance ratio."""
     ratio = torch.exp(inputs.log_ratio.detach())
     return LossTerms(-ratio.clamp(max=cap) * inputs.advantages * inputs.logprobs, ratio > cap)
+
+
+def gspo(inputs: LossInputs, eps_low: float, eps_high: float) -> LossTerms:
+    """GSPO (token form): −min(s·A, clip(s, 1−ε_low, 1+ε_high)·A) on every loss token of a sample,
+    s its geometric-mean ratio exp(mean log r); the value is s, the gradient s·∇log π of the token."""
+    log_ratio = inputs.log_ratio
+    ratio = torch.exp(inputs.sample_mean(log_ratio) + log_ratio - log_ratio.detach())
+    unclipped = ratio * inputs.advantages
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * inputs.advantages
+    return LossTerms(-torch.minimum(unclipped, clipped), (clipped < unclipped).detach())
 
 
 def kl_penalty(log_ratio: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -111,6 +171,8 @@ def build_objective(cfg: LossConfig) -> Callable[[LossInputs], LossTerms]:
         return lambda inputs: ppo_clip(inputs, cfg.eps_low, cfg.eps_high)
     if isinstance(cfg, TISLoss):
         return lambda inputs: tis(inputs, cfg.cap)
+    if isinstance(cfg, GSPOLoss):
+        return lambda inputs: gspo(inputs, cfg.eps_low, cfg.eps_high)
     assert isinstance(cfg, CustomLoss)
     fn, options = import_objective(cfg.import_path), dict(cfg.options)
     check_options(fn, cfg.import_path, options)
@@ -161,15 +223,28 @@ class LossStats:
 
 
 def policy_loss(
-    objective: Callable[[LossInputs], LossTerms], cfg: LossConfig, inputs: LossInputs, num_loss_tokens: int
+    objective: Callable[[LossInputs], LossTerms],
+    cfg: LossConfig,
+    inputs: LossInputs,
+    num_loss_tokens: int,
+    num_loss_samples: int | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
-    """This micro-batch's share of the step loss (divided by the step's `num_loss_tokens`)."""
+    """This micro-batch's share of the step loss: divided by the step's `num_loss_tokens`, or with
+    `normalize = "sample"` weighted per sample and divided by its `num_loss_samples`."""
     terms = objective(inputs)
     per_token = terms.per_token
     if cfg.kl_coef > 0:
         per_token = per_token + cfg.kl_coef * kl_penalty(inputs.log_ratio, cfg.kl_estimator)
     mask = inputs.loss_mask
-    loss = torch.where(mask, per_token, 0.0).sum() / max(num_loss_tokens, 1)
+    if cfg.normalize == "sample":
+        if inputs.samples is None or num_loss_samples is None:
+            raise ValueError(
+                "normalize = 'sample' needs the tokens' samples and the step's number of samples"
+            )
+        per_token = per_token * inputs.samples.weights().to(per_token.dtype)
+        loss = torch.where(mask, per_token, 0.0).sum() / max(num_loss_samples, 1)
+    else:
+        loss = torch.where(mask, per_token, 0.0).sum() / max(num_loss_tokens, 1)
     with torch.no_grad():
         log_ratio = (inputs.logprobs - inputs.sampler_logprobs).double()
         log_ratio = torch.where(mask, log_ratio, 0.0)

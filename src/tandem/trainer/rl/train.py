@@ -31,7 +31,7 @@ from tandem.trainer.model import build_trainer_model, lora_enabled
 from tandem.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from tandem.trainer.parallel import World, all_reduce_sum, data_shard, distributed
 from tandem.trainer.rl.config import RLTrainerConfig
-from tandem.trainer.rl.loss import LossInputs, LossStats, build_objective, policy_loss
+from tandem.trainer.rl.loss import LossInputs, LossStats, SampleTokens, build_objective, policy_loss
 from tandem.trainer.weight_publisher import PolicyPublisher
 from tandem.transport.layout import CHECKPOINTS
 from tandem.transport.rollouts import MicroBatch, RolloutError, prune_steps, read_rank, shares_prompts
@@ -44,6 +44,11 @@ def micro_batch_loss(
     cfg: RLTrainerConfig,
     device: torch.device,
 ) -> tuple[torch.Tensor, LossStats]:
+    if cfg.loss.normalize == "sample" and mb.num_loss_samples is None:
+        raise RolloutError(
+            f"rollouts/step_{mb.step} do not record their number of samples (written by an older tandem), "
+            "which loss.normalize = 'sample' divides by: delete them and let the orchestrator write them again"
+        )
     logprobs, entropy = model.sequence_logprobs(
         mb.input_ids.to(device), mb.position_ids.to(device), mb.temperature, cfg.logprob_chunk_size
     )
@@ -54,8 +59,20 @@ def micro_batch_loss(
         advantages=mine(mb.advantages.to(device)),
         loss_mask=mine(mb.loss_mask.to(device)),
         entropy=entropy,  # differentiable: a custom objective may add an entropy bonus
+        samples=sample_tokens(model, mb, device),
     )
-    return policy_loss(objective, cfg.loss, inputs, mb.num_loss_tokens)
+    return policy_loss(objective, cfg.loss, inputs, mb.num_loss_tokens, mb.num_loss_samples)
+
+
+def sample_tokens(model: nn.Module, mb: MicroBatch, device: torch.device) -> SampleTokens:
+    """The micro-batch's tokens' samples, as `model.sequence_logprobs` sees the tokens (this rank's
+    columns under context parallelism, whose group then adds up the samples' sums)."""
+    loss_tokens = torch.zeros(max(int(mb.sample_index.max()), 0) + 1, dtype=torch.float64)
+    for meta in mb.samples:
+        loss_tokens[meta.index] = meta.num_loss_tokens
+    cp = getattr(model, "context_parallel", None)
+    index = token_view(model)(mb.sample_index.to(device))
+    return SampleTokens(index, loss_tokens.to(device), None if cp is None else cp.group)
 
 
 def check_micro_batches(
