@@ -1,4 +1,4 @@
-"""CUDA paths: the native engine (CUDA graphs, Triton kernels), chunked logprobs, SFT steps.
+"""CUDA paths: the native engine (CUDA graphs, Triton kernels), chunked logprobs, SFT and RL steps.
 
 Marked `gpu`; skipped where no CUDA device is visible. Run on a GPU machine with
 `pytest tests/gpu -m gpu`.
@@ -18,6 +18,8 @@ from tandem.inference.engine.api import SamplingParams
 from tandem.inference.engine.core import EngineCore
 from tandem.models.layers.chunked_head import chunked_logprobs
 from tandem.models.tiny import build_tiny_model
+from tandem.monitor.metrics import read_metrics
+from tandem.transport.rollouts import Sample, pack_samples, write_step
 
 pytestmark = [
     pytest.mark.gpu,
@@ -103,3 +105,41 @@ def test_sft_runs_on_cuda_in_bf16_and_lowers_the_loss(tiny: Path, tmp_path: Path
     assert records[-1]["loss"] < records[0]["loss"]
     assert records[-1]["peak_memory_gib"] > 0
     assert (run / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("loss", ["masked_is", "gspo"])
+def test_rl_trainer_step_on_cuda_matches_cpu(tiny: Path, tmp_path: Path, loss: str) -> None:
+    """One RL trainer step in fp32 from the same weights and rollouts, on CUDA and on CPU: the
+    logged loss, gradient norm, mismatch KL and masked fraction agree (GSPO: its per-sample sums
+    and per-sample normalisation on the GPU; its region widened so that some samples clip)."""
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    samples = []
+    for i in range(12):
+        prompt, completion = 4 + i % 3, 5 + 2 * i
+        samples.append(
+            Sample(
+                prompt_ids=torch.randint(3, 400, (prompt,), generator=generator).tolist(),
+                completion_ids=torch.randint(3, 400, (completion,), generator=generator).tolist(),
+                completion_mask=[k % 6 != 5 for k in range(completion)],
+                completion_logprobs=(-6.0 + 0.1 * torch.randn(completion, generator=generator)).tolist(),
+                reward=float(i % 2),
+                advantage=float(torch.randn(1, generator=generator)),
+                policy_version=0,
+            )
+        )
+    metrics = {}
+    for device in ("cpu", "cuda"):
+        run_dir = tmp_path / device
+        write_step(run_dir, 0, pack_samples(samples, 256, 1, micro_batch_tokens=512, temperature=1.0))
+        cmd = [sys.executable, "-m", "tandem.trainer.rl.cli", "--model.name", str(tiny), "--model.device", device,
+               "--model.dtype", "float32", "--run_dir", str(run_dir), "--max_steps", "1",
+               "--rollout_timeout_s", "60", "--loss.type", loss]  # fmt: skip
+        if loss == "gspo":
+            cmd += ["--loss.eps_low", "0.01", "--loss.eps_high", "0.01"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        metrics[device] = read_metrics(run_dir / "metrics.jsonl")[0]
+    for key in ("loss", "grad_norm", "mismatch_kl", "masked_fraction"):
+        assert metrics["cuda"][key] == pytest.approx(metrics["cpu"][key], rel=1e-4, abs=1e-7), key
+    if loss == "gspo":
+        assert 0 < metrics["cuda"]["masked_fraction"] < 1
