@@ -6,14 +6,28 @@ token of each sample is not a loss token, nor is one completion token of sample 
 7 samples in all (the others in other micro-batches), so the divisor is 7, not 3.
 """
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
 
 from tandem.config import ConfigError, build_config
 from tandem.trainer.rl.config import RLTrainerConfig
 from tandem.trainer.rl.loss import LossInputs, SampleTokens, build_objective, policy_loss
 from tandem.trainer.rl.train import micro_batch_loss
-from tandem.transport.rollouts import MicroBatch, RolloutError, SampleMeta
+from tandem.transport.rollouts import (
+    MicroBatch,
+    RolloutError,
+    Sample,
+    SampleMeta,
+    pack_samples,
+    rank_path,
+    read_rank,
+    write_step,
+)
 
 STEP_SAMPLES = 7
 # per row: (sample, tokens, loss tokens as a mask over them)
@@ -69,12 +83,13 @@ def tandem_loss(table: dict, inputs: LossInputs) -> tuple[torch.Tensor, torch.Te
     return loss.detach(), inputs.logprobs.grad, stats.means()
 
 
-def test_gspo_is_the_sequence_level_objective() -> None:
+@pytest.mark.parametrize(("drift", "clipped_sample"), [(0.3, 3), (-0.3, 0)])
+def test_gspo_is_the_sequence_level_objective(drift: float, clipped_sample: int) -> None:
     """GSPO's J = (1/S)·Σ_i −min(s_i·A_i, clip(s_i)·A_i), s_i = exp(mean_t log r_t), differentiated
-    through s_i by autograd: tandem's token form gives its value and gradient. Sample 3 (A > 0)
-    drifts above 1 + eps_high and is clipped (no gradient); sample 0 (A < 0) drifts above it too
-    and is not (the min keeps its unclipped term); sample 5 stays inside."""
-    inputs, where = packed({3: 0.3, 0: 0.3, 5: 0.001})
+    through s_i by autograd: tandem's token form gives its value and gradient. Drifting above
+    1 + eps_high, sample 3 (A > 0) is clipped (no gradient) and sample 0 (A < 0) is not (the min
+    keeps its unclipped term); below 1 − eps_low the other way round. Sample 5 stays inside."""
+    inputs, where = packed({3: drift, 0: drift, 5: 0.001})
     loss, grad, metrics = tandem_loss({"type": "gspo", "eps_low": 0.05, "eps_high": 0.06}, inputs)
 
     logprobs = inputs.logprobs.detach().clone().requires_grad_()
@@ -88,9 +103,9 @@ def test_gspo_is_the_sequence_level_objective() -> None:
 
     torch.testing.assert_close(loss, want.detach() / STEP_SAMPLES, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(grad, logprobs.grad, rtol=1e-12, atol=1e-14)
-    clipped = [(r, c) for r, c in where[3]]
+    clipped = where[clipped_sample]
     assert all(grad[r, c] == 0 for r, c in clipped)
-    assert all(grad[r, c] != 0 for r, c in where[0] + where[5])
+    assert all(grad[r, c] != 0 for s in where if s != clipped_sample for r, c in where[s])
     loss_tokens = sum(len(t) for t in where.values())
     assert metrics["masked_fraction"] == pytest.approx(len(clipped) / loss_tokens)
     assert not grad[~inputs.loss_mask].any()
@@ -164,6 +179,40 @@ def test_rollouts_without_a_sample_count_are_refused_in_one_line() -> None:
     cfg = build_config(RLTrainerConfig, overrides=[("loss.type", "gspo")])
     with pytest.raises(RolloutError, match=r"rollouts/step_4 do not record their number of samples"):
         micro_batch_loss(None, build_objective(cfg.loss), mb, cfg, torch.device("cpu"))
+
+
+def as_written_before_the_sample_count(path: Path) -> None:
+    """Rewrite a rollout file as tandem wrote it before `num_loss_samples`: without that key."""
+    data = path.read_bytes()
+    header_len = int.from_bytes(data[:8], "little")
+    header = json.loads(json.loads(data[8 : 8 + header_len])["__metadata__"]["tandem"])
+    for mb in header["micro_batches"]:
+        del mb["num_loss_samples"]
+    path.write_bytes(save_tensors(load_tensors(data), metadata={"tandem": json.dumps(header)}))
+
+
+def test_rollouts_written_before_the_sample_count_train_per_token(tmp_path: Path) -> None:
+    """Such files read back (num_loss_samples None) and a loss normalised per token, gspo's too,
+    trains on them as on new ones; only a loss normalised per sample refuses them, in one line."""
+    from test_shared_prompts import tiny_model
+
+    model = tiny_model()
+    samples = [Sample([3, 4, 5], [7, 8, 9], [True] * 3, [-4.0] * 3, 1.0, 0.5, 0),
+               Sample([3, 4], [10, 11], [True, False], [-4.2] * 2, 0.0, -0.5, 0)]  # fmt: skip
+    write_step(tmp_path / "new", 4, pack_samples(samples, 16, 1, 64, step=4))
+    write_step(tmp_path / "old", 4, pack_samples(samples, 16, 1, 64, step=4))
+    as_written_before_the_sample_count(rank_path(tmp_path / "old", 4, 0))
+    (new,), (old,) = (read_rank(tmp_path / run, 4, 0, timeout_s=1) for run in ("new", "old"))
+    assert (new.num_loss_samples, old.num_loss_samples) == (2, None)
+    for table in ({}, {"type": "gspo", "normalize": "token"}):
+        cfg = build_config(RLTrainerConfig, overrides=[(f"loss.{k}", v) for k, v in table.items()])
+        objective, cpu = build_objective(cfg.loss), torch.device("cpu")
+        loss_new, _ = micro_batch_loss(model, objective, new, cfg, cpu)
+        loss_old, _ = micro_batch_loss(model, objective, old, cfg, cpu)
+        assert loss_new != 0 and loss_old == loss_new
+    cfg = build_config(RLTrainerConfig, overrides=[("loss.type", "gspo")])
+    with pytest.raises(RolloutError, match=r"^rollouts/step_4 do not record their number of samples [^\n]*$"):
+        micro_batch_loss(model, build_objective(cfg.loss), old, cfg, torch.device("cpu"))
 
 
 def test_gspo_config() -> None:
