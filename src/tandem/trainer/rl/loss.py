@@ -81,7 +81,8 @@ class LossInputs:
 
     def sample_mean(self, values: torch.Tensor) -> torch.Tensor:
         """Per token: the mean of `values` over its sample's loss tokens, detached; e.g. of
-        `log_ratio`, the log of the sample's geometric-mean ratio."""
+        `log_ratio`, the log of the sample's geometric-mean ratio. Under context parallelism an
+        all-reduce over the group: every rank must call it alike, whatever its own tokens."""
         if self.samples is None:
             raise ValueError("LossInputs.samples is not set: per-sample means need the tokens' samples")
         return self.samples.mean(values.detach(), self.loss_mask)
