@@ -123,7 +123,7 @@ def test_rl_trainer_step_on_cuda_matches_cpu(tiny: Path, tmp_path: Path, loss: s
                 completion_mask=[k % 6 != 5 for k in range(completion)],
                 completion_logprobs=(-6.0 + 0.1 * torch.randn(completion, generator=generator)).tolist(),
                 reward=float(i % 2),
-                advantage=float(torch.randn(1, generator=generator)),
+                advantage=(-1) ** i * float(torch.rand(1, generator=generator) + 0.1),  # both signs
                 policy_version=0,
             )
         )

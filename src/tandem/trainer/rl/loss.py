@@ -38,7 +38,8 @@ from tandem.trainer.rl.config import (
 class SampleTokens:
     """Which sample each token of a micro-batch belongs to.
 
-    `index` [rows, width]: the token's sample (its index in the step), −1 on padding.
+    `index` [rows, width]: the token's sample (its index in the step); −1 on padding (0 where
+    context parallelism pads: never a loss token either).
     `loss_tokens` [S] float64, S > every index: each sample's loss tokens, all of them — under
     context parallelism a sample's other tokens lie on the other ranks of `group`, which is why
     per-sample sums are all-reduced over it.
