@@ -13,12 +13,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tandem.config import build_config
 from tandem.inference.config import InferenceConfig
 from tandem.inference.engine.api import SamplingParams
 from tandem.inference.engine.core import EngineCore
 from tandem.models.layers.chunked_head import chunked_logprobs
 from tandem.models.tiny import build_tiny_model
 from tandem.monitor.metrics import read_metrics
+from tandem.trainer.rl.config import RLTrainerConfig
+from tandem.trainer.rl.loss import LossInputs, SampleTokens, build_objective, policy_loss
 from tandem.transport.rollouts import Sample, pack_samples, write_step
 
 pytestmark = [
@@ -108,10 +111,11 @@ def test_sft_runs_on_cuda_in_bf16_and_lowers_the_loss(tiny: Path, tmp_path: Path
 
 
 @pytest.mark.parametrize("loss", ["masked_is", "gspo"])
-def test_rl_trainer_step_on_cuda_matches_cpu(tiny: Path, tmp_path: Path, loss: str) -> None:
-    """One RL trainer step in fp32 from the same weights and rollouts, on CUDA and on CPU: the
-    logged loss, gradient norm, mismatch KL and masked fraction agree (GSPO: its per-sample sums
-    and per-sample normalisation on the GPU; its region widened so that some samples clip)."""
+def test_rl_trainer_step_on_cuda_follows_cpu(tiny: Path, tmp_path: Path, loss: str) -> None:
+    """One RL trainer step from the same fp32 weights and rollouts, on CUDA (computing in bf16, the
+    default there) and on CPU (fp32): the logged loss, gradient norm, mismatch KL and masked
+    fraction agree to bf16's precision (measured on an H100: the loss 0.5 % apart). GSPO's region
+    is widened so that some samples clip; its sample ratios (~0.8) lie far from its bounds."""
     generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     samples = []
     for i in range(12):
@@ -139,7 +143,40 @@ def test_rl_trainer_step_on_cuda_matches_cpu(tiny: Path, tmp_path: Path, loss: s
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         metrics[device] = read_metrics(run_dir / "metrics.jsonl")[0]
-    for key in ("loss", "grad_norm", "mismatch_kl", "masked_fraction"):
-        assert metrics["cuda"][key] == pytest.approx(metrics["cpu"][key], rel=1e-4, abs=1e-7), key
+    for key in ("loss", "grad_norm", "mismatch_kl"):
+        assert metrics["cuda"][key] == pytest.approx(metrics["cpu"][key], rel=5e-2), key
+    assert metrics["cuda"]["masked_fraction"] == pytest.approx(metrics["cpu"]["masked_fraction"], abs=0.05)
     if loss == "gspo":
         assert 0 < metrics["cuda"]["masked_fraction"] < 1
+
+
+def test_per_sample_loss_on_cuda_equals_cpu() -> None:
+    """GSPO normalised per sample (SampleTokens' sums and weights) on CUDA tensors gives the loss
+    and gradient it gives on CPU, in fp32, on a packed micro-batch of random samples."""
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    rows, width, num_samples = 3, 40, 9
+    index = torch.randint(0, num_samples, (rows, width), generator=generator).sort(dim=1).values
+    index[:, -3:] = -1  # padding
+    mask = (torch.rand(rows, width, generator=generator) > 0.2) & (index >= 0)
+    loss_tokens = torch.zeros(num_samples, dtype=torch.float64).index_add_(
+        0, index[mask], torch.ones(int(mask.sum()), dtype=torch.float64)
+    )
+    sampler = -3 * torch.rand(rows, width, generator=generator)
+    logprobs = sampler + 0.05 * torch.randn(rows, width, generator=generator)
+    advantages = torch.randn(num_samples, generator=generator)[index.clamp(min=0)] * mask
+    cfg = build_config(
+        RLTrainerConfig, overrides=[("loss.type", "gspo"), ("loss.eps_low", 0.02), ("loss.eps_high", 0.02)]
+    ).loss
+    results = {}
+    for device in ("cpu", "cuda"):
+        lp = logprobs.to(device).requires_grad_()
+        inputs = LossInputs(lp, sampler.to(device), advantages.to(device), mask.to(device),
+                            torch.zeros(rows, width, device=device),
+                            SampleTokens(index.to(device), loss_tokens.to(device)))  # fmt: skip
+        loss, stats = policy_loss(build_objective(cfg), cfg, inputs, int(mask.sum()), num_samples)
+        loss.backward()
+        results[device] = (loss.detach().cpu(), lp.grad.cpu(), stats.means()["masked_fraction"])
+    torch.testing.assert_close(results["cuda"][0], results["cpu"][0], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(results["cuda"][1], results["cpu"][1], rtol=1e-5, atol=1e-7)
+    assert results["cuda"][2] == results["cpu"][2]
+    assert results["cpu"][1].abs().sum() > 0
