@@ -47,7 +47,8 @@ def micro_batch_loss(
     if cfg.loss.normalize == "sample" and mb.num_loss_samples is None:
         raise RolloutError(
             f"rollouts/step_{mb.step} do not record their number of samples (written by an older tandem), "
-            "which loss.normalize = 'sample' divides by: delete them and let the orchestrator write them again"
+            "which loss.normalize = 'sample' divides by: train them with normalize = 'token', or delete them "
+            "and resume (the orchestrator writes them again)"
         )
     logprobs, entropy = model.sequence_logprobs(
         mb.input_ids.to(device), mb.position_ids.to(device), mb.temperature, cfg.logprob_chunk_size
