@@ -8,8 +8,8 @@ instead of five. Each rank runs every case of CASES in turn on the same global b
 trainer's model with that case's trainer.parallel settings, runs the SFT or the RL trainer's
 micro-batch loss over its data-parallel group's share (the trainers' own functions, normalised
 by the global loss-token count, or for GSPO per sample, and scaled by the world size as they do)
-and one backward; RL
-cases then also take the RL trainer's whole step and keep the statistics it logs. Rank 0
+and one backward; RL cases then also take the RL trainer's whole step and keep the statistics it
+logs. Rank 0
 writes, per case, the global loss and the full gradients (in checkpoint names) to OUT
 (torch.save); the test compares each case with its cp = 1 case; `shard_width` is how many
 columns of each row a rank held.

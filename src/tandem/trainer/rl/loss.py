@@ -237,16 +237,14 @@ def policy_loss(
     per_token = terms.per_token
     if cfg.kl_coef > 0:
         per_token = per_token + cfg.kl_coef * kl_penalty(inputs.log_ratio, cfg.kl_estimator)
-    mask = inputs.loss_mask
+    mask, divisor = inputs.loss_mask, num_loss_tokens
     if cfg.normalize == "sample":
         if inputs.samples is None or num_loss_samples is None:
             raise ValueError(
                 "normalize = 'sample' needs the tokens' samples and the step's number of samples"
             )
-        per_token = per_token * inputs.samples.weights().to(per_token.dtype)
-        loss = torch.where(mask, per_token, 0.0).sum() / max(num_loss_samples, 1)
-    else:
-        loss = torch.where(mask, per_token, 0.0).sum() / max(num_loss_tokens, 1)
+        per_token, divisor = per_token * inputs.samples.weights().to(per_token.dtype), num_loss_samples
+    loss = torch.where(mask, per_token, 0.0).sum() / max(divisor, 1)
     with torch.no_grad():
         log_ratio = (inputs.logprobs - inputs.sampler_logprobs).double()
         log_ratio = torch.where(mask, log_ratio, 0.0)
