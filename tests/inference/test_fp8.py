@@ -227,6 +227,10 @@ assert torch.allclose(scale_outer_(y.clone(), rs_ := torch.rand(8, 1), cs := tor
 rq, rs = quantize_rows(x, 16)
 assert rq.shape == (16, 384) and rs.shape == (16, 1) and torch.allclose(rs[:5, 0], x.abs().amax(-1) / 448)
 assert ((rq[:5].float() * rs[:5] - x).abs() <= rs[:5] * 448 * 0.15).all()
+z = 3 * torch.randn(3, 5000)  # wider than one piece of columns: two, the second partly masked
+zq, zs = quantize_rows(z, 4)
+assert torch.allclose(zs[:3, 0], z.abs().amax(-1) / 448) and zs[3, 0] == 1 and (zq[3].float() == 0).all()
+assert ((zq[:3].float() * zs[:3] - z).abs() <= zs[:3] * 448 * 0.15).all()
 print("ok")
 """
 
@@ -250,7 +254,7 @@ for fn, consts, pointers, options in (
     (t._fp8_matmul_kernel, {"BLOCK_M": 128, "BLOCK_N": 128, "SPLIT_K": 2} | MATMUL, {"out_ptr": "*fp32"}, (8, 3)),
     (t._fp8_matmul_kernel, {"BLOCK_M": 64, "BLOCK_N": 128, "SPLIT_K": 4} | W8A8, {"x_ptr": "*fp8e4nv", "out_ptr": "*fp32"}, (4, 3)),
     (t._quantize_groups_kernel, {"GROUP": 128}, {}, (4, 3)),
-    (t._quantize_rows_kernel, {"BLOCK_K": 1024}, {}, (4, 3)),
+    (t._quantize_rows_kernel, {"BLOCK_K": 4096}, {}, (4, 3)),
     (t._scale_outer_kernel, {"BLOCK_N": 1024}, {}, (4, 3)),
 ):
     types = POINTERS | pointers

@@ -287,6 +287,13 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, BLOCK_K
     tl.store(s_ptr + row, scale)
 
 
+# The columns quantize_rows reads at a time: a Qwen3-8B attention output (K = 4,096) in one piece,
+# each of its two passes one load. Measured on an H100 (2026-12-07, a CUDA graph, inputs in L2):
+# 1.88 µs at 64 rows and 2.27 at 256, against 2.89 and 3.16 in 1,024-column pieces (2,048: 2.21,
+# 2.54); 8 or 16 warps were no faster. The same bits: the row's maximum does not depend on the order.
+QUANTIZE_ROWS_BLOCK = 4096
+
+
 def quantize_rows(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale per token: e4m3 [rows, K] and float32 scales [rows, 1]; `rows` ≥ len(x) pads
     with zeros (scale 1). One launch, no memset: the kernel writes the padding too."""
@@ -295,7 +302,8 @@ def quantize_rows(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tenso
     q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows:
-        _quantize_rows_kernel[(rows,)](x, q, scales, m, k, x.stride(0), q.stride(0), BLOCK_K=1024)
+        block = min(QUANTIZE_ROWS_BLOCK, triton.next_power_of_2(k))
+        _quantize_rows_kernel[(rows,)](x, q, scales, m, k, x.stride(0), q.stride(0), BLOCK_K=block)
     return q, scales
 
 
