@@ -1,0 +1,87 @@
+"""One RL trainer step on the same rollouts under several devices, precisions and CUDA settings;
+prints the logged loss, gradient norm, mismatch KL and masked fraction side by side.
+
+For numerics on a GPU: which part of the CUDA step (bf16 compute, torch.compile, the attention
+backend) moves the step's figures away from CPU fp32. The rollouts are 12 samples of the tiny
+model with random prompts and completions, the sampler's logprobs drawn around −6 (the tiny
+model's own lie in −7.1…−5.5, so some tokens fall outside masked_is's region), advantages of
+both signs.
+
+    PYTHONPATH=src python3 scripts/check_rl_step_devices.py --seeds 0 3 [--loss masked_is] [--cpu-only]
+"""
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tandem.models.tiny import build_tiny_model
+from tandem.monitor.metrics import read_metrics
+from tandem.transport.rollouts import Sample, pack_samples, write_step
+
+CUDA_FP32 = ["--model.device", "cuda", "--model.dtype", "float32"]
+VARIANTS = {
+    "cpu fp32": ["--model.device", "cpu", "--model.dtype", "float32"],
+    "cpu bf16": ["--model.device", "cpu", "--model.dtype", "bfloat16"],
+    "cuda (defaults)": CUDA_FP32,
+    "cuda, no compile": [*CUDA_FP32, "--parallel.compile", "off"],
+    "cuda, sdpa": [*CUDA_FP32, "--model.attention", "sdpa"],
+    "cuda, sdpa, no compile": [*CUDA_FP32, "--model.attention", "sdpa", "--parallel.compile", "off"],
+}
+KEYS = ("loss", "grad_norm", "mismatch_kl", "masked_fraction")
+
+
+def rollouts(seed: int) -> list[Sample]:
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(12):
+        prompt, completion = 4 + i % 3, 5 + 2 * i
+        samples.append(
+            Sample(
+                prompt_ids=torch.randint(3, 400, (prompt,), generator=generator).tolist(),
+                completion_ids=torch.randint(3, 400, (completion,), generator=generator).tolist(),
+                completion_mask=[k % 6 != 5 for k in range(completion)],
+                completion_logprobs=(-6.0 + 0.1 * torch.randn(completion, generator=generator)).tolist(),
+                reward=float(i % 2),
+                advantage=(-1) ** i * float(torch.rand(1, generator=generator) + 0.1),
+                policy_version=0,
+            )
+        )
+    return samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seeds", type=int, nargs=2, default=[0, 3], metavar=("FIRST", "END"))
+    parser.add_argument("--loss", default="masked_is")
+    parser.add_argument("--cpu-only", action="store_true")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="rl-step-devices-"))
+    tiny = build_tiny_model(out=work / "tiny")
+    variants = {k: v for k, v in VARIANTS.items() if k.startswith("cpu") or not args.cpu_only}
+    print(f"| seed | variant | {' | '.join(KEYS)} |")
+    for seed in range(*args.seeds):
+        samples = rollouts(seed)
+        for name, flags in variants.items():
+            run_dir = work / str(seed) / name.replace(" ", "_").replace(",", "")
+            write_step(run_dir, 0, pack_samples(samples, 256, 1, micro_batch_tokens=512, temperature=1.0))
+            cmd = [sys.executable, "-m", "tandem.trainer.rl.cli", "--model.name", str(tiny), *flags,
+                   "--run_dir", str(run_dir), "--max_steps", "1", "--rollout_timeout_s", "60",
+                   "--loss.type", args.loss]  # fmt: skip
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            if proc.returncode:
+                print(
+                    f"| {seed} | {name} | failed: {proc.stderr.strip().splitlines()[-1][:200]} |", flush=True
+                )
+                continue
+            metrics = read_metrics(run_dir / "metrics.jsonl")[0]
+            print(f"| {seed} | {name} | " + " | ".join(f"{metrics[k]:.5f}" for k in KEYS) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
