@@ -110,11 +110,13 @@ def test_sft_runs_on_cuda_in_bf16_and_lowers_the_loss(tiny: Path, tmp_path: Path
     assert (run / "final" / "model.safetensors").is_file()
 
 
-@pytest.mark.parametrize("loss", ["masked_is", "gspo"])
-def test_rl_trainer_step_on_cuda_follows_cpu(tiny: Path, tmp_path: Path, loss: str) -> None:
-    """One RL trainer step from the same fp32 weights and rollouts, on CUDA (computing in bf16, the
-    default there) and on CPU (fp32): the logged loss, gradient norm, mismatch KL and masked
-    fraction agree to bf16's precision.
+@pytest.mark.parametrize(
+    ("loss", "compute"), [("masked_is", "auto"), ("gspo", "auto"), ("masked_is", "float32")]
+)
+def test_rl_trainer_step_on_cuda_follows_cpu(tiny: Path, tmp_path: Path, loss: str, compute: str) -> None:
+    """One RL trainer step from the same fp32 weights and rollouts, on CUDA and on CPU (fp32): the
+    logged loss, gradient norm, mismatch KL and masked fraction agree to bf16's precision where
+    CUDA computes in bf16 (compute_dtype auto), to fp32's where it computes in fp32.
 
     The sampler's logprobs are the model's own (fp32, CPU) shifted by chosen log ratios, none near
     a bound of the trust region: masked_is's tokens lie within ±0.4 of 0 or at ±1.3 (its region is
@@ -153,7 +155,7 @@ def test_rl_trainer_step_on_cuda_follows_cpu(tiny: Path, tmp_path: Path, loss: s
         write_step(run_dir, 0, pack_samples(samples, 256, 1, micro_batch_tokens=512, temperature=1.0))
         cmd = [sys.executable, "-m", "tandem.trainer.rl.cli", "--model.name", str(tiny), "--model.device", device,
                "--model.dtype", "float32", "--run_dir", str(run_dir), "--max_steps", "1",
-               "--rollout_timeout_s", "60", "--loss.type", loss]  # fmt: skip
+               "--rollout_timeout_s", "60", "--loss.type", loss, "--compute_dtype", compute]  # fmt: skip
         if loss == "gspo":
             cmd += ["--loss.eps_low", "0.01", "--loss.eps_high", "0.01"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -164,6 +166,10 @@ def test_rl_trainer_step_on_cuda_follows_cpu(tiny: Path, tmp_path: Path, loss: s
     # the loss sums terms of both signs, so its error is bf16's on the terms' scale (the advantages'):
     # on CPU, bf16 against fp32 moved it by 0.1-1 % of the loss (≤ 5e-4 of the advantages' mean)
     scale = sum(abs(s.advantage) for s in samples) / len(samples)
+    if compute == "float32":  # the CPU's arithmetic in another order
+        for key in ("loss", "grad_norm", "mismatch_kl"):
+            assert metrics["cuda"][key] == pytest.approx(metrics["cpu"][key], rel=1e-4, abs=1e-6 * scale), key
+        return
     assert metrics["cuda"]["loss"] == pytest.approx(metrics["cpu"]["loss"], rel=2e-2, abs=5e-3 * scale)
     for key in ("grad_norm", "mismatch_kl"):
         assert metrics["cuda"][key] == pytest.approx(metrics["cpu"][key], rel=5e-2), key

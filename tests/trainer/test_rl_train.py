@@ -81,6 +81,21 @@ def test_step0_matches_sampler_and_update_follows_advantages(
     assert surrogate(updated, samples) > surrogate(base, samples)
 
 
+def test_compute_dtype_sets_the_steps_precision(model_dir: Path, tmp_path: Path) -> None:
+    """compute_dtype = bfloat16 over fp32 weights: the step's logprobs carry bf16's rounding, which
+    the fp32 step (the test above: ≤ 1e-4) does not; float32 is what it is on CPU anyway."""
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    samples = sample_reverse_text(base, load_tokenizer(str(model_dir)), 2, 4, TEMPERATURE, 24, seed=1)
+    results = {}
+    for dtype in ("bfloat16", "float32"):
+        write_rollouts(tmp_path / dtype, 0, samples, TEMPERATURE)
+        results[dtype] = train(
+            trainer_config(model_dir, tmp_path / dtype, compute_dtype=dtype, **{"model.dtype": "float32"})
+        )
+    assert results["bfloat16"]["max_abs_logprob_diff"] > 1e-3
+    assert results["float32"]["max_abs_logprob_diff"] <= 1e-4
+
+
 def test_later_step_waits_and_times_out_naming_the_path(model_dir: Path, tmp_path: Path) -> None:
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     samples = sample_reverse_text(base, load_tokenizer(str(model_dir)), 2, 2, TEMPERATURE, 8, seed=1)

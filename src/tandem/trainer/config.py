@@ -8,6 +8,14 @@ from pydantic_core import PydanticCustomError
 from tandem.config.base import CPStyle, Section
 
 MasterWeights = Literal["model", "optimizer"]
+ComputeDtype = Annotated[
+    Literal["auto", "float32", "bfloat16"],
+    Field(
+        description="Dtype of forward/backward (FSDP2 mixed precision; grads reduced in fp32). "
+        "auto = bfloat16 on GPU with fp32 weights, else the weights' dtype; float32 on GPU (with fp32 "
+        "weights: model.dtype = float32) computes as on CPU, for numerics checks, at a fraction of the speed."
+    ),
+]
 Beta = Annotated[float, Field(ge=0, lt=1)]
 """An AdamW beta: a moment's decay per step, in [0, 1) (torch refuses others when the trainer starts)."""
 

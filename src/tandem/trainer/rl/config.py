@@ -8,7 +8,7 @@ from pydantic import Discriminator, Field, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
 from tandem.config.base import ModelConfig, Section
-from tandem.trainer.config import LoRAConfig, OptimConfig, ParallelConfig
+from tandem.trainer.config import ComputeDtype, LoRAConfig, OptimConfig, ParallelConfig
 from tandem.transport.config import WeightsConfig
 
 MAX_LOG_RATIO = 20.0
@@ -133,6 +133,7 @@ class RLTrainerConfig(Section):
     """The RL trainer: consumes rollouts/step_N, publishes policy version N+1 (docs/weights.md)."""
 
     model: ModelConfig = ModelConfig()
+    compute_dtype: ComputeDtype = "auto"
     run_dir: Path = Field(
         Path("runs/rl"), description="Shared run directory (rollouts, weights, checkpoints)."
     )

@@ -183,6 +183,7 @@ def _train(cfg: RLTrainerConfig, world: World) -> dict[str, Any]:
         cfg.model,
         world,
         cfg.parallel,
+        cfg.compute_dtype,
         load_weights=not resume_from or lora_enabled(cfg.lora),
         lora=cfg.lora,
         seed=cfg.seed,

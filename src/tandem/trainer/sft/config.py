@@ -9,7 +9,7 @@ from pydantic_core import PydanticCustomError
 from tandem.config.base import ModelConfig, Section
 from tandem.envs.reverse_text import MAX_LEN, MIN_LEN
 from tandem.models.tiny import TinyShape
-from tandem.trainer.config import LoRAConfig, OptimConfig, ParallelConfig
+from tandem.trainer.config import ComputeDtype, LoRAConfig, OptimConfig, ParallelConfig
 
 
 class DataConfig(Section):
@@ -91,11 +91,7 @@ class SFTConfig(Section):
         description="Model to train. dtype auto = fp32 weights (bf16 compute on GPU); "
         "an explicit dtype trains weights in that dtype.",
     )
-    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto",
-        description="Dtype of forward/backward (FSDP2 mixed precision; grads reduced in fp32). "
-        "auto = bfloat16 on GPU with fp32 weights, else the weights' dtype.",
-    )
+    compute_dtype: ComputeDtype = "auto"
     seq_len: int = Field(512, gt=0, description="Tokens per packed row; every example must fit.")
     max_steps: int = Field(100, gt=0, description="Optimizer steps to train for (in total, across resumes).")
     run_dir: Path = Field(
