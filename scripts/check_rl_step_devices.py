@@ -2,38 +2,57 @@
 prints the logged loss, gradient norm, mismatch KL and masked fraction side by side.
 
 For numerics on a GPU: which part of the CUDA step (bf16 compute, torch.compile, the attention
-backend) moves the step's figures away from CPU fp32; with fp32 compute CUDA should give CPU's
-figures to ~1e-5. The rollouts are 12 samples of the tiny
-model with random prompts and completions, the sampler's logprobs drawn around −6 (the tiny
-model's own lie in −7.1…−5.5, so some tokens fall outside masked_is's region), advantages of
-both signs.
+backend, cuBLAS's bf16 reductions) moves the step's figures away from CPU fp32; with fp32 compute
+CUDA should give CPU's figures to ~1e-5. The rollouts are 12 samples of the tiny model with
+random prompts and completions, the sampler's logprobs drawn around −6 (the tiny model's own lie
+in −7.1…−5.5, so some tokens fall outside masked_is's region), advantages of both signs.
 
     PYTHONPATH=src python3 scripts/check_rl_step_devices.py --seeds 0 3 [--loss masked_is] [--cpu-only]
+
+The steps run in this process one after another (`trainer.rl.train.train`), so a variant may also
+set a torch flag around its step.
 """
 
 import argparse
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from tandem.config import build_config
 from tandem.models.tiny import build_tiny_model
-from tandem.monitor.metrics import read_metrics
+from tandem.trainer.rl.config import RLTrainerConfig
+from tandem.trainer.rl.train import train
 from tandem.transport.rollouts import Sample, pack_samples, write_step
 
-CUDA_FP32 = ["--model.device", "cuda", "--model.dtype", "float32"]
-VARIANTS = {
-    "cpu fp32": ["--model.device", "cpu", "--model.dtype", "float32"],
-    "cpu bf16": ["--model.device", "cpu", "--model.dtype", "bfloat16"],
-    "cuda (defaults)": CUDA_FP32,
-    "cuda, fp32 compute": [*CUDA_FP32, "--compute_dtype", "float32"],
-    "cuda, no compile": [*CUDA_FP32, "--parallel.compile", "off"],
-    "cuda, sdpa": [*CUDA_FP32, "--model.attention", "sdpa"],
-    "cuda, sdpa, no compile": [*CUDA_FP32, "--model.attention", "sdpa", "--parallel.compile", "off"],
+CUDA_FP32 = {"model.device": "cuda", "model.dtype": "float32"}
+FULL_BF16_REDUCTIONS = "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False"
+VARIANTS: dict[str, tuple[dict[str, object], str | None]] = {  # overrides, a torch flag
+    "cpu fp32": ({"model.device": "cpu", "model.dtype": "float32"}, None),
+    "cpu bf16": ({"model.device": "cpu", "model.dtype": "bfloat16"}, None),
+    "cuda (defaults)": (CUDA_FP32, None),
+    "cuda, fp32 compute": ({**CUDA_FP32, "compute_dtype": "float32"}, None),
+    "cuda, no compile": ({**CUDA_FP32, "parallel.compile": "off"}, None),
+    "cuda, sdpa": ({**CUDA_FP32, "model.attention": "sdpa"}, None),
+    "cuda, sdpa, no compile": ({**CUDA_FP32, "model.attention": "sdpa", "parallel.compile": "off"}, None),
+    "cuda, cuBLAS bf16 reductions in fp32": (CUDA_FP32, FULL_BF16_REDUCTIONS),
 }
 KEYS = ("loss", "grad_norm", "mismatch_kl", "masked_fraction")
+
+
+def step(tiny: Path, run_dir: Path, loss: str, overrides: dict[str, object], flag: str | None) -> dict:
+    cfg = build_config(
+        RLTrainerConfig,
+        overrides=[("model.name", str(tiny)), ("run_dir", str(run_dir)), ("max_steps", 1),
+                   ("rollout_timeout_s", 60), ("loss.type", loss), *overrides.items()],
+    )  # fmt: skip
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_bf16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = flag != FULL_BF16_REDUCTIONS and before
+    try:
+        return train(cfg)
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = before
 
 
 def rollouts(seed: int) -> list[Sample]:
@@ -69,20 +88,15 @@ def main() -> None:
     print(f"| seed | variant | {' | '.join(KEYS)} |")
     for seed in range(*args.seeds):
         samples = rollouts(seed)
-        for name, flags in variants.items():
+        for name, (overrides, flag) in variants.items():
             run_dir = work / str(seed) / name.replace(" ", "_").replace(",", "")
             write_step(run_dir, 0, pack_samples(samples, 256, 1, micro_batch_tokens=512, temperature=1.0))
-            cmd = [sys.executable, "-m", "tandem.trainer.rl.cli", "--model.name", str(tiny), *flags,
-                   "--run_dir", str(run_dir), "--max_steps", "1", "--rollout_timeout_s", "60",
-                   "--loss.type", args.loss]  # fmt: skip
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-            if proc.returncode:
-                print(
-                    f"| {seed} | {name} | failed: {proc.stderr.strip().splitlines()[-1][:200]} |", flush=True
-                )
+            try:
+                result = step(tiny, run_dir, args.loss, overrides, flag)
+            except Exception as e:  # a variant this machine cannot run: say so, go on
+                print(f"| {seed} | {name} | failed: {type(e).__name__}: {str(e)[:200]} |", flush=True)
                 continue
-            metrics = read_metrics(run_dir / "metrics.jsonl")[0]
-            print(f"| {seed} | {name} | " + " | ".join(f"{metrics[k]:.5f}" for k in KEYS) + " |", flush=True)
+            print(f"| {seed} | {name} | " + " | ".join(f"{result[k]:.5f}" for k in KEYS) + " |", flush=True)
 
 
 if __name__ == "__main__":
