@@ -124,7 +124,8 @@ def test_rl_trainer_step_on_cuda_follows_cpu(tiny: Path, tmp_path: Path, loss: s
     half of them). A token whose ratio sat at a bound could be masked on one device and not on the
     other (bf16 moves log ratios by ~0.01). With random sampler logprobs (this test's earlier form)
     the loss came out 8.6 % apart on an H100 (2026-12-07), where CPU bf16 against fp32 moves it by
-    0.1-1 %: not explained yet (`masked_fraction` agreed within the 0.05 then allowed)."""
+    0.1-1 %: not explained yet (`masked_fraction` agreed within the 0.05 then allowed;
+    scripts/check_rl_step_devices.py runs that kind of data through the CUDA step's parts)."""
     generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
     samples = []
