@@ -26,21 +26,21 @@ from tandem.trainer.rl.train import train
 from tandem.transport.rollouts import Sample, pack_samples, write_step
 
 CUDA_FP32 = {"model.device": "cuda", "model.dtype": "float32"}
-FULL_BF16_REDUCTIONS = "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False"
-VARIANTS: dict[str, tuple[dict[str, object], str | None]] = {  # overrides, a torch flag
-    "cpu fp32": ({"model.device": "cpu", "model.dtype": "float32"}, None),
-    "cpu bf16": ({"model.device": "cpu", "model.dtype": "bfloat16"}, None),
-    "cuda (defaults)": (CUDA_FP32, None),
-    "cuda, fp32 compute": ({**CUDA_FP32, "compute_dtype": "float32"}, None),
-    "cuda, no compile": ({**CUDA_FP32, "parallel.compile": "off"}, None),
-    "cuda, sdpa": ({**CUDA_FP32, "model.attention": "sdpa"}, None),
-    "cuda, sdpa, no compile": ({**CUDA_FP32, "model.attention": "sdpa", "parallel.compile": "off"}, None),
-    "cuda, cuBLAS bf16 reductions in fp32": (CUDA_FP32, FULL_BF16_REDUCTIONS),
+# name: (trainer overrides, whether cuBLAS may sum bf16 products in reduced precision, torch's default)
+VARIANTS: dict[str, tuple[dict[str, object], bool]] = {
+    "cpu fp32": ({"model.device": "cpu", "model.dtype": "float32"}, True),
+    "cpu bf16": ({"model.device": "cpu", "model.dtype": "bfloat16"}, True),
+    "cuda (defaults)": (CUDA_FP32, True),
+    "cuda, fp32 compute": ({**CUDA_FP32, "compute_dtype": "float32"}, True),
+    "cuda, no compile": ({**CUDA_FP32, "parallel.compile": "off"}, True),
+    "cuda, sdpa": ({**CUDA_FP32, "model.attention": "sdpa"}, True),
+    "cuda, sdpa, no compile": ({**CUDA_FP32, "model.attention": "sdpa", "parallel.compile": "off"}, True),
+    "cuda, cuBLAS bf16 reductions in fp32": (CUDA_FP32, False),
 }
 KEYS = ("loss", "grad_norm", "mismatch_kl", "masked_fraction")
 
 
-def step(tiny: Path, run_dir: Path, loss: str, overrides: dict[str, object], flag: str | None) -> dict:
+def step(tiny: Path, run_dir: Path, loss: str, overrides: dict[str, object], reduced_bf16_sums: bool) -> dict:
     cfg = build_config(
         RLTrainerConfig,
         overrides=[("model.name", str(tiny)), ("run_dir", str(run_dir)), ("max_steps", 1),
@@ -48,7 +48,7 @@ def step(tiny: Path, run_dir: Path, loss: str, overrides: dict[str, object], fla
     )  # fmt: skip
     matmul = torch.backends.cuda.matmul
     before = matmul.allow_bf16_reduced_precision_reduction
-    matmul.allow_bf16_reduced_precision_reduction = flag != FULL_BF16_REDUCTIONS and before
+    matmul.allow_bf16_reduced_precision_reduction = reduced_bf16_sums
     try:
         return train(cfg)
     finally:
@@ -88,11 +88,11 @@ def main() -> None:
     print(f"| seed | variant | {' | '.join(KEYS)} |")
     for seed in range(*args.seeds):
         samples = rollouts(seed)
-        for name, (overrides, flag) in variants.items():
+        for name, (overrides, reduced_bf16_sums) in variants.items():
             run_dir = work / str(seed) / name.replace(" ", "_").replace(",", "")
             write_step(run_dir, 0, pack_samples(samples, 256, 1, micro_batch_tokens=512, temperature=1.0))
             try:
-                result = step(tiny, run_dir, args.loss, overrides, flag)
+                result = step(tiny, run_dir, args.loss, overrides, reduced_bf16_sums)
             except Exception as e:  # a variant this machine cannot run: say so, go on
                 print(f"| {seed} | {name} | failed: {type(e).__name__}: {str(e)[:200]} |", flush=True)
                 continue
