@@ -123,9 +123,9 @@ def test_rl_trainer_step_on_cuda_follows_cpu(tiny: Path, tmp_path: Path, loss: s
     ±0.69), GSPO's sample ratios at exp(±0.25 ± 0.15) (its region, widened to ±0.01, clips about
     half of them). A token whose ratio sat at a bound could be masked on one device and not on the
     other (bf16 moves log ratios by ~0.01). With random sampler logprobs (this test's earlier form)
-    the loss came out 8.6 % apart on an H100 (2026-12-07), where CPU bf16 against fp32 moves it by
-    0.1-1 %: not explained yet (`masked_fraction` agreed within the 0.05 then allowed;
-    scripts/check_rl_step_devices.py runs that kind of data through the CUDA step's parts)."""
+    the loss once came out 8.6 % apart on an H100: on CPU, bf16 against fp32 on that kind of data
+    masks one token differently in 11 of 40 seeds and then moves the loss by up to 44 % of its
+    (small, cancelling) value (scripts/check_rl_step_devices.py; docs/benchmarks.md, 2026-12-07)."""
     generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
     samples = []
