@@ -25,13 +25,13 @@ from tandem.models.context_parallel import token_view
 from tandem.models.loading import load_tokenizer
 from tandem.monitor.metrics import MetricsWriter
 from tandem.monitor.progress import TrainingProgress
-from tandem.trainer.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
+from tandem.trainer.checkpoint import checkpoint_to_resume, save_checkpoint
 from tandem.trainer.expert_load import expert_load
-from tandem.trainer.model import build_trainer_model, lora_enabled
-from tandem.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
+from tandem.trainer.optim import clip_grad_norm
 from tandem.trainer.parallel import World, all_reduce_sum, data_shard, distributed
 from tandem.trainer.rl.config import RLTrainerConfig
 from tandem.trainer.rl.loss import LossInputs, LossStats, SampleTokens, build_objective, policy_loss
+from tandem.trainer.training_state import build_training_state
 from tandem.trainer.weight_publisher import PolicyPublisher
 from tandem.transport.layout import CHECKPOINTS
 from tandem.transport.rollouts import MicroBatch, RolloutError, prune_steps, read_rank, shares_prompts
@@ -179,23 +179,10 @@ def _train(cfg: RLTrainerConfig, world: World) -> dict[str, Any]:
     resume_from = checkpoint_to_resume(ckpt_root, cfg.resume, world, "trainer")
     objective = build_objective(cfg.loss)
     tokenizer = load_tokenizer(cfg.model.name)
-    model = build_trainer_model(
-        cfg.model,
-        world,
-        cfg.parallel,
-        cfg.compute_dtype,
-        load_weights=not resume_from or lora_enabled(cfg.lora),
-        lora=cfg.lora,
-        seed=cfg.seed,
-        master_weights=cfg.optim.master_weights,
-    )
-    optimizer = build_optimizer(model, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
-    start = 0
-    if resume_from:
-        start, _ = load_checkpoint(resume_from, model, optimizer, scheduler, world)
-        if world.is_main:
-            print(f"trainer: resumed from {resume_from} (next step {start})", flush=True)
+    state = build_training_state(cfg, world, resume_from)
+    model, optimizer, scheduler, start = state.model, state.optimizer, state.scheduler, state.step
+    if resume_from and world.is_main:
+        print(f"trainer: resumed from {resume_from} (next step {start})", flush=True)
 
     passes = 2 if cfg.parallel.recomputes else 1
     group, groups = data_shard(world, cfg.parallel.cp)

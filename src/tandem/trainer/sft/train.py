@@ -21,16 +21,17 @@ from tandem.models.context_parallel import token_view
 from tandem.models.loading import load_tokenizer
 from tandem.monitor.metrics import MetricsWriter
 from tandem.monitor.progress import TrainingProgress
-from tandem.trainer.checkpoint import TRAINER_STATE, checkpoint_to_resume, load_checkpoint, save_checkpoint
+from tandem.trainer.checkpoint import TRAINER_STATE, checkpoint_to_resume, save_checkpoint
 from tandem.trainer.expert_load import expert_load
 from tandem.trainer.hf_export import write_hf_model
-from tandem.trainer.model import build_trainer_model, lora_enabled
-from tandem.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
+from tandem.trainer.model import lora_enabled
+from tandem.trainer.optim import clip_grad_norm
 from tandem.trainer.packing import MicroBatch, make_micro_batches, pack_rows, shard_rows
 from tandem.trainer.parallel import World, all_reduce_sum, barrier, data_shard, distributed
 from tandem.trainer.sft.config import SFTConfig
 from tandem.trainer.sft.data import SFTDataset, build_dataset
 from tandem.trainer.sft.evaluation import evaluate_held_out
+from tandem.trainer.training_state import build_training_state
 from tandem.transport.layout import CHECKPOINTS
 
 
@@ -138,24 +139,11 @@ def _train(cfg: SFTConfig, world: World) -> dict[str, Any]:
     if resume_from:
         check_resume_data(resume_from, identity)
 
-    model = build_trainer_model(
-        cfg.model,
-        world,
-        cfg.parallel,
-        cfg.compute_dtype,
-        load_weights=not resume_from or lora_enabled(cfg.lora),
-        lora=cfg.lora,
-        seed=cfg.seed,
-        master_weights=cfg.optim.master_weights,
-    )
-    optimizer = build_optimizer(model, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
-    step, position = 0, 0
-    if resume_from:
-        step, extra = load_checkpoint(resume_from, model, optimizer, scheduler, world)
-        position = int(extra["data_position"])
-        if world.is_main:
-            print(f"sft: resumed from {resume_from} (step {step})", flush=True)
+    state = build_training_state(cfg, world, resume_from)
+    model, optimizer, scheduler, step = state.model, state.optimizer, state.scheduler, state.step
+    position = int(state.extra["data_position"]) if resume_from else 0
+    if resume_from and world.is_main:
+        print(f"sft: resumed from {resume_from} (step {step})", flush=True)
 
     def checkpoint(step: int, position: int) -> None:
         extra = {"data_position": position, "data": identity}
