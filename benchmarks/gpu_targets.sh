@@ -2,7 +2,8 @@
 # What is still open of issues 11 and 19 on one H200, in one call of under 9 minutes, the parts
 # in the order of what they may close: the 1.7B trainer at its fastest settings (trainer_mfu.py,
 # cuDNN attention, the optimizer step overlapped and in line), FP8 against bf16 decode at 64 and
-# 256 concurrent requests at a Qwen3-8B shape (fp8_decode.py), HTTP whole responses and streaming
+# 256 concurrent requests at a Qwen3-8B shape (fp8_decode.py), how near reading the e4m3 weights
+# cuBLAS's FP8 product comes at 64 and 256 rows (fp8_gemm_forms.py), HTTP whole responses and streaming
 # with the defaults (prompt-step graphs on) against plain prompt steps (inference_throughput.py).
 # Prints issue 11's table (engine_report.py) and the trainer's rows. (The 24 GB example with
 # prompt-step graphs, once a part here, is measured: they do not fit its 9 GiB cap.)
@@ -25,7 +26,9 @@ FAST=1.7b:tandem_master_logits_bf16moments  # with _overlap: the trainers' defau
 part mfu 130 python3 benchmarks/trainer_mfu.py --variants "${FAST}_overlap-cudnn,$FAST-cudnn,${FAST}_overlap-cudnn" \
   --steps 8 --warmup 3 --out "$OUT/trainer_mfu.jsonl"
 part fp8 170 python3 benchmarks/fp8_decode.py --concurrency 64 256 --kernel rowwise --out "$OUT/fp8.json"
+part forms 60 python3 benchmarks/fp8_gemm_forms.py --rows 64 256  # the read bound on this card
 part http 200 python3 benchmarks/inference_throughput.py --num-requests 256 --prompt-len 128 --output-len 256 \
   --skip-transformers --compare-prompt-graphs --out "$OUT/http_pieces.json"
 python3 benchmarks/engine_report.py "$OUT" | grep -E "^\| (measure|HTTP|FP8|bf16)|^\|---"
 grep -E "^variant|^1\.7b" "$OUT/mfu.log"
+grep -E "^µs|^\|" "$OUT/forms.log"
