@@ -74,6 +74,22 @@ def rollouts(seed: int) -> list[Sample]:
     return samples
 
 
+def run_variants(work: Path, variants: dict, seeds: range, loss: str) -> None:
+    tiny = build_tiny_model(out=work / "tiny")
+    print(f"| seed | variant | {' | '.join(KEYS)} |")
+    for seed in seeds:
+        samples = rollouts(seed)
+        for name, (overrides, reduced_bf16_sums) in variants.items():
+            run_dir = work / str(seed) / name.replace(" ", "_").replace(",", "")
+            write_step(run_dir, 0, pack_samples(samples, 256, 1, micro_batch_tokens=512, temperature=1.0))
+            try:
+                result = step(tiny, run_dir, loss, overrides, reduced_bf16_sums)
+            except Exception as e:  # a variant this machine cannot run: say so, go on
+                print(f"| {seed} | {name} | failed: {type(e).__name__}: {str(e)[:200]} |", flush=True)
+                continue
+            print(f"| {seed} | {name} | " + " | ".join(f"{result[k]:.5f}" for k in KEYS) + " |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -82,21 +98,9 @@ def main() -> None:
     parser.add_argument("--loss", default="masked_is")
     parser.add_argument("--cpu-only", action="store_true")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="rl-step-devices-"))
-    tiny = build_tiny_model(out=work / "tiny")
     variants = {k: v for k, v in VARIANTS.items() if k.startswith("cpu") or not args.cpu_only}
-    print(f"| seed | variant | {' | '.join(KEYS)} |")
-    for seed in range(*args.seeds):
-        samples = rollouts(seed)
-        for name, (overrides, reduced_bf16_sums) in variants.items():
-            run_dir = work / str(seed) / name.replace(" ", "_").replace(",", "")
-            write_step(run_dir, 0, pack_samples(samples, 256, 1, micro_batch_tokens=512, temperature=1.0))
-            try:
-                result = step(tiny, run_dir, args.loss, overrides, reduced_bf16_sums)
-            except Exception as e:  # a variant this machine cannot run: say so, go on
-                print(f"| {seed} | {name} | failed: {type(e).__name__}: {str(e)[:200]} |", flush=True)
-                continue
-            print(f"| {seed} | {name} | " + " | ".join(f"{result[k]:.5f}" for k in KEYS) + " |", flush=True)
+    with tempfile.TemporaryDirectory(prefix="rl-step-devices-") as tmp:
+        run_variants(Path(tmp), variants, range(*args.seeds), args.loss)
 
 
 if __name__ == "__main__":
